@@ -1,0 +1,66 @@
+"""vramctl: see, predict, fit and share GPU memory for PyTorch work.
+
+>>> import vramctl
+>>> [d.id for d in vramctl.devices()][-1]
+'cpu'
+"""
+
+from __future__ import annotations
+
+from vramctl._errors import InvalidSizeError, UnknownDeviceError, VramctlError
+from vramctl._na import NA, NotAvailable
+from vramctl._units import format_bytes, parse_size
+from vramctl._version import __version__
+from vramctl.device import (
+    ComputeCapability,
+    Device,
+    GpuSpec,
+    HealthState,
+    MemoryState,
+    Policy,
+    ProcessMemory,
+    Selection,
+    SimulatedDevice,
+    SimulatedOutOfMemoryError,
+    catalog,
+    current_device,
+    devices,
+    get_device,
+    gpu_spec,
+    gpus,
+    rank_devices,
+    select_device,
+    simulate,
+    use_device,
+)
+
+__all__ = [
+    "NA",
+    "ComputeCapability",
+    "Device",
+    "GpuSpec",
+    "HealthState",
+    "InvalidSizeError",
+    "MemoryState",
+    "NotAvailable",
+    "Policy",
+    "ProcessMemory",
+    "Selection",
+    "SimulatedDevice",
+    "SimulatedOutOfMemoryError",
+    "UnknownDeviceError",
+    "VramctlError",
+    "__version__",
+    "catalog",
+    "current_device",
+    "devices",
+    "format_bytes",
+    "get_device",
+    "gpu_spec",
+    "gpus",
+    "parse_size",
+    "rank_devices",
+    "select_device",
+    "simulate",
+    "use_device",
+]

@@ -1,0 +1,101 @@
+"""The CPU as a device: host memory, read through psutil (and the cgroup limit)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import psutil
+import torch
+
+from vramctl._na import NA, Bytes
+from vramctl.device._base import Device
+from vramctl.device._health import DeviceHealth, ReadingFailed
+from vramctl.device._memory import MemoryState, ProcessMemory
+
+__all__ = ["CpuDevice", "cgroup_memory"]
+
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def cgroup_memory(root: Path = _CGROUP) -> tuple[Bytes, Bytes]:
+    """(limit, current) of this container's cgroup v2 memory; ``NA`` where there is none."""
+    try:
+        raw_limit = (root / "memory.max").read_text().strip()
+        current = int((root / "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return NA, NA
+    if raw_limit == "max":
+        return NA, current
+    try:
+        return int(raw_limit), current
+    except ValueError:
+        return NA, current
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+class CpuDevice(Device):
+    """Host memory as a device; a cgroup limit lower than the RAM is the total."""
+
+    kind = "cpu"
+    id = "cpu"
+    index = None
+
+    def __init__(self) -> None:
+        self.name = f"{_cpu_name()} ({os.cpu_count()} cores)"
+        self.health = DeviceHealth(self.id)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _read(self) -> MemoryState:
+        vm = psutil.virtual_memory()
+        total, free = int(vm.total), int(vm.available)
+        limit, current = cgroup_memory()
+        if limit is not NA and current is not NA and limit < total:
+            total, free = limit, max(0, min(free, limit - current))
+        return MemoryState(
+            device=self.id,
+            total=total,
+            used=total - free,
+            free=free,
+            process_used=int(psutil.Process().memory_info().rss),
+        )
+
+    def memory(self) -> MemoryState:
+        try:
+            return self.health.call(self._read)
+        except ReadingFailed:
+            return MemoryState(device=self.id)
+
+    def processes(self, limit: int | None = None) -> list[ProcessMemory]:
+        rows = []
+        for p in psutil.process_iter(["pid", "name", "username", "memory_info", "cmdline"]):
+            info = p.info
+            mem = info.get("memory_info")
+            if mem is None:
+                continue
+            cmd = info.get("cmdline")
+            rows.append(
+                ProcessMemory(
+                    pid=int(info["pid"]),
+                    used=int(mem.rss),
+                    name=info.get("name") or NA,
+                    user=info.get("username") or NA,
+                    command=" ".join(cmd) if cmd else NA,
+                    kind="host",
+                )
+            )
+        rows.sort(key=lambda r: r.used if r.used is not NA else -1, reverse=True)
+        return rows[:limit] if limit is not None else rows

@@ -1,0 +1,108 @@
+"""Finding devices: every CUDA device (NVML first, then ``torch.cuda``) and the CPU."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pynvml
+import torch
+
+from vramctl._errors import UnknownDeviceError
+from vramctl.device._base import Device
+from vramctl.device._cpu import CpuDevice
+from vramctl.device._cuda import CudaDevice
+from vramctl.device._nvml import nvml_available, nvml_gpus, nvml_reason
+from vramctl.device._simulate import simulate
+from vramctl.device.catalog import catalog
+
+__all__ = ["DEVICE_FORMS", "devices", "get_device", "gpus"]
+
+log = logging.getLogger("vramctl.device")
+
+DEVICE_FORMS = (
+    "an index (0), cuda:N, cuda, cpu, a GPU- or MIG- UUID (or a unique prefix), "
+    "or sim:NAME for a simulated catalog GPU (e.g. sim:T4-16GB)"
+)
+
+_lock = threading.Lock()
+_cache: dict[str, Device] = {}  # keeps each device's health across calls
+
+
+def gpus() -> list[Device]:
+    """The CUDA devices this process can see (MIG instances included), in CUDA's order.
+
+    Uses NVML where it runs; otherwise ``torch.cuda`` (for example on ROCm).
+    Returns an empty list on a machine without GPUs. Device objects are reused
+    between calls so that their health history is kept.
+    """
+    found: list[Device] = []
+    with _lock:
+        if nvml_available():
+            try:
+                listed = nvml_gpus()
+            except pynvml.NVMLError as exc:
+                log.warning("NVML could not list devices: %s", exc)
+                listed = []
+            for g in listed:
+                key = f"{g.cuda_index}:{g.uuid}"
+                if key not in _cache:
+                    _cache[key] = CudaDevice.from_nvml(g)
+                found.append(_cache[key])
+        elif torch.cuda.is_available():
+            log.debug("%s; using torch.cuda", nvml_reason())
+            for i in range(torch.cuda.device_count()):
+                key = f"{i}:torch"
+                if key not in _cache:
+                    _cache[key] = CudaDevice.from_torch(i)
+                found.append(_cache[key])
+    return found
+
+
+def devices(*, include_cpu: bool = True) -> list[Device]:
+    """Every device: the CUDA devices (see :func:`gpus`), then the CPU.
+
+    >>> import vramctl
+    >>> vramctl.devices()[-1].id
+    'cpu'
+    """
+    found = gpus()
+    if include_cpu:
+        with _lock:
+            if "cpu" not in _cache:
+                _cache["cpu"] = CpuDevice()
+            found.append(_cache["cpu"])
+    return found
+
+
+def get_device(spec: Device | int | str) -> Device:
+    """Resolve a device from its index, id, UUID, or ``sim:NAME``.
+
+    Raises :class:`UnknownDeviceError` naming the value, the devices present and
+    the accepted forms.
+    """
+    if isinstance(spec, Device):
+        return spec
+    present = devices()
+    text = str(spec).strip()
+    low = text.lower()
+    if low.startswith("sim:"):
+        return simulate(text[4:])
+    if low == "cuda":
+        low = "cuda:0"
+    if isinstance(spec, int) or low.isdigit():
+        low = f"cuda:{int(low)}"
+    for dev in present:
+        if dev.id == low:
+            return dev
+    if text.startswith(("GPU-", "MIG-")):
+        hits = [d for d in present if isinstance(d.uuid, str) and d.uuid.startswith(text)]
+        if len(hits) == 1:
+            return hits[0]
+    names = ", ".join(d.id for d in present)
+    hint = ""
+    if any(text.lower().replace("-", "") in s.name.lower().replace("-", "") for s in catalog()):
+        hint = f" (for a simulated GPU, write sim:{text})"
+    raise UnknownDeviceError(
+        f"unknown device {text!r}{hint}: this machine has {names}; use {DEVICE_FORMS}"
+    )

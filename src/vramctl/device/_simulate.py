@@ -1,0 +1,347 @@
+"""Simulated GPUs: real PyTorch code on CPU tensors under a GPU's memory budget.
+
+Inside ``with vramctl.simulate("T4-16GB"):`` every tensor storage that an
+operator creates is counted while it is alive. When a new storage would take
+the count past the budget, ``torch.OutOfMemoryError`` is raised at that
+operator, with a message in the style of CUDA's. Freed storages give their
+bytes back. Views and in-place operators share a storage and are not counted
+twice.
+
+What it counts: the bytes of live tensor storages created inside the context
+(parameters, buffers, activations saved for backward, gradients, optimizer
+state, outputs), plus anything handed to :meth:`SimulatedDevice.adopt` (the
+simulated ``model.to("cuda")``).
+
+What it cannot count: the CUDA context (300-600 MiB on a real GPU), cuBLAS and
+cuDNN workspaces, kernels' internal scratch memory, the caching allocator's
+rounding and cached-but-free blocks (so reserved equals allocated here), and
+tensors made outside any operator (``torch.from_numpy``). The estimator models
+those; see ``docs/simulate.md``.
+
+>>> import torch, vramctl
+>>> with vramctl.simulate("64MiB") as gpu:
+...     x = torch.zeros(1024, 1024)          # 4 MiB, counted
+...     gpu.memory().allocated
+4194304
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from vramctl._errors import VramctlError
+from vramctl._na import NA
+from vramctl._units import format_bytes, parse_size
+from vramctl.device._base import Device
+from vramctl.device._health import DeviceHealth
+from vramctl.device._memory import MemoryState, ProcessMemory
+from vramctl.device.catalog import GpuSpec, gpu_spec
+
+__all__ = ["SimulatedDevice", "SimulatedOutOfMemoryError", "simulate"]
+
+
+class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
+    """``torch.OutOfMemoryError`` raised by a simulated device; carries the figures."""
+
+    def __init__(self, message: str, *, requested: int, free: int, total: int) -> None:
+        super().__init__(message)
+        self.requested = requested
+        self.free = free
+        self.total = total
+
+
+def _storage_nbytes(size: list[int], stride: list[int] | None, itemsize: int) -> int:
+    if any(s == 0 for s in size):
+        return 0
+    if stride is None:
+        n = 1
+        for s in size:
+            n *= s
+        return n * itemsize
+    return (1 + sum((s - 1) * st for s, st in zip(size, stride, strict=False))) * itemsize
+
+
+def _planned_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """Bytes a factory operator (one with a ``size`` argument) is about to allocate."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    names = [a.name for a in schema.arguments]
+    if "size" not in names:
+        return None
+    bound = dict(zip(names, args, strict=False))
+    bound.update(kwargs)
+    size = bound.get("size")
+    if not isinstance(size, list | tuple) or not all(isinstance(s, int) for s in size):
+        return None
+    dtype = bound.get("dtype")
+    if dtype is None:
+        base = bound.get("self")
+        dtype = base.dtype if isinstance(base, torch.Tensor) else torch.get_default_dtype()
+    stride = bound.get("stride")
+    return _storage_nbytes(list(size), list(stride) if stride else None, dtype.itemsize)
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    if t.layout != torch.strided or t.is_meta:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _is_cpu_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    )
+
+
+class _Budget(TorchDispatchMode):
+    """Counts live storages; refuses the allocation that would pass the limit."""
+
+    def __init__(self, device: SimulatedDevice) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.device = device
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        dev = self.device
+        planned = _planned_bytes(func, args, kwargs)
+        if planned is not None and planned > dev.free_bytes:
+            dev._refuse(planned)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as exc:
+            if _is_cpu_oom(exc) and not isinstance(exc, SimulatedOutOfMemoryError):
+                dev._refuse(planned or dev.total_bytes, cause=exc)
+            raise
+        # A fresh tensor built from Python data (torch.tensor) reaches us through lift_fresh.
+        fresh_input = func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default)
+        inputs = (
+            set()
+            if fresh_input
+            else {id(s) for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None}
+        )
+        new = []
+        for t in _tensors(out):
+            st = _storage(t)
+            if st is None or (id(st) in inputs and not dev._tracks(st)):
+                continue  # a view of, or in-place op on, a storage made outside
+            new.append(st)
+        dev._account(new)
+        return out
+
+
+def _compact(n: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+class SimulatedDevice(Device):
+    """A GPU from the catalog (or of a given size) simulated on the CPU.
+
+    Enter it as a context manager to count allocations; :meth:`memory` reports
+    a :class:`MemoryState` like a real device's.
+    """
+
+    kind = "sim"
+
+    def __init__(self, spec: GpuSpec | None, total_bytes: int, *, reserve: int = 0) -> None:
+        self.spec = spec
+        self.name = spec.name if spec else _compact(total_bytes)
+        self.id = f"sim:{self.name}"
+        self.index = 0
+        self.capability = spec.capability if spec else NA
+        self.total_bytes = total_bytes
+        self.reserve = reserve
+        self.health = DeviceHealth(self.id)
+        self._lock = threading.RLock()
+        self._live: dict[int, int] = {}  # id(storage) -> counted bytes
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._allocated = 0
+        self._peak = 0
+        self._mode: _Budget | None = None
+        self.ooms = 0
+
+    # -- Device interface ---------------------------------------------------------
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._allocated
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.total_bytes - self.reserve - self._allocated)
+
+    def memory(self) -> MemoryState:
+        with self._lock:
+            used = self._allocated + self.reserve
+            return MemoryState(
+                device=self.id,
+                total=self.total_bytes,
+                used=used,
+                free=max(0, self.total_bytes - used),
+                process_used=used,
+                allocated=self._allocated,
+                reserved=self._allocated,
+                peak_allocated=self._peak,
+                peak_reserved=self._peak,
+                inactive_split=NA,  # no allocator model: see the module docstring
+                alloc_retries=NA,
+                ooms=self.ooms,
+            )
+
+    def processes(self, limit: int | None = None) -> list[ProcessMemory]:
+        import os
+
+        return [ProcessMemory(pid=os.getpid(), used=self._allocated + self.reserve, kind="sim")]
+
+    def reset_peak(self) -> None:
+        """Start peak tracking again from the current allocation."""
+        with self._lock:
+            self._peak = self._allocated
+
+    # -- counting -----------------------------------------------------------------
+
+    def _tracks(self, st: torch.UntypedStorage) -> bool:
+        return id(st) in self._live and self._refs[id(st)]() is st
+
+    def _account(self, storages: list[torch.UntypedStorage]) -> None:
+        with self._lock:
+            grow: list[tuple[torch.UntypedStorage, int]] = []
+            total = 0
+            for st in storages:
+                nbytes = st.nbytes()
+                known = self._live.get(id(st)) if self._tracks(st) else None
+                extra = nbytes - known if known is not None else nbytes
+                if extra > 0 or known is None:
+                    grow.append((st, nbytes))
+                    total += max(extra, 0)
+            if total > self.free_bytes:
+                self._refuse(total)
+            for st, nbytes in grow:
+                key = id(st)
+                if key not in self._live or self._refs[key]() is not st:
+                    self._refs[key] = weakref.ref(st)
+                    weakref.finalize(st, self._release, key, self._refs[key])
+                    self._allocated += nbytes
+                else:
+                    self._allocated += nbytes - self._live[key]
+                self._live[key] = nbytes
+            self._peak = max(self._peak, self._allocated)
+
+    def _release(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
+        with self._lock:
+            if self._refs.get(key) is ref:
+                self._allocated -= self._live.pop(key)
+                del self._refs[key]
+
+    def _refuse(self, requested: int, cause: BaseException | None = None) -> None:
+        self.ooms += 1
+        free = self.free_bytes
+        msg = (
+            f"CUDA out of memory. Tried to allocate {format_bytes(requested)}. "
+            f"Simulated GPU 0 ({self.name}) has a total capacity of "
+            f"{format_bytes(self.total_bytes)} of which {format_bytes(free)} is free. "
+            f"Of the allocated memory {format_bytes(self._allocated)} is allocated by PyTorch"
+            + (f" and {format_bytes(self.reserve)} is held back as reserve" if self.reserve else "")
+            + ". (vramctl.simulate counts live tensor storages only: no CUDA context, "
+            "workspaces or allocator rounding.)"
+        )
+        raise SimulatedOutOfMemoryError(
+            msg, requested=requested, free=free, total=self.total_bytes
+        ) from cause
+
+    def adopt(self, obj: Any) -> Any:
+        """Count tensors made outside the context, as ``.to("cuda")`` would; returns ``obj``.
+
+        Takes a module (parameters and buffers), an optimizer (its state), a
+        tensor, or a list, tuple or dict of these.
+        """
+        found: list[torch.UntypedStorage] = []
+        if isinstance(obj, torch.nn.Module):
+            leaves: list[Any] = [*obj.parameters(), *obj.buffers()]
+        elif isinstance(obj, torch.optim.Optimizer):
+            leaves = list(_tensors(list(obj.state.values())))
+        else:
+            leaves = list(_tensors(obj))
+        for leaf in leaves:
+            for t in (leaf, getattr(leaf, "grad", None)):
+                st = _storage(t) if isinstance(t, torch.Tensor) else None
+                if st is not None and not self._tracks(st) and all(st is not f for f in found):
+                    found.append(st)
+        self._account(found)
+        return obj
+
+    # -- context ------------------------------------------------------------------
+
+    def __enter__(self) -> SimulatedDevice:
+        if self._mode is not None:
+            raise VramctlError(f"{self.id} is already active; enter it once at a time")
+        self._mode = _Budget(self)
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(*exc)  # type: ignore[no-untyped-call]
+
+
+def simulate(device: str | int, *, reserve: int | str = 0) -> SimulatedDevice:
+    """A simulated GPU: a catalog name (``"T4-16GB"``) or a size (bytes or ``"16GiB"``).
+
+    A catalog GPU offers the capacity a CUDA process sees on it (``cuda_total_bytes``,
+    the "total capacity" of its OOM messages). ``reserve`` holds some of it back,
+    for example to stand in for the CUDA context.
+
+    >>> import torch, vramctl
+    >>> with vramctl.simulate("T4-16GB") as gpu:
+    ...     model = torch.nn.Linear(1024, 1024)
+    ...     gpu.memory().allocated == (1024 * 1024 + 1024) * 4
+    True
+    """
+    spec: GpuSpec | None = None
+    if isinstance(device, str) and not device[:1].isdigit():
+        spec = gpu_spec(device.removeprefix("sim:"))
+        total = spec.cuda_total_bytes
+    else:
+        total = parse_size(device)
+    reserve_bytes = parse_size(reserve)
+    if total <= 0:
+        raise VramctlError(f"a simulated device needs a positive size, got {device!r}")
+    if reserve_bytes >= total:
+        raise VramctlError(
+            f"reserve {format_bytes(reserve_bytes)} leaves nothing of {format_bytes(total)}"
+        )
+    return SimulatedDevice(spec, total, reserve=reserve_bytes)

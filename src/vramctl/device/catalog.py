@@ -1,0 +1,133 @@
+"""A catalog of common NVIDIA GPUs: memory as the driver reports it, and compute capability.
+
+The simulated devices (:func:`vramctl.simulate`) and the estimator use it.
+``total_bytes`` is the memory total NVML reports (what ``nvidia-smi`` prints in
+MiB), which is a little less than the marketing size: the driver keeps some
+back (ECC, firmware). PyTorch can allocate less again: the CUDA context takes
+a few hundred MiB more once a process starts (see ``docs/simulate.md``).
+
+>>> from vramctl import gpu_spec
+>>> spec = gpu_spec("t4")
+>>> spec.name, spec.total_mib, str(spec.capability)
+('T4-16GB', 15360, '7.5')
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from vramctl._errors import UnknownDeviceError
+from vramctl.device._capability import ComputeCapability
+
+__all__ = ["GpuSpec", "catalog", "gpu_spec", "match_gpu_name"]
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One catalog entry."""
+
+    name: str
+    total_mib: int
+    #: The capacity PyTorch sees (``cudaMemGetInfo`` total, the "total capacity" of an
+    #: OOM message) on recent drivers, in GiB; less than the NVML total.
+    cuda_total_gib: float
+    capability: ComputeCapability
+    #: Regular expression matched against NVML / PyTorch device names.
+    pattern: str
+    aliases: tuple[str, ...] = field(default=())
+    note: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        """Memory total as NVML reports it, in bytes."""
+        return self.total_mib * MiB
+
+    @property
+    def cuda_total_bytes(self) -> int:
+        """The capacity a CUDA process sees, in bytes (what a simulated device offers)."""
+        return int(self.cuda_total_gib * 2**30)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "total_bytes": self.total_bytes,
+            "total_mib": self.total_mib,
+            "cuda_total_bytes": self.cuda_total_bytes,
+            "compute_capability": str(self.capability),
+            "architecture": self.capability.architecture,
+            "features": self.capability.features(),
+            "aliases": list(self.aliases),
+            "note": self.note,
+        }
+
+
+def _cc(text: str) -> ComputeCapability:
+    return ComputeCapability.parse(text)
+
+
+# NVML totals (nvidia-smi's MiB) and CUDA-visible totals on R510 and later drivers,
+# gathered from published nvidia-smi output and OOM messages; see docs/devices.md.
+_CATALOG: tuple[GpuSpec, ...] = (
+    GpuSpec("H200-141GB", 143771, 139.80, _cc("9.0"), r"\bH200\b", ("h200",)),
+    GpuSpec(
+        "H100-80GB",
+        81559,
+        79.11,
+        _cc("9.0"),
+        r"\bH100\b(?!.*(NVL|9[46]\s*GB))",
+        ("h100",),
+        "SXM5 and PCIe report the same total",
+    ),
+    GpuSpec("A100-80GB", 81920, 79.25, _cc("8.0"), r"\bA100\b.*80\s*GB", ("a100-80",)),
+    GpuSpec("A100-40GB", 40960, 39.50, _cc("8.0"), r"\bA100\b(?!.*80\s*GB)", ("a100", "a100-40")),
+    GpuSpec("L40S-48GB", 46068, 44.40, _cc("8.9"), r"\bL40S\b", ("l40s",)),
+    GpuSpec("A10G-24GB", 23028, 22.06, _cc("8.6"), r"\bA10G\b", ("a10g",), "AWS g5 instances"),
+    GpuSpec("L4-24GB", 23034, 22.03, _cc("8.9"), r"\bL4\b", ("l4",)),
+    GpuSpec("RTX4090-24GB", 24564, 23.64, _cc("8.9"), r"\b(RTX\s*)?4090\b", ("rtx4090", "4090")),
+    GpuSpec("RTX3090-24GB", 24576, 23.70, _cc("8.6"), r"\b(RTX\s*)?3090\b", ("rtx3090", "3090")),
+    GpuSpec("V100-32GB", 32768, 31.74, _cc("7.0"), r"\bV100\b.*32\s*GB", ("v100-32",)),
+    GpuSpec("V100-16GB", 16384, 15.75, _cc("7.0"), r"\bV100\b(?!.*32\s*GB)", ("v100", "v100-16")),
+    GpuSpec("T4-16GB", 15360, 14.58, _cc("7.5"), r"\bT4\b", ("t4",)),
+)
+
+
+def catalog() -> list[GpuSpec]:
+    """All catalog entries, largest memory first."""
+    return list(_CATALOG)
+
+
+def _key(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """Look up a catalog entry by name or alias, ignoring case and punctuation.
+
+    ``"T4-16GB"``, ``"t4"``, ``"a100_80gb"`` and ``"NVIDIA A10G"`` all resolve.
+    Raises :class:`UnknownDeviceError` listing the known names.
+    """
+    key = _key(name)
+    for spec in _CATALOG:
+        if key == _key(spec.name) or key in {_key(a) for a in spec.aliases}:
+            return spec
+    matched = match_gpu_name(name)
+    if matched is not None:
+        return matched
+    known = ", ".join(s.name for s in _CATALOG)
+    raise UnknownDeviceError(f"unknown GPU {name!r}: the catalog has {known}")
+
+
+def match_gpu_name(device_name: str) -> GpuSpec | None:
+    """The catalog entry for a name as NVML or PyTorch reports it, if any.
+
+    >>> match_gpu_name("NVIDIA A100-SXM4-80GB").name
+    'A100-80GB'
+    """
+    text = device_name.upper().replace("-", " ").replace("_", " ")
+    for spec in _CATALOG:
+        if re.search(spec.pattern, text, flags=re.IGNORECASE):
+            return spec
+    return None
