@@ -1,0 +1,184 @@
+"""An NVML stand-in for machines without a GPU.
+
+It replaces ``pynvml``'s functions (not vramctl's code) and returns the
+binding's own ctypes structures and raises the binding's own error classes, so
+vramctl's real NVML code paths run. Every CUDA path it stands in for also has a
+``cuda``-marked test against a real GPU (``tests/device/test_cuda_real.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pynvml
+import pytest
+
+MiB = 2**20
+GiB = 2**30
+
+
+@dataclasses.dataclass
+class FakeProcess:
+    pid: int
+    used: int | None
+
+
+@dataclasses.dataclass(eq=False)
+class FakeGpu:
+    name: str
+    uuid: str
+    total: int
+    used: int = 0
+    cc: tuple[int, int] = (8, 0)
+    temperature: int | None = 40
+    power_mw: int | None = 70_000
+    util: int | None = 0
+    compute_mode: int = 0  # NVML_COMPUTEMODE_DEFAULT
+    processes: list[FakeProcess] = dataclasses.field(default_factory=list)
+    migs: list[FakeGpu] = dataclasses.field(default_factory=list)
+    parent: FakeGpu | None = None
+    #: Errors to raise from the next memory readings, one per call.
+    failures: list[type[pynvml.NVMLError]] = dataclasses.field(default_factory=list)
+    memory_calls: int = 0
+
+    def fail(self, times: int, error: int = pynvml.NVML_ERROR_GPU_IS_LOST) -> None:
+        self.failures.extend([error] * times)  # type: ignore[list-item]
+
+
+class FakeNvml:
+    def __init__(self, gpus: list[FakeGpu], *, init_error: int | None = None) -> None:
+        self.gpus = gpus
+        self.init_error = init_error
+        self.init_calls = 0
+
+    # -- helpers ------------------------------------------------------------------
+    @staticmethod
+    def _err(code: int) -> pynvml.NVMLError:
+        return pynvml.NVMLError(code)
+
+    def _not_supported(self) -> pynvml.NVMLError:
+        return self._err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    # -- the pynvml API subset vramctl uses ---------------------------------------
+    def nvmlInit(self) -> None:
+        self.init_calls += 1
+        if self.init_error is not None:
+            raise self._err(self.init_error)
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> FakeGpu:
+        if not 0 <= i < len(self.gpus):
+            raise self._err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self.gpus[i]
+
+    def nvmlDeviceGetUUID(self, h: FakeGpu) -> str:
+        return h.uuid
+
+    def nvmlDeviceGetName(self, h: FakeGpu) -> str:
+        return h.name
+
+    def nvmlDeviceGetMigMode(self, h: FakeGpu) -> list[int]:
+        if h.parent is not None:
+            raise self._not_supported()
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if h.migs else pynvml.NVML_DEVICE_MIG_DISABLE
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: FakeGpu) -> int:
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: FakeGpu, j: int) -> FakeGpu:
+        if j >= len(h.migs):
+            raise self._err(pynvml.NVML_ERROR_NOT_FOUND)
+        return h.migs[j]
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: FakeGpu) -> FakeGpu:
+        assert h.parent is not None
+        return h.parent
+
+    def nvmlDeviceGetCudaComputeCapability(self, h: FakeGpu) -> tuple[int, int]:
+        return h.cc
+
+    def nvmlDeviceGetMemoryInfo(self, h: FakeGpu, version: Any = None) -> Any:
+        h.memory_calls += 1
+        if h.failures:
+            raise self._err(h.failures.pop(0))  # type: ignore[arg-type]
+        m = pynvml.c_nvmlMemory_t()
+        m.total, m.used, m.free = h.total, h.used, h.total - h.used
+        return m
+
+    def nvmlDeviceGetTemperature(self, h: FakeGpu, sensor: int) -> int:
+        if h.parent is not None or h.temperature is None:
+            raise self._not_supported()
+        return h.temperature
+
+    def nvmlDeviceGetPowerUsage(self, h: FakeGpu) -> int:
+        if h.parent is not None or h.power_mw is None:
+            raise self._not_supported()
+        return h.power_mw
+
+    def nvmlDeviceGetUtilizationRates(self, h: FakeGpu) -> Any:
+        if h.parent is not None or h.util is None:
+            raise self._not_supported()
+        u = pynvml.c_nvmlUtilization_t()
+        u.gpu, u.memory = h.util, 0
+        return u
+
+    def nvmlDeviceGetComputeMode(self, h: FakeGpu) -> int:
+        return h.compute_mode
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: FakeGpu) -> list[Any]:
+        out = []
+        for p in h.processes:
+            info = pynvml.c_nvmlProcessInfo_v2_t()
+            info.pid = p.pid
+            info.usedGpuMemory = (
+                p.used if p.used is not None else pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+            )
+            out.append(_ProcessView(info))
+        return out
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h: FakeGpu) -> list[Any]:
+        return []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for name in dir(self):
+            if name.startswith("nvml"):
+                monkeypatch.setattr(pynvml, name, getattr(self, name))
+
+
+class _ProcessView:
+    """What pynvml's process queries return: usedGpuMemory is None when NVML cannot tell."""
+
+    def __init__(self, info: Any) -> None:
+        self.pid = int(info.pid)
+        used = int(info.usedGpuMemory)
+        self.usedGpuMemory = (
+            None if used == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value else used
+        )
+
+
+def make_gpus() -> list[FakeGpu]:
+    """Two A100-80GB-like GPUs and one T4, with a little in use."""
+    return [
+        FakeGpu(
+            "NVIDIA A100-SXM4-80GB",
+            "GPU-aaaaaaaa-0000",
+            81920 * MiB,
+            used=20 * GiB,
+            util=80,
+            processes=[FakeProcess(4242, 20 * GiB - 500 * MiB)],
+        ),
+        FakeGpu("NVIDIA A100-SXM4-80GB", "GPU-bbbbbbbb-1111", 81920 * MiB, used=10 * GiB, util=5),
+        FakeGpu("Tesla T4", "GPU-cccccccc-2222", 15360 * MiB, used=1 * GiB, cc=(7, 5), util=0),
+    ]
+
+
+def iter_fields(obj: Any) -> Iterator[str]:
+    yield from (f.name for f in dataclasses.fields(obj))

@@ -1,0 +1,64 @@
+"""The public surface is exactly what we intend (as httpx checks its own)."""
+
+from __future__ import annotations
+
+import inspect
+
+import vramctl
+import vramctl.device
+
+EXPECTED = {
+    "NA",
+    "ComputeCapability",
+    "Device",
+    "GpuSpec",
+    "HealthState",
+    "InvalidSizeError",
+    "MemoryState",
+    "NotAvailable",
+    "Policy",
+    "ProcessMemory",
+    "Selection",
+    "SimulatedDevice",
+    "SimulatedOutOfMemoryError",
+    "UnknownDeviceError",
+    "VramctlError",
+    "__version__",
+    "catalog",
+    "current_device",
+    "devices",
+    "format_bytes",
+    "get_device",
+    "gpu_spec",
+    "gpus",
+    "parse_size",
+    "rank_devices",
+    "select_device",
+    "simulate",
+    "use_device",
+}
+
+
+def test_top_level_exports_are_the_intended_ones() -> None:
+    assert set(vramctl.__all__) == EXPECTED
+    for name in vramctl.__all__:
+        assert hasattr(vramctl, name), name
+
+
+def test_public_objects_say_they_are_from_vramctl() -> None:
+    for name in vramctl.__all__:
+        obj = getattr(vramctl, name)
+        if isinstance(obj, type) or inspect.isfunction(obj):
+            assert obj.__module__.startswith("vramctl"), (name, obj.__module__)
+
+
+def test_device_layer_exports_resolve() -> None:
+    for name in vramctl.device.__all__:
+        assert hasattr(vramctl.device, name), name
+    # Private modules stay behind the package.
+    assert not any(n.startswith("_") for n in vramctl.device.__all__)
+
+
+def test_devices_function_is_not_shadowed_by_the_package() -> None:
+    assert callable(vramctl.devices)
+    assert vramctl.devices()[-1].id == "cpu"
