@@ -1,0 +1,45 @@
+"""The examples in the README, the docs and the docstrings run as written."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+
+import vramctl
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def python_blocks() -> list[tuple[str, str]]:
+    out = []
+    for path in DOCS:
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
+            out.append((f"{path.name}#{i}", block))
+    return out
+
+
+@pytest.mark.parametrize(("where", "code"), python_blocks(), ids=[w for w, _ in python_blocks()])
+def test_doc_example_runs(where: str, code: str) -> None:
+    exec(compile(code, where, "exec"), {"__name__": "__doc_example__"})
+
+
+def modules() -> list[str]:
+    names = ["vramctl"]
+    for info in pkgutil.walk_packages(vramctl.__path__, "vramctl."):
+        if info.name.startswith(("vramctl.cli", "vramctl.__main__")):
+            continue
+        names.append(info.name)
+    return names
+
+
+@pytest.mark.parametrize("name", modules())
+def test_docstring_examples(name: str) -> None:
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
