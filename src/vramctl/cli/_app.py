@@ -132,11 +132,13 @@ def status(
                 if count is not None and readings >= count:
                     return
                 time.sleep(watch)
-        with Live(status_view(snapshot(devs, limit)), console=console, auto_refresh=False) as live:
+        with Live(
+            status_view(snapshot(devs, limit), watch), console=console, auto_refresh=False
+        ) as live:
             readings = 1
             while count is None or readings < count:
                 time.sleep(watch)
-                live.update(status_view(snapshot(devs, limit)), refresh=True)
+                live.update(status_view(snapshot(devs, limit), watch), refresh=True)
                 readings += 1
     except KeyboardInterrupt:
         return

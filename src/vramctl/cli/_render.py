@@ -114,8 +114,13 @@ def _process_table(procs: list[ProcessMemory], cpu: bool) -> Table:
     return table
 
 
-def status_view(snap: list[dict[str, Any]]) -> Group:
-    panels = []
+def status_view(snap: list[dict[str, Any]], every: float | None = None) -> Group:
+    panels: list[Any] = []
+    if every is not None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        panels.append(
+            Text(f"vramctl status · every {every:g} s · {stamp} · Ctrl-C to stop", style="dim")
+        )
     for row in snap:
         dev: Device = row["device"]
         mem: MemoryState = row["memory"]

@@ -27,6 +27,7 @@ those; see ``docs/simulate.md``.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -222,8 +223,6 @@ class SimulatedDevice(Device):
             )
 
     def processes(self, limit: int | None = None) -> list[ProcessMemory]:
-        import os
-
         return [ProcessMemory(pid=os.getpid(), used=self._allocated + self.reserve, kind="sim")]
 
     def reset_peak(self) -> None:
