@@ -20,6 +20,18 @@ from vramctl.device.catalog import match_gpu_name
 __all__ = ["CudaDevice", "allocator_stats"]
 
 
+# MemoryState field -> torch.cuda.memory_stats key.
+_STATS = {
+    "allocated": "allocated_bytes.all.current",
+    "reserved": "reserved_bytes.all.current",
+    "peak_allocated": "allocated_bytes.all.peak",
+    "peak_reserved": "reserved_bytes.all.peak",
+    "inactive_split": "inactive_split_bytes.all.current",
+    "alloc_retries": "num_alloc_retries",
+    "ooms": "num_ooms",
+}
+
+
 def allocator_stats(index: int) -> dict[str, Any]:
     """This process's caching-allocator figures for CUDA device ``index``.
 
@@ -28,31 +40,11 @@ def allocator_stats(index: int) -> dict[str, Any]:
     Without a CUDA build every figure is ``NA``.
     """
     if not torch.cuda.is_available():
-        keys = ("allocated", "reserved", "peak_allocated", "peak_reserved", "inactive_split")
-        return {k: NA for k in (*keys, "alloc_retries", "ooms")}
+        return dict.fromkeys(_STATS, NA)
     if not torch.cuda.is_initialized():
-        return dict.fromkeys(
-            (
-                "allocated",
-                "reserved",
-                "peak_allocated",
-                "peak_reserved",
-                "inactive_split",
-                "alloc_retries",
-                "ooms",
-            ),
-            0,
-        )
-    s = torch.cuda.memory_stats(index)
-    return {
-        "allocated": int(s.get("allocated_bytes.all.current", 0)),
-        "reserved": int(s.get("reserved_bytes.all.current", 0)),
-        "peak_allocated": int(s.get("allocated_bytes.all.peak", 0)),
-        "peak_reserved": int(s.get("reserved_bytes.all.peak", 0)),
-        "inactive_split": int(s.get("inactive_split_bytes.all.current", 0)),
-        "alloc_retries": int(s.get("num_alloc_retries", 0)),
-        "ooms": int(s.get("num_ooms", 0)),
-    }
+        return dict.fromkeys(_STATS, 0)
+    stats = torch.cuda.memory_stats(index)
+    return {field: int(stats.get(key, 0)) for field, key in _STATS.items()}
 
 
 def _proc_info(pid: int) -> dict[str, Any]:
