@@ -54,7 +54,7 @@ def test_format_bytes_matches_pytorch_style() -> None:
 
 def test_na_is_explicit_falsy_and_propagates() -> None:
     assert not NA and str(NA) == "N/A" and repr(NA) == "NA"
-    assert f"{NA:>5}" == "  N/A"
+    assert f"{NA:>5}" == "  N/A" and f"{NA:.2f}" == "N/A" and f"{NA:8.1%}" == "N/A     "
     assert na_add(1, NA) is NA and na_sub(NA, 1) is NA and na_add(2, 3) == 5
     assert na_div(1, 0) is NA and na_div(1, 4) == 0.25
     assert or_na(None) is NA and or_na(0) == 0

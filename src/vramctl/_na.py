@@ -13,9 +13,13 @@ never a silent zero. ``NA`` is falsy, prints as ``N/A`` and serialises to
 from __future__ import annotations
 
 import enum
+import re
 from typing import Final, Literal, TypeVar
 
 __all__ = ["NA", "Bytes", "NotAvailable", "Reading", "is_na", "na_add", "na_div", "na_sub", "or_na"]
+
+
+_SPEC = re.compile(r"^(?P<align>(?:.?[<>=^])?)[+\- ]?z?#?0?(?P<width>\d*)")
 
 
 class _NotAvailableType(enum.Enum):
@@ -31,7 +35,9 @@ class _NotAvailableType(enum.Enum):
         return "NA"
 
     def __format__(self, spec: str) -> str:
-        return format("N/A", spec.rstrip("dfegsi%,") if spec else "")
+        # Keep a numeric spec's fill, alignment and width; drop sign, precision and type.
+        m = _SPEC.match(spec)
+        return format("N/A", (m.group("align") + m.group("width")) if m else "")
 
 
 NotAvailable = Literal[_NotAvailableType.NA]

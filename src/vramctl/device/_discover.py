@@ -101,7 +101,8 @@ def get_device(spec: Device | int | str) -> Device:
             return hits[0]
     names = ", ".join(d.id for d in present)
     hint = ""
-    if any(text.lower().replace("-", "") in s.name.lower().replace("-", "") for s in catalog()):
+    key = text.lower().replace("-", "")
+    if key and any(key in s.name.lower().replace("-", "") for s in catalog()):
         hint = f" (for a simulated GPU, write sim:{text})"
     raise UnknownDeviceError(
         f"unknown device {text!r}{hint}: this machine has {names}; use {DEVICE_FORMS}"
