@@ -1,0 +1,284 @@
+"""A model of PyTorch's CUDA caching allocator, for replaying a traced step.
+
+Peak *reserved* memory decides an OOM, and the allocated peak alone
+under-counts it. This model replays a sequence of allocations and frees
+through the rules of ``c10/cuda/CUDACachingAllocator.cpp`` (native backend,
+one stream, default ``PYTORCH_CUDA_ALLOC_CONF``):
+
+- every request is rounded up to a multiple of 512 bytes (at least 512);
+- requests of at most 1 MiB come from the *small* pool, larger ones from the
+  *large* pool;
+- a request that no cached block can serve makes a new segment
+  (``cudaMalloc``): 2 MiB for a small request, 20 MiB for a large request under
+  10 MiB, otherwise the request rounded up to 2 MiB;
+- the smallest cached block that fits is used (best fit, ties by address);
+- a block is split when the remainder is at least 512 bytes (small pool) or
+  more than 1 MiB (large pool), and blocks of ``max_split_size`` or more are not
+  split;
+- a freed block is merged with free neighbours in its segment and cached, not
+  returned to the device;
+- when a new segment would pass the device's capacity, cached segments that are
+  entirely free are released and the allocation retried (one *alloc retry*);
+  if it still does not fit, that is an OOM.
+
+>>> from vramctl.estimator import CachingAllocatorModel
+>>> a = CachingAllocatorModel()
+>>> h = a.malloc(1)
+>>> a.allocated, a.reserved
+(512, 2097152)
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["AllocatorConfig", "AllocatorOutOfMemory", "CachingAllocatorModel"]
+
+KiB, MiB = 2**10, 2**20
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The allocator's constants (PyTorch's defaults) and the device capacity."""
+
+    min_block: int = 512
+    small_size: int = 1 * MiB
+    small_buffer: int = 2 * MiB
+    large_buffer: int = 20 * MiB
+    min_large_alloc: int = 10 * MiB
+    round_large: int = 2 * MiB
+    #: ``max_split_size_mb`` of ``PYTORCH_CUDA_ALLOC_CONF``; None is unlimited.
+    max_split_size: int | None = None
+    #: Bytes the allocator may reserve in all (None: unlimited).
+    capacity: int | None = None
+
+    def round_size(self, nbytes: int) -> int:
+        if nbytes < self.min_block:
+            return self.min_block
+        return -(-nbytes // self.min_block) * self.min_block
+
+    def segment_size(self, rounded: int) -> int:
+        if rounded <= self.small_size:
+            return self.small_buffer
+        if rounded < self.min_large_alloc:
+            return self.large_buffer
+        return -(-rounded // self.round_large) * self.round_large
+
+
+class AllocatorOutOfMemory(Exception):
+    """The modelled device cannot reserve a segment for a request."""
+
+    def __init__(self, requested: int, reserved: int, capacity: int) -> None:
+        super().__init__(
+            f"allocator model out of memory: {requested} bytes requested with {reserved} of "
+            f"{capacity} bytes reserved"
+        )
+        self.requested = requested
+        self.reserved = reserved
+        self.capacity = capacity
+
+
+class _Block:
+    __slots__ = ("addr", "allocated", "next", "prev", "requested", "seg", "size", "small")
+
+    def __init__(self, addr: int, size: int, seg: int, small: bool) -> None:
+        self.addr = addr
+        self.size = size
+        self.seg = seg
+        self.small = small
+        self.allocated = False
+        self.requested = 0
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+    @property
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+
+class _Pool:
+    """Free blocks ordered by (size, address), as the allocator's std::set."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[int, int]] = []
+        self.blocks: dict[tuple[int, int], _Block] = {}
+
+    def add(self, b: _Block) -> None:
+        key = (b.size, b.addr)
+        bisect.insort(self.keys, key)
+        self.blocks[key] = b
+
+    def remove(self, b: _Block) -> None:
+        key = (b.size, b.addr)
+        del self.keys[bisect.bisect_left(self.keys, key)]
+        del self.blocks[key]
+
+    def best_fit(self, size: int) -> _Block | None:
+        i = bisect.bisect_left(self.keys, (size, -1))
+        return self.blocks[self.keys[i]] if i < len(self.keys) else None
+
+
+class CachingAllocatorModel:
+    """Replays ``malloc``/``free`` through the caching allocator's rules and keeps its statistics.
+
+    The figures mirror ``torch.cuda.memory_stats``: ``allocated`` and
+    ``reserved`` (current and peak), ``inactive_split`` (free bytes in split
+    segments: the fragmentation numerator), ``alloc_retries`` and ``ooms``.
+    """
+
+    def __init__(self, config: AllocatorConfig | None = None) -> None:
+        self.config = config or AllocatorConfig()
+        self._small, self._large = _Pool(), _Pool()
+        self._live: dict[int, _Block] = {}
+        self._segments: dict[int, int] = {}  # segment id -> size
+        self._next_handle = 0
+        self._next_addr = 0
+        self._next_segment = 0
+        self.allocated = 0
+        self.requested = 0
+        self.reserved = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self.peak_requested = 0
+        self.alloc_retries = 0
+        self.ooms = 0
+
+    # -- public -------------------------------------------------------------------
+
+    def malloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes``; returns a handle for :meth:`free`."""
+        cfg = self.config
+        size = cfg.round_size(nbytes)
+        small = size <= cfg.small_size
+        pool = self._small if small else self._large
+        block = self._find(pool, size)
+        if block is None:
+            block = self._new_segment(size, small, nbytes)
+        else:
+            pool.remove(block)
+        self._maybe_split(block, size, pool)
+        block.allocated = True
+        block.requested = nbytes
+        self.allocated += block.size
+        self.requested += nbytes
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_requested = max(self.peak_requested, self.requested)
+        handle = self._next_handle
+        self._next_handle += 1
+        self._live[handle] = block
+        return handle
+
+    def free(self, handle: int) -> None:
+        """Free a block: it is merged with free neighbours and cached."""
+        block = self._live.pop(handle)
+        block.allocated = False
+        self.allocated -= block.size
+        self.requested -= block.requested
+        pool = self._small if block.small else self._large
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and not neighbour.allocated:
+                pool.remove(neighbour)
+                self._merge(block, neighbour)
+        pool.add(block)
+
+    def empty_cache(self) -> None:
+        """Release every cached segment that is entirely free (``torch.cuda.empty_cache``)."""
+        for pool in (self._small, self._large):
+            for key in list(pool.keys):
+                b = pool.blocks[key]
+                if not b.is_split:
+                    pool.remove(b)
+                    self.reserved -= self._segments.pop(b.seg)
+
+    @property
+    def inactive_split(self) -> int:
+        """Free bytes in segments that are split (cached but not usable as a whole)."""
+        return sum(
+            b.size
+            for pool in (self._small, self._large)
+            for b in pool.blocks.values()
+            if b.is_split
+        )
+
+    @property
+    def segments(self) -> int:
+        return len(self._segments)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "allocated": self.allocated,
+            "reserved": self.reserved,
+            "requested": self.requested,
+            "peak_allocated": self.peak_allocated,
+            "peak_reserved": self.peak_reserved,
+            "peak_requested": self.peak_requested,
+            "inactive_split": self.inactive_split,
+            "segments": self.segments,
+            "alloc_retries": self.alloc_retries,
+            "ooms": self.ooms,
+        }
+
+    # -- rules --------------------------------------------------------------------
+
+    def _find(self, pool: _Pool, size: int) -> _Block | None:
+        block = pool.best_fit(size)
+        limit = self.config.max_split_size
+        if block is None or limit is None:
+            return block
+        # Oversize blocks are kept for oversize requests within one large buffer of them.
+        if size < limit and block.size >= limit:
+            return None
+        if size >= limit and block.size >= size + self.config.large_buffer:
+            return None
+        return block
+
+    def _new_segment(self, size: int, small: bool, nbytes: int) -> _Block:
+        seg_size = self.config.segment_size(size)
+        cap = self.config.capacity
+        if cap is not None and self.reserved + seg_size > cap:
+            self.empty_cache()
+            self.alloc_retries += 1
+            if self.reserved + seg_size > cap:
+                self.ooms += 1
+                raise AllocatorOutOfMemory(nbytes, self.reserved, cap)
+        seg = self._next_segment
+        self._next_segment += 1
+        self._segments[seg] = seg_size
+        self.reserved += seg_size
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        block = _Block(self._next_addr, seg_size, seg, small)
+        self._next_addr += seg_size
+        return block
+
+    def _maybe_split(self, block: _Block, size: int, pool: _Pool) -> None:
+        cfg = self.config
+        remaining = block.size - size
+        if block.small:
+            split = remaining >= cfg.min_block
+        else:
+            limit = cfg.max_split_size
+            split = (limit is None or size < limit) and remaining > cfg.small_size
+        if not split:
+            return
+        rest = _Block(block.addr + size, remaining, block.seg, block.small)
+        rest.prev, rest.next = block, block.next
+        if block.next is not None:
+            block.next.prev = rest
+        block.next = rest
+        block.size = size
+        pool.add(rest)
+
+    @staticmethod
+    def _merge(block: _Block, other: _Block) -> None:
+        if other is block.prev:
+            block.addr = other.addr
+            block.prev = other.prev
+            if other.prev is not None:
+                other.prev.next = block
+        else:
+            block.next = other.next
+            if other.next is not None:
+                other.next.prev = block
+        block.size += other.size
