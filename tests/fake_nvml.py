@@ -9,7 +9,6 @@ vramctl's real NVML code paths run. Every CUDA path it stands in for also has a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import pynvml
@@ -40,11 +39,11 @@ class FakeGpu:
     migs: list[FakeGpu] = dataclasses.field(default_factory=list)
     parent: FakeGpu | None = None
     #: Errors to raise from the next memory readings, one per call.
-    failures: list[type[pynvml.NVMLError]] = dataclasses.field(default_factory=list)
+    failures: list[int] = dataclasses.field(default_factory=list)
     memory_calls: int = 0
 
     def fail(self, times: int, error: int = pynvml.NVML_ERROR_GPU_IS_LOST) -> None:
-        self.failures.extend([error] * times)  # type: ignore[list-item]
+        self.failures.extend([error] * times)
 
 
 class FakeNvml:
@@ -108,7 +107,7 @@ class FakeNvml:
     def nvmlDeviceGetMemoryInfo(self, h: FakeGpu, version: Any = None) -> Any:
         h.memory_calls += 1
         if h.failures:
-            raise self._err(h.failures.pop(0))  # type: ignore[arg-type]
+            raise self._err(h.failures.pop(0))
         m = pynvml.c_nvmlMemory_t()
         m.total, m.used, m.free = h.total, h.used, h.total - h.used
         return m
@@ -178,7 +177,3 @@ def make_gpus() -> list[FakeGpu]:
         FakeGpu("NVIDIA A100-SXM4-80GB", "GPU-bbbbbbbb-1111", 81920 * MiB, used=10 * GiB, util=5),
         FakeGpu("Tesla T4", "GPU-cccccccc-2222", 15360 * MiB, used=1 * GiB, cc=(7, 5), util=0),
     ]
-
-
-def iter_fields(obj: Any) -> Iterator[str]:
-    yield from (f.name for f in dataclasses.fields(obj))

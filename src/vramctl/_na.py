@@ -16,7 +16,7 @@ import enum
 import re
 from typing import Final, Literal, TypeVar
 
-__all__ = ["NA", "Bytes", "NotAvailable", "Reading", "is_na", "na_add", "na_div", "na_sub", "or_na"]
+__all__ = ["NA", "Bytes", "NotAvailable", "Reading", "na_add", "na_div", "na_sub", "or_na"]
 
 
 _SPEC = re.compile(r"^(?P<align>(?:.?[<>=^])?)[+\- ]?z?#?0?(?P<width>\d*)")
@@ -49,11 +49,6 @@ Bytes = int | NotAvailable
 Reading = float | NotAvailable
 
 T = TypeVar("T", int, float)
-
-
-def is_na(value: object) -> bool:
-    """True when ``value`` is the ``NA`` sentinel."""
-    return value is NA
 
 
 def or_na(value: T | None) -> T | NotAvailable:

@@ -19,7 +19,8 @@ def test_cpu_memory_is_the_hosts() -> None:
     assert mem.total == expected_total
     assert mem.used + mem.free == mem.total  # type: ignore[operator]
     assert abs(mem.free - vm.available) < 2**30 or limit is not NA  # type: ignore[operator]
-    assert mem.process_used == psutil.Process().memory_info().rss or mem.process_used > 0  # type: ignore[operator]
+    rss = psutil.Process().memory_info().rss
+    assert abs(mem.process_used - rss) < 64 * 2**20  # type: ignore[operator]
     assert mem.allocated is NA and mem.temperature_c is NA  # no allocator, no sensor: not zero
 
 
