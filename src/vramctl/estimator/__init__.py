@@ -1,16 +1,36 @@
-"""The estimator layer: predicting a step's memory without a GPU (in progress).
+"""The estimator layer: predicting a step's memory without a GPU.
 
-The package is ``vramctl.estimator`` so that the planned ``vramctl.estimate()``
+The package is ``vramctl.estimator`` so that the ``vramctl.estimate()``
 function does not collide with it (as ``vramctl.devices()`` and the
 ``vramctl.device`` package do not).
 """
 
 from __future__ import annotations
 
+from vramctl.estimator import zoo
 from vramctl.estimator._allocator import (
     AllocatorConfig,
     AllocatorOutOfMemory,
     CachingAllocatorModel,
 )
+from vramctl.estimator._estimate import (
+    Estimate,
+    EstimateError,
+    StepSpec,
+    Target,
+    estimate,
+    resolve_target,
+)
 
-__all__ = ["AllocatorConfig", "AllocatorOutOfMemory", "CachingAllocatorModel"]
+__all__ = [
+    "AllocatorConfig",
+    "AllocatorOutOfMemory",
+    "CachingAllocatorModel",
+    "Estimate",
+    "EstimateError",
+    "StepSpec",
+    "Target",
+    "estimate",
+    "resolve_target",
+    "zoo",
+]

@@ -1,0 +1,326 @@
+"""How close are vramctl's estimates to the memory a real step uses?
+
+Runs the built-in model zoo x {train, infer} x {fp32, amp-bf16} x batch sizes.
+For every row it makes an estimate and, independently of the estimator,
+measures the truth:
+
+- CPU (always): the step runs for real on CPU under PyTorch's profiler; the
+  truth is the live bytes before the step (parameters, buffers, optimizer
+  state, inputs, summed from the real tensors) plus the peak of the profiler's
+  memory timeline (its CREATE and DESTROY events) during the step. It is
+  compared with the estimate's logical peak for a CPU target. Rows too large
+  for this machine's memory are estimated (coverage) but not measured.
+- CUDA (``--cuda``, on a machine with a GPU): the step runs on the GPU after a
+  warm-up step; the truth is ``torch.cuda.max_memory_allocated`` and
+  ``max_memory_reserved`` and NVML's device-wide use, compared with the
+  predicted allocated, reserved and device peaks for that GPU.
+
+Beside each row it prints Accelerate's ``estimate-memory`` figure for the same
+model (weights only; for training the largest of model, gradients, optimizer
+and step, as the ``accelerate estimate-memory`` command reports).
+
+The last line is one JSON object with the summary figures.
+
+    python benchmarks/estimate_accuracy.py --quick
+    python benchmarks/estimate_accuracy.py            # the whole zoo
+    python benchmarks/estimate_accuracy.py --cuda     # on a GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from vramctl import format_bytes
+from vramctl.estimator import StepSpec, estimate, zoo
+from vramctl.estimator._estimate import prepare_model, run_step, warm_optimizer
+
+#: (model, length keyword, length) for the rows; lengths kept small so real CPU runs are quick.
+ZOO = [
+    ("gpt2", "seq_len", 128),
+    ("bert-base", "seq_len", 128),
+    ("t5-small", "seq_len", 128),
+    ("llama-1b", "seq_len", 128),
+    ("llama-7b", "seq_len", 128),
+    ("whisper-base", "seq_len", 64),
+    ("wav2vec2-base", "seconds", 2.0),
+    ("hubert-base", "seconds", 2.0),
+    ("vit-base", None, None),
+    ("resnet-50", None, None),
+    ("convnext-tiny", None, None),
+    ("lstm", "seq_len", 128),
+]
+QUICK = {"gpt2", "wav2vec2-base", "resnet-50", "lstm"}
+MODES = ("train", "infer")
+PRECISIONS = ("fp32", "amp-bf16")
+BATCHES = (1, 2, 4)
+QUICK_BATCHES = (1, 4)
+
+
+@dataclass
+class Row:
+    model: str
+    mode: str
+    precision: str
+    batch: int
+    predicted: int | None = None
+    measured: int | None = None
+    accelerate: int | None = None
+    seconds: float | None = None
+    assumptions: int = 0
+    error: str | None = None
+    predicted_reserved: int | None = None
+    measured_reserved: int | None = None
+    measured_device: int | None = None
+    predicted_device: int | None = None
+
+    @property
+    def error_pct(self) -> float | None:
+        if self.predicted is None or not self.measured:
+            return None
+        return 100.0 * (self.predicted - self.measured) / self.measured
+
+
+def length_kwargs(key: str | None, value: float | None) -> dict[str, Any]:
+    return {} if key is None else {key: value}
+
+
+def accelerate_figure(name: str, mode: str, precision: str) -> int | None:
+    """Accelerate's estimate-memory figure for the same model (built empty, no download)."""
+    try:
+        from accelerate import init_empty_weights
+        from accelerate.commands.estimate import calculate_maximum_sizes, estimate_training_usage
+    except ImportError:
+        return None
+    with init_empty_weights():
+        model = zoo.build(name)
+    total, _largest = calculate_maximum_sizes(model)
+    if mode == "infer":
+        return int(total)
+    dtype = "float32" if precision == "fp32" else "bfloat16"
+    return int(max(estimate_training_usage(total, dtype).values()))
+
+
+def storages_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def real_setup(
+    name: str, mode: str, precision: str, batch: int, lk: dict[str, Any], device: str
+) -> tuple[Any, Any, StepSpec, Any, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    spec = StepSpec(
+        mode=mode,
+        precision=precision,
+        autocast_device=device,
+        foreach=True if device == "cuda" else None,
+    )
+    model = zoo.build(name).to(device)
+    if spec.param_dtype is not None:
+        model.to(spec.param_dtype)
+    prepare_model(model, spec)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = spec.make_optimizer(params)
+    if opt is not None:
+        warm_optimizer(opt, params)
+    data = zoo.make_batch(name, batch, labels=mode == "train", **lk)
+    for k, v in data.items():
+        if v.is_floating_point():
+            v = v.normal_().to(spec.param_dtype or v.dtype)
+        data[k] = v.to(device)
+    held = list(model.parameters()) + list(model.buffers()) + list(data.values())
+    if opt is not None:
+        held += [
+            v
+            for st in opt.state.values()
+            for k, v in st.items()
+            if isinstance(v, torch.Tensor) and not (k == "step" and v.numel() == 1)
+        ]
+    return model, data, spec, opt, held
+
+
+def measure_cpu(name: str, mode: str, precision: str, batch: int, lk: dict[str, Any]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    model, data, spec, opt, held = real_setup(name, mode, precision, batch, lk, "cpu")
+    baseline = storages_bytes(held)
+    del held
+    run_step(model, data, spec, opt)  # warm-up: one-off kernel caches, as on CUDA
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        run_step(model, data, spec, opt)
+    live = peak = 0
+    for _t, action, _key, size in prof._memory_profile().timeline:
+        if action == Action.CREATE:
+            live += size
+        elif action == Action.DESTROY:
+            live -= size
+        peak = max(peak, live)
+    del model, data, opt, prof
+    gc.collect()
+    return baseline + peak
+
+
+def measure_cuda(
+    name: str, mode: str, precision: str, batch: int, lk: dict[str, Any]
+) -> tuple[int, int, int | None]:
+    model, data, spec, opt, held = real_setup(name, mode, precision, batch, lk, "cuda")
+    del held
+    run_step(model, data, spec, opt)  # warm-up: cuBLAS handles, cuDNN plans
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    run_step(model, data, spec, opt)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.max_memory_allocated()
+    reserved = torch.cuda.max_memory_reserved()
+    device = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if p.pid == os.getpid():
+                device = int(p.usedGpuMemory)
+    except Exception:
+        device = None
+    del model, data, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return allocated, reserved, device
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a subset that runs in under 60 s")
+    ap.add_argument("--cuda", action="store_true", help="measure on this machine's GPU")
+    ap.add_argument("--models", help="comma-separated model names (default: the zoo)")
+    ap.add_argument("--no-real", action="store_true", help="estimate only (coverage check)")
+    args = ap.parse_args()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    torch.set_num_threads(max(1, psutil.cpu_count(logical=False) or 1))
+
+    chosen = ZOO
+    if args.models:
+        wanted = set(args.models.split(","))
+        chosen = [z for z in ZOO if z[0] in wanted]
+    elif args.quick:
+        chosen = [z for z in ZOO if z[0] in QUICK]
+    batches = QUICK_BATCHES if args.quick else BATCHES
+    cuda = args.cuda and torch.cuda.is_available()
+    device = "cuda:0" if cuda else "cpu"
+    host_budget = psutil.virtual_memory().available * 0.5
+
+    rows: list[Row] = []
+    started = time.perf_counter()
+    print(
+        f"{'model':<14}{'mode':<6}{'precision':<10}{'batch':>5}{'predicted':>13}"
+        f"{'measured':>13}{'error':>9}{'accelerate':>13}{'est s':>7}"
+    )
+    for name, lkey, lval in chosen:
+        lk = length_kwargs(lkey, lval)
+        for mode in MODES:
+            for precision in PRECISIONS:
+                acc = accelerate_figure(name, mode, precision)
+                for b in batches:
+                    row = Row(name, mode, precision, b, accelerate=acc)
+                    rows.append(row)
+                    try:
+                        est = estimate(
+                            name, batch_size=b, mode=mode, precision=precision, device=device, **lk
+                        )
+                    except Exception as exc:
+                        row.error = f"{type(exc).__name__}: {exc}"[:300]
+                        print(f"{name:<14}{mode:<6}{precision:<10}{b:>5}  FAILED {row.error}")
+                        continue
+                    row.seconds = est.elapsed
+                    row.assumptions = len(est.assumptions)
+                    if cuda:
+                        row.predicted = est.peak_allocated
+                        row.predicted_reserved = est.peak_reserved
+                        row.predicted_device = est.peak_device
+                    else:
+                        row.predicted = est.logical_peak
+                    if not args.no_real and est.logical_peak < host_budget:
+                        try:
+                            if cuda:
+                                a, r, d = measure_cuda(name, mode, precision, b, lk)
+                                row.measured, row.measured_reserved, row.measured_device = a, r, d
+                            else:
+                                row.measured = measure_cpu(name, mode, precision, b, lk)
+                        except Exception as exc:
+                            row.error = f"measure: {type(exc).__name__}: {exc}"[:300]
+                    err = row.error_pct
+                    print(
+                        f"{name:<14}{mode:<6}{precision:<10}{b:>5}"
+                        f"{format_bytes(row.predicted or 0):>13}"
+                        f"{format_bytes(row.measured) if row.measured else 'not run':>13}"
+                        f"{'' if err is None else f'{err:+.2f}%':>9}"
+                        f"{format_bytes(acc) if acc else '-':>13}{est.elapsed:>7.2f}",
+                        flush=True,
+                    )
+    errors = [r.error_pct for r in rows if r.error_pct is not None]
+    reserved_errors = [
+        100.0 * (r.predicted_reserved - r.measured_reserved) / r.measured_reserved
+        for r in rows
+        if r.predicted_reserved and r.measured_reserved
+    ]
+    acc_errors = [
+        100.0 * (r.accelerate - r.measured) / r.measured
+        for r in rows
+        if r.accelerate and r.measured
+    ]
+    times = [r.seconds for r in rows if r.seconds is not None]
+    summary = {
+        "benchmark": "estimate_accuracy",
+        "side": "cuda" if cuda else "cpu",
+        "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+        "quick": args.quick,
+        "rows": len(rows),
+        "measured_rows": len(errors),
+        "failed_rows": sum(1 for r in rows if r.predicted is None),
+        "rows_with_assumptions": sum(1 for r in rows if r.assumptions),
+        "median_error_pct": round(statistics.median(abs(e) for e in errors), 3) if errors else None,
+        "max_error_pct": round(max(abs(e) for e in errors), 3) if errors else None,
+        "worst_underestimate_pct": round(max([0.0] + [-e for e in errors]), 3) if errors else None,
+        "reserved_median_error_pct": (
+            round(statistics.median(abs(e) for e in reserved_errors), 3)
+            if reserved_errors
+            else None
+        ),
+        "accelerate_median_error_pct": (
+            round(statistics.median(abs(e) for e in acc_errors), 3) if acc_errors else None
+        ),
+        "seconds_per_estimate": round(statistics.mean(times), 3) if times else None,
+        "max_seconds_per_estimate": round(max(times), 3) if times else None,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "torch": torch.__version__,
+    }
+    for r in rows:
+        if r.error:
+            print(f"# {r.model} {r.mode} {r.precision} {r.batch}: {r.error}", file=sys.stderr)
+    print(json.dumps(summary))
+    return 0 if summary["failed_rows"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

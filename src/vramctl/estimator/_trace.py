@@ -1,0 +1,347 @@
+"""Tracing a step on fake tensors: every storage's birth and death, in order.
+
+A :class:`Tracer` is a ``TorchDispatchMode`` that sits above a
+``FakeTensorMode``. Every operator runs on fake tensors (shapes, dtypes and
+strides, no data, no memory); the tracer notes each new storage an operator
+returns, with its size, the operator, the module and the phase, and a weakref
+finalizer notes when the storage dies. The result is the sequence of
+allocations and frees the real step would make, which the allocator model
+replays.
+
+Data-dependent operators (``.item()``, ``nonzero``, boolean masks,
+``masked_select``, ``unique``) cannot run on tensors without data. The tracer
+keeps real values beside the fake tensors that are derived only from the inputs
+(token ids, labels, masks, positions) and computes such operators on them, so
+they get their real results. Where an operator's inputs depend on the model's
+weights, their values are unknown: the tracer then takes the largest output
+the operator could have (every element selected, every value distinct) and
+records that assumption, so an estimate errs high, never low.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["StorageRecord", "Trace", "Tracer"]
+
+#: Outputs up to this many elements get real values when their inputs have them.
+KNOWN_NUMEL_LIMIT = 1 << 22
+#: Largest stand-in (in elements) the tracer builds to bound an unknown data-dependent op.
+BOUND_NUMEL_LIMIT = 1 << 26
+
+_aten = torch.ops.aten
+#: Random and uninitialised factories: their real values are meaningless, so never known.
+#: Operators whose output *shape* follows their input *values*: unknown values there
+#: are an assumption. Other operators that refuse fake tensors (no fake kernel, like
+#: ``_ctc_loss``) only need values of the right shape, and the result is exact.
+_VALUE_SHAPED = {
+    "_local_scalar_dense",
+    "is_nonzero",
+    "equal",
+    "nonzero",
+    "nonzero_static",
+    "argwhere",
+    "masked_select",
+    "index",
+    "index_put",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "repeat_interleave",
+    "bincount",
+    "histc",
+    "segment_reduce",
+}
+_NOT_KNOWN = {
+    _aten.empty.memory_format,
+    _aten.empty_strided.default,
+    _aten.empty_like.default,
+    _aten.bernoulli_.float,
+    _aten.bernoulli.default,
+    _aten.native_dropout.default,
+}
+
+
+@dataclass
+class StorageRecord:
+    """One storage the step holds: its size and where it came from."""
+
+    nbytes: int
+    op: str
+    module: str
+    phase: str
+    #: Set after the trace: parameters, gradients, optimizer, inputs, activations, temporaries.
+    category: str = ""
+    freed_phase: str | None = None
+
+
+@dataclass
+class Trace:
+    """The allocations and frees of one traced step, in order."""
+
+    #: Storage ids: ``sid >= 0`` is an allocation of ``records[sid]``, ``~sid`` its free.
+    events: list[int] = field(default_factory=list)
+    records: list[StorageRecord] = field(default_factory=list)
+    #: Assumptions made where values were unknown (data-dependent operators).
+    assumptions: list[str] = field(default_factory=list)
+    ops: int = 0
+
+    def live_bytes(self) -> Iterator[int]:
+        """Live bytes after each event."""
+        live = 0
+        for e in self.events:
+            live += self.records[e].nbytes if e >= 0 else -self.records[~e].nbytes
+            yield live
+
+    def peak(self) -> tuple[int, int]:
+        """The peak of live bytes and the index of the event that reached it."""
+        best, at = 0, -1
+        for i, live in enumerate(self.live_bytes()):
+            if live > best:
+                best, at = live, i
+        return best, at
+
+    def live_at(self, index: int) -> list[int]:
+        """Storage ids alive just after event ``index``."""
+        live: dict[int, None] = {}
+        for e in self.events[: index + 1]:
+            if e >= 0:
+                live[e] = None
+            else:
+                live.pop(~e, None)
+        return list(live)
+
+
+class Tracer(TorchDispatchMode):
+    """Records storage allocations and frees of the operators run under it.
+
+    Use it above a ``FakeTensorMode``::
+
+        with fake_mode, Tracer(fake_mode) as tracer:
+            step()
+    """
+
+    def __init__(self, fake_mode: FakeTensorMode) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.fake_mode = fake_mode
+        self.trace = Trace()
+        self.phase = "setup"
+        self.module = ""
+        self.last_op = ""
+        #: False: only handle data-dependent operators (building a model), record nothing.
+        self.record = True
+        self._sid: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: fake tensor -> real tensor with its values, for input-derived tensors.
+        self.known: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._assumed: set[tuple[str, str]] = set()
+        #: Bytes of a modelled kernel workspace for an operator and its outputs (None: none).
+        self.workspace: Callable[[Any, tuple[Any, ...], list[torch.Tensor]], int] | None = None
+        #: autograd node sequence number -> module that made it (for backward attribution).
+        self.node_module: dict[int, str] = {}
+
+    # -- storages -----------------------------------------------------------------
+
+    def register(self, t: torch.Tensor, op: str = "preexisting") -> int | None:
+        """Count the storage of ``t`` (once) as allocated now; returns its id."""
+        if not self.record:
+            return None
+        st = _storage(t)
+        if st is None:
+            return None
+        sid: int | None = self._sid.get(st)
+        if sid is not None:
+            return sid
+        nbytes = st.nbytes()
+        if nbytes == 0:
+            return None
+        sid = len(self.trace.records)
+        self.trace.records.append(StorageRecord(nbytes, op, self.module, self.phase))
+        self.trace.events.append(sid)
+        self._sid[st] = sid
+        weakref.finalize(st, self._freed, sid)
+        return sid
+
+    def sid_of(self, t: torch.Tensor) -> int | None:
+        st = _storage(t)
+        return None if st is None else self._sid.get(st)
+
+    def _freed(self, sid: int) -> None:
+        self.trace.events.append(~sid)
+        self.trace.records[sid].freed_phase = self.phase
+
+    # -- dispatch -----------------------------------------------------------------
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        self.trace.ops += 1
+        self.last_op = _op_name(func)
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                self.module = self.node_module.get(node._sequence_nr(), self.module)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            out = self._data_dependent(func, args, kwargs)
+        else:
+            self._propagate_known(func, args, kwargs, out)
+        name = _op_name(func)
+        outs = list(_tensors(out))
+        ws = self.workspace(func, args, outs) if self.workspace is not None else 0
+        if ws > 0:
+            sid = len(self.trace.records)
+            self.trace.records.append(
+                StorageRecord(ws, name, self.module, self.phase, category="workspaces")
+            )
+            self.trace.events.append(sid)
+        for t in outs:
+            self.register(t, name)
+        if ws > 0:
+            self.trace.events.append(~sid)
+            self.trace.records[sid].freed_phase = self.phase
+        return out
+
+    # -- values -------------------------------------------------------------------
+
+    def _real_args(self, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        missing = False
+
+        def real(x: Any) -> Any:
+            nonlocal missing
+            if isinstance(x, torch.Tensor):
+                r = self.known.get(x)
+                if r is None:
+                    missing = True
+                return r
+            return x
+
+        ra, rk = tree_map(real, (args, kwargs))
+        return None if missing else (ra, rk)
+
+    def _propagate_known(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        outs = list(_tensors(out))
+        if not outs or func in _NOT_KNOWN:
+            return
+        if sum(t.numel() for t in outs) > KNOWN_NUMEL_LIMIT:
+            for t in _tensors((args, kwargs)):  # an in-place write makes values unknown
+                self.known.pop(t, None)
+            return
+        real = self._real_args(args, kwargs)
+        if real is None:
+            if _is_inplace(func):
+                for t in _tensors((args, kwargs)):
+                    self.known.pop(t, None)
+            return
+        with unset_fake_temporarily():
+            try:
+                real_out = func(*real[0], **real[1])
+            except Exception:
+                return
+        for f, r in zip(outs, _tensors(real_out), strict=False):
+            if f.shape == r.shape:
+                self.known[f] = r
+
+    def _data_dependent(self, func: Any, args: Any, kwargs: Any) -> Any:
+        real = self._real_args(args, kwargs)
+        if real is None:
+            real = self._bound_args(func, args, kwargs)
+        with unset_fake_temporarily():
+            real_out = func(*real[0], **real[1])
+        if not isinstance(real_out, torch.Tensor | tuple | list):
+            return real_out  # a Python scalar from .item()
+
+        def fake(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                f = self.fake_mode.from_tensor(x)
+                self.known[f] = x
+                return f
+            return x
+
+        return tree_map(fake, real_out)
+
+    def _bound_args(self, func: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Stand-ins for unknown values that give the operator its largest output."""
+        name = _op_name(func)
+        key = (name, self.module)
+        if name in _VALUE_SHAPED and key not in self._assumed:
+            self._assumed.add(key)
+            where = f" in {self.module}" if self.module else ""
+            if func in (_aten._local_scalar_dense.default, _aten.is_nonzero.default):
+                what = "read as 1 (true)"
+            else:
+                what = "sized for its largest output (all elements selected, all distinct)"
+            self.trace.assumptions.append(
+                f"{name}{where} depends on values the trace cannot know; {what}"
+            )
+
+        def standin(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            r = self.known.get(x)
+            if r is not None:
+                return r
+            if x.numel() > BOUND_NUMEL_LIMIT:
+                raise DataDependentError(name, self.module, x.numel())
+            with unset_fake_temporarily():
+                if x.dtype == torch.bool:
+                    return torch.ones(x.shape, dtype=torch.bool)
+                return (torch.arange(x.numel()) + 1).reshape(x.shape).to(x.dtype)
+
+        ra, rk = tree_map(standin, (args, kwargs))
+        return ra, rk
+
+
+class DataDependentError(RuntimeError):
+    """A data-dependent operator too large to bound with a stand-in."""
+
+    def __init__(self, op: str, module: str, numel: int) -> None:
+        super().__init__(
+            f"{op} in {module or 'the step'} depends on the values of a {numel}-element tensor"
+        )
+        self.op = op
+        self.module = module
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    if t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+
+
+def _op_name(func: Any) -> str:
+    return str(getattr(func, "__name__", func)).split(".")[0]
+
+
+def _is_inplace(func: Any) -> bool:
+    schema = getattr(func, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
