@@ -33,14 +33,18 @@ from vramctl.device import (
     simulate,
     use_device,
 )
+from vramctl.estimator import Estimate, EstimateError, MaxBatch, estimate, max_batch_size
 
 __all__ = [
     "NA",
     "ComputeCapability",
     "Device",
+    "Estimate",
+    "EstimateError",
     "GpuSpec",
     "HealthState",
     "InvalidSizeError",
+    "MaxBatch",
     "MemoryState",
     "NotAvailable",
     "Policy",
@@ -54,10 +58,12 @@ __all__ = [
     "catalog",
     "current_device",
     "devices",
+    "estimate",
     "format_bytes",
     "get_device",
     "gpu_spec",
     "gpus",
+    "max_batch_size",
     "parse_size",
     "rank_devices",
     "select_device",

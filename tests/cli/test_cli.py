@@ -193,3 +193,49 @@ def test_the_installed_command_runs() -> None:
         ["vramctl", "devices", "--select", "12 gigs"], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "12 gigs" in bad.stderr
+
+
+def test_estimate_json_table_and_max_batch() -> None:
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from vramctl.cli._app import app
+
+    r = CliRunner().invoke(
+        app,
+        [
+            "estimate",
+            "lstm",
+            "--batch",
+            "1,4",
+            "--seq-len",
+            "32",
+            "--device",
+            "T4-16GB",
+            "--max-batch",
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    doc = _json.loads(r.stdout)
+    assert doc["schema"] == "vramctl.estimate/1"
+    one, four = doc["estimates"]
+    assert one["batch_size"] == 1 and four["batch_size"] == 4
+    assert four["peak_device_bytes"] > one["peak_device_bytes"]
+    assert doc["max_batch"]["max_batch_size"] > 4
+    text = CliRunner().invoke(app, ["estimate", "lstm", "--batch", "2", "--device", "T4-16GB"])
+    assert text.exit_code == 0 and "breakdown at batch 2" in text.stdout
+
+
+def test_estimate_bad_input_exits_2_with_the_fix() -> None:
+    from typer.testing import CliRunner
+
+    from vramctl.cli._app import app
+
+    r = CliRunner().invoke(app, ["estimate", "lstm", "--device", "Z99-1GB"])
+    assert r.exit_code == 2 and "A10G-24GB" in r.output
+    r = CliRunner().invoke(app, ["estimate", "lstm", "--batch", "1,x"])
+    assert r.exit_code == 2 and "1,8,32" in r.output
+    r = CliRunner().invoke(app, ["estimate", "--list"])
+    assert r.exit_code == 0 and "wav2vec2-base" in r.output

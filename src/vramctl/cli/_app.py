@@ -1,4 +1,4 @@
-"""Typer application: ``vramctl status``, ``vramctl devices``, ``vramctl catalog``."""
+"""Typer application: ``vramctl status``, ``devices``, ``catalog`` and ``estimate``."""
 
 from __future__ import annotations
 
@@ -230,4 +230,184 @@ def catalog(
             f"{cc} {cc.architecture}",
             *("yes" if f else "no" for f in (cc.bf16, cc.tf32, cc.fp8)),
         )
+    console.print(table)
+
+
+@app.command("estimate")
+@user_errors
+def estimate_cmd(
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="A built-in model (see --list), or 'package.module:factory' returning an "
+            "nn.Module (its batch then comes from --batch-fn).",
+            show_default=False,
+        ),
+    ] = "",
+    mode: Annotated[str, typer.Option(help="train (forward, loss, backward, step) or infer.")] = (
+        "train"
+    ),
+    precision: Annotated[
+        str, typer.Option(help="fp32, bf16, fp16, amp-bf16 or amp-fp16.")
+    ] = "fp32",
+    batch: Annotated[
+        str, typer.Option("--batch", "-b", help="Batch sizes to estimate, e.g. 1,8,32.")
+    ] = "1",
+    seq_len: Annotated[
+        int | None, typer.Option(help="Tokens per sample (text models).", min=1)
+    ] = None,
+    seconds: Annotated[
+        float | None, typer.Option(help="Audio seconds per sample (speech models).", min=0.03)
+    ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="A catalog GPU (see 'vramctl catalog'), a size like 24GiB, cpu, or a local "
+            "GPU. Default: this machine's first GPU, else the CPU."
+        ),
+    ] = None,
+    optimizer: Annotated[
+        str, typer.Option(help="adamw, adam, sgd, sgd-momentum, rmsprop, adagrad or none.")
+    ] = "adamw",
+    checkpointing: Annotated[
+        bool, typer.Option(help="Activation checkpointing (transformers models).")
+    ] = False,
+    target_utilization: Annotated[
+        float, typer.Option(help="Share of the device's memory the step may use.", min=0.01, max=1)
+    ] = 0.9,
+    batch_fn: Annotated[
+        str | None,
+        typer.Option(
+            help="'package.module:function' taking a batch size and returning the batch "
+            "(for models given as a factory)."
+        ),
+    ] = None,
+    max_batch: Annotated[
+        bool, typer.Option("--max-batch", help="Also find the largest batch that fits.")
+    ] = False,
+    max_length: Annotated[
+        bool,
+        typer.Option("--max-length", help="Also find the longest input that fits at batch 1."),
+    ] = False,
+    list_models: Annotated[
+        bool, typer.Option("--list", help="List the built-in models and exit.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Predict a step's peak GPU memory without a GPU, and whether it fits.
+
+    The step runs on fake tensors (no memory, no compute); the allocator, CUDA
+    context and workspaces are modelled for the device. Example:
+
+        vramctl estimate gpt2 --precision amp-bf16 --batch 1,8,32 --seq-len 512 \\
+            --device A10G-24GB --max-batch
+    """
+    from vramctl.estimator import zoo
+    from vramctl.estimator._estimate import parse_batches
+
+    if list_models:
+        _list_zoo(zoo, as_json)
+        return
+    if not model:
+        raise VramctlError("give a MODEL (vramctl estimate --list shows the built-in ones)")
+    sizes = parse_batches(batch)
+    batch_source: Any = None
+    if batch_fn is not None:
+        from vramctl.estimator._estimate import load_model_source
+
+        _, batch_source = load_model_source(batch_fn)
+    common: dict[str, Any] = {
+        "mode": mode,
+        "precision": precision,
+        "optimizer": None if optimizer == "none" else optimizer,
+        "seq_len": seq_len,
+        "seconds": seconds,
+        "device": device,
+        "checkpointing": checkpointing,
+        "target_utilization": target_utilization,
+    }
+    results = []
+    with err.status("tracing", spinner="dots") as spin:
+        for b in sizes:
+            spin.update(f"tracing {model} at batch {b}")
+            results.append(vramctl.estimate(model, batch_source, batch_size=b, **common))
+        best = None
+        if max_batch or max_length:
+            spin.update(f"searching the largest batch for {model}")
+            best = vramctl.max_batch_size(model, batch_source, lengths=max_length, **common)
+    if as_json:
+        _emit_json(
+            {
+                "schema": "vramctl.estimate/1",
+                "estimates": [e.to_dict() for e in results],
+                "max_batch": None if best is None else best.to_dict(),
+            },
+            indent=True,
+        )
+        return
+    first = results[0]
+    table = Table(
+        title=f"{first.model} {first.mode} {first.precision} on {first.device} "
+        f"(budget {format_bytes(first.budget)} = {first.target_utilization:.0%} of "
+        f"{format_bytes(first.capacity)})",
+        title_justify="left",
+    )
+    for col in ("batch", "peak (device)", "allocated", "reserved", "fits", "traced in"):
+        table.add_column(col, justify="right")
+    for e in results:
+        table.add_row(
+            str(e.batch_size),
+            format_bytes(e.peak_device),
+            format_bytes(e.peak_allocated),
+            format_bytes(e.peak_reserved),
+            "[green]yes[/]" if e.fits else "[red]no[/]",
+            f"{e.elapsed:.2f} s",
+        )
+    console.print(table)
+    last = results[-1]
+    console.print(
+        f"breakdown at batch {last.batch_size} (peak at {last.peak_op} in "
+        f"{last.peak_module or 'the step'}, {last.peak_phase}):",
+        highlight=False,
+    )
+    for k, v in last.breakdown.items():
+        if v:
+            console.print(f"  {k:<12} {format_bytes(v):>12}", highlight=False)
+    for a in last.assumptions:
+        console.print(f"[yellow]assumed:[/] {a}", highlight=False, soft_wrap=True)
+    for n in last.notes:
+        console.print(f"note: {n}", highlight=False, soft_wrap=True)
+    if best is not None:
+        if max_batch:
+            console.print(
+                f"largest batch that fits: [bold]{best.batch_size}[/] "
+                f"({format_bytes(best.per_sample)} per sample, confirmed by a trace)",
+                highlight=False,
+            )
+        if best.max_length is not None:
+            console.print(
+                f"longest {best.length_arg} at batch 1: [bold]{best.max_length}[/]",
+                highlight=False,
+            )
+
+
+def _list_zoo(zoo: Any, as_json: bool) -> None:
+    models = [zoo.get(n) for n in zoo.names()]
+    if as_json:
+        _emit_json(
+            {
+                "schema": "vramctl.zoo/1",
+                "models": [
+                    {"name": m.name, "description": m.description, "inputs": m.inputs}
+                    for m in models
+                ],
+            },
+            indent=True,
+        )
+        return
+    table = Table(title="built-in models (random weights, no download)", title_justify="left")
+    for col in ("name", "inputs", "description"):
+        table.add_column(col)
+    for m in models:
+        table.add_row(m.name, m.inputs, m.description)
     console.print(table)

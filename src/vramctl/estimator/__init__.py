@@ -21,6 +21,7 @@ from vramctl.estimator._estimate import (
     estimate,
     resolve_target,
 )
+from vramctl.estimator._maxbatch import MaxBatch, max_batch_size
 
 __all__ = [
     "AllocatorConfig",
@@ -28,9 +29,11 @@ __all__ = [
     "CachingAllocatorModel",
     "Estimate",
     "EstimateError",
+    "MaxBatch",
     "StepSpec",
     "Target",
     "estimate",
+    "max_batch_size",
     "resolve_target",
     "zoo",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -88,7 +89,8 @@ def resolve_target(device: Device | str | int | None) -> Target:
                 return Target(spec.name, spec.cuda_total_bytes, spec.capability, True)
             if text[:1].isdigit():
                 return Target(text, parse_size(text), None, True)
-            gpu_spec(text)  # raises with the catalog listed
+            spec = gpu_spec(text)  # raises with the catalog listed
+            return Target(spec.name, spec.cuda_total_bytes, spec.capability, True)
     if isinstance(device, int):
         device = get_device(device)
     total = device.memory().total
@@ -465,6 +467,10 @@ class Session:
         states: set[int] = set()
         inputs: set[int] = set()
         with contextlib.ExitStack() as es:
+            # FakeTensorMode logs every refused operator; the error we raise says it once.
+            fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+            es.callback(fake_log.setLevel, fake_log.level)
+            fake_log.setLevel(logging.CRITICAL)
             es.enter_context(self.fake_mode)
             es.enter_context(
                 _reparametrize_module(model, self.state, tie_weights=True, strict=False)
@@ -616,8 +622,10 @@ def _fake_state(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.
     """Fresh fake parameters and buffers for ``model`` (tied ones stay tied), cast to ``dtype``."""
     made: dict[int, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
-    named = list(model.named_parameters(remove_duplicate=False))
-    named += list(model.named_buffers(remove_duplicate=False))
+    named: list[tuple[str, torch.Tensor]] = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
     for name, t in named:
         if id(t) not in made:
             dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
@@ -635,7 +643,7 @@ def _fake_batch(batch: Any, mode: FakeTensorMode, tracer: Tracer, spec: StepSpec
     def fake(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        f = x if isinstance(x, FakeTensor) else mode.from_tensor(x)
+        f: torch.Tensor = x if isinstance(x, FakeTensor) else mode.from_tensor(x)
         if not x.is_floating_point() and not isinstance(x, FakeTensor):
             tracer.known[f] = x
         if spec.param_dtype is not None and f.is_floating_point():

@@ -264,6 +264,7 @@ class Tracer(TorchDispatchMode):
 
     def _data_dependent(self, func: Any, args: Any, kwargs: Any) -> Any:
         real = self._real_args(args, kwargs)
+        known = real is not None
         if real is None:
             real = self._bound_args(func, args, kwargs)
         with unset_fake_temporarily():
@@ -274,7 +275,8 @@ class Tracer(TorchDispatchMode):
         def fake(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
                 f = self.fake_mode.from_tensor(x)
-                self.known[f] = x
+                if known:  # a bound's stand-in values are not the real ones
+                    self.known[f] = x
                 return f
             return x
 

@@ -48,6 +48,8 @@ class ZooModel:
     default_seq_len: int | None = None
     default_seconds: float | None = None
     vocab_size: int = 0
+    #: Longest input the architecture accepts (position table), if it has a limit.
+    max_length: float | None = None
 
     def build(self) -> nn.Module:
         return _BUILDERS[self.name]()
@@ -144,14 +146,38 @@ _WHISPER_BASE = {
 _MODELS: dict[str, ZooModel] = {
     m.name: m
     for m in [
-        ZooModel("gpt2", "GPT-2 small, 124M parameters", "tokens", 512, vocab_size=50_257),
-        ZooModel("bert-base", "BERT base, masked LM, 110M", "tokens", 512, vocab_size=30_522),
-        ZooModel("t5-small", "T5 small, encoder-decoder, 60M", "tokens", 512, vocab_size=32_128),
         ZooModel(
-            "llama-1b", "Llama-style 1.2B (Llama 3.2 1B shape)", "tokens", 2048, vocab_size=128_256
+            "gpt2",
+            "GPT-2 small, 124M parameters",
+            "tokens",
+            512,
+            vocab_size=50_257,
+            max_length=1024,
         ),
         ZooModel(
-            "llama-7b", "Llama-style 6.7B (Llama 2 7B shape)", "tokens", 4096, vocab_size=32_000
+            "bert-base",
+            "BERT base, masked LM, 110M",
+            "tokens",
+            512,
+            vocab_size=30_522,
+            max_length=512,
+        ),
+        ZooModel("t5-small", "T5 small, encoder-decoder, 60M", "tokens", 512, vocab_size=32_128),
+        ZooModel(
+            "llama-1b",
+            "Llama-style 1.2B (Llama 3.2 1B shape)",
+            "tokens",
+            2048,
+            vocab_size=128_256,
+            max_length=131_072,
+        ),
+        ZooModel(
+            "llama-7b",
+            "Llama-style 6.7B (Llama 2 7B shape)",
+            "tokens",
+            4096,
+            vocab_size=32_000,
+            max_length=4096,
         ),
         ZooModel("whisper-base", "Whisper base, 74M, 30 s log-mel input", "mel", vocab_size=51_865),
         ZooModel(

@@ -1,0 +1,285 @@
+"""``max_batch_size``: the largest batch (and length) that fits, from a few traces.
+
+Peak memory is affine in the batch size for most models (weights and optimizer
+state are fixed, activations grow with each sample), and at most quadratic in
+the sequence length (attention scores under the math kernel). A few traced
+sizes give the curve; the answer it predicts is then traced itself, and moved
+until the largest fitting size is confirmed by a trace.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vramctl.device._base import Device
+from vramctl.estimator import zoo
+from vramctl.estimator._allocator import AllocatorConfig
+from vramctl.estimator._estimate import (
+    Estimate,
+    EstimateError,
+    ModelSource,
+    Session,
+    _check_utilization,
+    build_estimate,
+    make_batch_for,
+    make_spec,
+    resolve_target,
+)
+
+__all__ = ["MaxBatch", "max_batch_size"]
+
+
+@dataclass(frozen=True)
+class MaxBatch:
+    """The largest batch that fits, and the traces that show it."""
+
+    #: Largest batch size that fits (0: not even one sample fits).
+    batch_size: int
+    #: The estimate at ``batch_size`` (None when nothing fits).
+    estimate: Estimate | None
+    #: Every traced point: (batch size, peak device bytes, fits).
+    curve: list[tuple[int, int, bool]] = field(default_factory=list)
+    #: Bytes per extra sample and fixed bytes of the affine fit.
+    per_sample: float = 0.0
+    fixed: float = 0.0
+    #: With ``lengths=True``: the largest length that fits at batch 1 (None otherwise).
+    max_length: int | float | None = None
+    length_arg: str | None = None
+    length_curve: list[tuple[float, int, bool]] = field(default_factory=list)
+    elapsed: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_batch_size": self.batch_size,
+            "per_sample_bytes": round(self.per_sample),
+            "fixed_bytes": round(self.fixed),
+            "curve": [
+                {"batch_size": b, "peak_device_bytes": p, "fits": f} for b, p, f in self.curve
+            ],
+            "max_length": self.max_length,
+            "length_arg": self.length_arg,
+            "length_curve": [
+                {"length": n, "peak_device_bytes": p, "fits": f} for n, p, f in self.length_curve
+            ],
+            "estimate": None if self.estimate is None else self.estimate.to_dict(),
+            "elapsed_s": round(self.elapsed, 3),
+        }
+
+
+def _affine(points: Sequence[tuple[float, int]]) -> tuple[float, float]:
+    """Least-squares slope and intercept."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:
+        return 0.0, my
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return slope, my - slope * mx
+
+
+def _quadratic_root(points: Sequence[tuple[float, int]], budget: float) -> float | None:
+    """Largest x with a*x^2 + b*x + c <= budget, for the parabola through three points."""
+    (x0, y0), (x1, y1), (x2, y2) = points[:3]
+    d = (x0 - x1) * (x0 - x2) * (x1 - x2)
+    if d == 0:
+        return None
+    a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / d
+    b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / d
+    c = y0 - a * x0 * x0 - b * x0
+    if abs(a) < 1e-12:
+        return None if b <= 0 else (budget - c) / b
+    disc = b * b - 4 * a * (c - budget)
+    if disc < 0:
+        return None
+    return float((-b + disc**0.5) / (2 * a))
+
+
+def max_batch_size(
+    model: ModelSource,
+    batch: Callable[[int], Any] | None = None,
+    *,
+    device: Device | str | int | None = None,
+    target_utilization: float = 0.9,
+    mode: str = "train",
+    optimizer: str | Callable[..., torch.optim.Optimizer] | None = "adamw",
+    precision: str = "fp32",
+    seq_len: int | None = None,
+    seconds: float | None = None,
+    checkpointing: bool = False,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    probe: Sequence[int] = (1, 2, 4),
+    limit: int = 1 << 16,
+    lengths: bool = False,
+    allocator_config: AllocatorConfig | None = None,
+) -> MaxBatch:
+    """The largest batch size whose step fits ``device`` at ``target_utilization``.
+
+    ``batch`` is a callable ``batch_size -> batch`` (built-in models need
+    none). The peak is traced at the ``probe`` sizes, an affine fit predicts the
+    answer, and traces confirm it: the answer fits and one more sample does
+    not (or ``limit`` is reached). With ``lengths=True`` (built-in text and
+    speech models) the largest ``seq_len`` or ``seconds`` at batch 1 is found
+    the same way from a quadratic fit.
+    """
+    t0 = time.perf_counter()
+    _check_utilization(target_utilization)
+    if not probe or any(p < 1 for p in probe) or len(set(probe)) < 2:
+        raise EstimateError("probe needs at least two distinct batch sizes of 1 or more")
+    target = resolve_target(device)
+    spec = make_spec(
+        mode=mode,
+        precision=precision,
+        optimizer=optimizer,
+        checkpointing=checkpointing,
+        loss_fn=loss_fn,
+        target=target,
+    )
+    session = Session.open(model, spec, target)
+    budget = int(target.capacity * target_utilization)
+    cache: dict[tuple[int, float | None], Estimate] = {}
+
+    def at(b: int, n: float | None = None) -> Estimate:
+        key = (b, n)
+        if key not in cache:
+            t = time.perf_counter()
+            sl = int(n) if n is not None and length_arg == "seq_len" else seq_len
+            sec = float(n) if n is not None and length_arg == "seconds" else seconds
+            real, size = make_batch_for(session, model, batch, b, sl, sec)
+            traced = session.trace(real, size)
+            cache[key] = build_estimate(
+                session,
+                traced,
+                target_utilization=target_utilization,
+                seq_len=sl,
+                seconds=sec,
+                elapsed=time.perf_counter() - t,
+                allocator_config=allocator_config,
+            )
+        return cache[key]
+
+    length_arg = None
+    if lengths:
+        if not isinstance(model, str) or ":" in model:
+            raise EstimateError("lengths=True needs a built-in model name")
+        length_arg = zoo.get(model).length_arg
+        if length_arg is None:
+            raise EstimateError(f"{model} takes fixed-size inputs; it has no length to search")
+
+    points = [(b, at(b).peak_device) for b in sorted(set(probe))]
+    slope, fixed = _affine(points)
+    if not at(1).fits:
+        best = 0
+    else:
+        guess = limit if slope <= 0 else int((budget - fixed) // slope)
+        best = _confirm(at, max(1, min(guess, limit)), limit, slope)
+    result_est = at(best) if best else None
+
+    max_len: int | float | None = None
+    length_curve: list[tuple[float, int, bool]] = []
+    if lengths and length_arg is not None and isinstance(model, str):
+        max_len, length_curve = _search_length(model, length_arg, at, budget)
+    curve = sorted((b, e.peak_device, e.fits) for (b, n), e in cache.items() if n is None)
+    return MaxBatch(
+        best,
+        result_est,
+        curve,
+        slope,
+        fixed,
+        max_len,
+        length_arg,
+        length_curve,
+        time.perf_counter() - t0,
+    )
+
+
+def _confirm(at: Callable[[int], Estimate], guess: int, limit: int, slope: float) -> int:
+    """From the fitted guess to the largest size whose trace fits (and whose +1 does not).
+
+    Keeps a bracket (largest fitting, smallest not fitting) and proposes the
+    size the line through the two nearest traced points predicts, clamped
+    inside the bracket (or doubling while nothing above is known): an
+    interpolation search that ends in a few traces when memory is affine.
+    """
+    lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
+    fitting: list[int] = [x for x in (1, 2, 4) if x < guess and at(x).fits]
+    b = guess
+    for _ in range(40):
+        e = at(b)
+        if e.fits:
+            fitting.append(b)
+            fitting.sort()
+            lo = max(lo, b)
+        else:
+            hi = b if hi is None else min(hi, b)
+        if lo >= limit or (hi is not None and hi <= lo + 1):
+            break
+        # The line through the traced points nearest the budget predicts the next size.
+        if hi is None:
+            per = max(slope, 1.0)
+            below = [x for x in fitting if x < lo]
+            if below and at(lo).peak_device > at(below[-1]).peak_device:
+                prev = at(below[-1])
+                per = (at(lo).peak_device - prev.peak_device) / (lo - below[-1])
+            step = int(at(lo).headroom // per) if lo else 0
+            b = min(limit, max(lo + 1, min(lo + step, 2 * lo)))
+        else:
+            base = at(lo) if lo else None
+            top = at(hi)
+            if base is not None and top.peak_device > base.peak_device:
+                per = (top.peak_device - base.peak_device) / (hi - lo)
+                b = lo + int(base.headroom // per)
+            else:
+                b = (lo + hi) // 2
+            if not lo < b < hi:
+                b = (lo + hi) // 2 if hi - lo > 1 else lo
+            if b == lo and hi - lo > 1:
+                b = lo + 1
+            if b <= 0:
+                return 0
+    return lo
+
+
+def _search_length(
+    model: str, length_arg: str, at: Callable[..., Estimate], budget: int
+) -> tuple[int | float, list[tuple[float, int, bool]]]:
+    entry = zoo.get(model)
+    base = (
+        float(entry.default_seq_len or 512)
+        if length_arg == "seq_len"
+        else float(entry.default_seconds or 10.0)
+    )
+    xs = [base / 4, base / 2, base]
+    pts = [(x, at(1, x).peak_device) for x in xs]
+    root = _quadratic_root(pts, budget)
+    guess = max(xs[0], root if root is not None else base)
+    step_unit = 1.0 if length_arg == "seq_len" else 0.5
+    cap = entry.max_length or float("inf")
+    n = _round(min(guess, cap), length_arg)
+    seen: list[tuple[float, int, bool]] = [(x, p, p <= budget) for x, p in pts]
+    # Confirm: shrink until it fits, then grow in units until it does not.
+    for _ in range(20):
+        e = at(1, n)
+        seen.append((n, e.peak_device, e.fits))
+        if e.fits:
+            if n >= cap:
+                break
+            nxt = _round(n * 1.05 if n * 0.05 > step_unit else n + step_unit, length_arg)
+            nxt = min(nxt, _round(cap, length_arg))
+            if at(1, nxt).fits:
+                n = nxt
+                continue
+            break
+        n = _round(n * 0.95 if n * 0.05 > step_unit else n - step_unit, length_arg)
+        if n <= 0:
+            return 0, seen
+    return n, sorted(set(seen))
+
+
+def _round(x: float, length_arg: str) -> int | float:
+    return max(1, int(x)) if length_arg == "seq_len" else max(0.5, round(x * 2) / 2)

@@ -1,0 +1,204 @@
+"""vramctl.estimate: exact counts on small models, data-dependent ops, bad input, CUDA modelling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from torch.profiler._memory_profiler import Action
+
+import vramctl
+from vramctl.estimator import EstimateError, StepSpec
+from vramctl.estimator._estimate import prepare_model, run_step, warm_optimizer
+from vramctl.estimator.zoo import LstmLanguageModel
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def param_bytes(m: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
+def test_inference_peak_is_exact_on_cpu() -> None:
+    m = mlp()
+    x = torch.randn(8, 256)
+    est = vramctl.estimate(m, x, mode="infer", device="cpu")
+    # Weights, the input, the first layer's output and the ReLU's output are alive together.
+    expected = param_bytes(m) + x.nbytes + 2 * 8 * 512 * 4
+    assert est.logical_peak == expected
+    assert est.peak_device == expected
+    assert est.breakdown["parameters"] == param_bytes(m)
+    assert est.breakdown["inputs"] == x.nbytes
+    assert est.exact and est.fits
+    assert est.peak_module.startswith("Sequential")
+
+
+def test_training_breakdown_has_gradients_and_adam_state() -> None:
+    m = mlp()
+    est = vramctl.estimate(m, torch.randn(32, 256), device="cpu", optimizer="adamw")
+    p = param_bytes(m)
+    assert est.breakdown["parameters"] == p
+    assert est.breakdown["optimizer"] == 2 * p  # exp_avg and exp_avg_sq
+    assert est.logical_peak >= 4 * p
+    assert sum(est.breakdown.values()) == est.peak_device
+    sgd = vramctl.estimate(m, torch.randn(32, 256), device="cpu", optimizer="sgd")
+    assert sgd.breakdown["optimizer"] == 0
+    assert sgd.logical_peak < est.logical_peak
+
+
+def test_the_estimate_uses_no_real_memory_for_a_large_model() -> None:
+    def big():
+        return nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(8)])  # 2.1 GB of fp32
+
+    est = vramctl.estimate(big, torch.empty(4, 8192), mode="infer", device="A100-80GB")
+    assert est.breakdown["parameters"] == 8 * (8192 * 8192 + 8192) * 4
+
+
+def _real_cpu_peak(model: nn.Module, batch: torch.Tensor, spec: StepSpec) -> int:
+    prepare_model(model, spec)
+    params = list(model.parameters())
+    opt = spec.make_optimizer(params)
+    assert opt is not None
+    warm_optimizer(opt, params)
+    held = params + [batch] + [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    base = sum(t.untyped_storage().nbytes() for t in held)
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        run_step(model, batch, spec, opt)
+    live = peak = 0
+    for _t, action, _k, size in prof._memory_profile().timeline:
+        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+        peak = max(peak, live)
+    return base + peak
+
+
+def test_cpu_estimate_matches_the_profiled_real_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 64))
+    batch = torch.randn(64, 128)
+    est = vramctl.estimate(model, batch, device="cpu")
+    truth = _real_cpu_peak(model, batch, StepSpec())
+    assert abs(est.logical_peak - truth) / truth < 0.01
+
+
+class Gather(nn.Module):
+    """Data-dependent code: a boolean mask from the input and .item() on weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        keep = ids[ids > 0]  # values known: real input
+        h = self.proj(torch.randn(keep.numel(), 16))
+        picked = h[h.sum(-1) > 0]  # values unknown: bounded by all rows
+        if picked.sum().item() > 1e9:  # unknown scalar: assumed
+            h = h * 2
+        return picked
+
+
+def test_data_dependent_ops_use_real_input_values_and_bound_the_rest() -> None:
+    ids = torch.tensor([[0, 1, 2, 0], [3, 0, 0, 4]])  # four positive ids
+    est = vramctl.estimate(Gather(), ids, mode="infer", device="cpu")
+    assert not est.exact
+    assert any("index" in a for a in est.assumptions)
+    assert any("_local_scalar_dense" in a for a in est.assumptions)
+    # keep has 4 elements (real values): h is 4x16 floats; the bound keeps all 4 rows.
+    assert est.breakdown["activations"] + est.breakdown["temporaries"] >= 2 * 4 * 16 * 4
+
+
+def test_ctc_model_with_labels_is_estimated() -> None:
+    pytest.importorskip("transformers")
+    est = vramctl.estimate("wav2vec2-base", batch_size=1, seconds=1.0, device="A10G-24GB")
+    assert est.peak_device > est.breakdown["parameters"] > 300 * 2**20
+    assert est.fits
+
+
+def test_cuda_modelling_adds_allocator_context_and_workspaces() -> None:
+    m = mlp()
+    cpu = vramctl.estimate(m, torch.randn(8, 256), device="cpu")
+    gpu = vramctl.estimate(m, torch.randn(8, 256), device="T4-16GB")
+    assert gpu.logical_peak > cpu.logical_peak  # plus two cuBLAS workspaces
+    assert gpu.peak_reserved >= gpu.peak_allocated >= gpu.logical_peak
+    assert gpu.peak_device == gpu.peak_reserved + gpu.breakdown["context"]
+    assert gpu.breakdown["workspaces"] == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)
+    assert gpu.capacity == vramctl.gpu_spec("T4-16GB").cuda_total_bytes
+
+
+def test_fits_follows_the_budget() -> None:
+    m = mlp()
+    x = torch.randn(8, 256)
+    small = vramctl.estimate(m, x, device="600MiB")
+    assert not small.fits and small.headroom < 0
+    roomy = vramctl.estimate(m, x, device="8GiB", target_utilization=0.5)
+    assert roomy.fits and roomy.budget == 4 * 2**30
+
+
+def test_max_batch_size_is_confirmed_by_traces() -> None:
+    m = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
+
+    def mk(b):
+        return torch.randn(b, 128, 1024)  # 512 KiB a sample per activation
+
+    res = vramctl.max_batch_size(m, mk, device="2GiB", mode="infer")
+    assert 4 < res.batch_size < 2000
+    assert res.per_sample > 3 * 512 * 2**10
+    assert vramctl.estimate(m, mk, batch_size=res.batch_size, device="2GiB", mode="infer").fits
+    over = vramctl.estimate(m, mk, batch_size=res.batch_size + 1, device="2GiB", mode="infer")
+    assert not over.fits
+
+
+def test_bad_input_names_what_to_supply() -> None:
+    with pytest.raises(vramctl.UnknownDeviceError, match="A10G-24GB"):
+        vramctl.estimate(mlp(), torch.randn(2, 256), device="Z99-1GB")
+    with pytest.raises(vramctl.VramctlError, match=r"built-in models: .*gpt2"):
+        vramctl.estimate("gpt-17")
+    with pytest.raises(EstimateError, match=r"expected Sequential\.forward"):
+        vramctl.estimate(mlp(), lambda b: 1 / 0, batch_size=2)
+    with pytest.raises(EstimateError, match="failed to build"):
+        vramctl.estimate(lambda: nn.Linear(-1, 2), torch.randn(2, 2))
+    with pytest.raises(
+        EstimateError, match=r"could not trace Sequential at Sequential.0, op addmm"
+    ):
+        vramctl.estimate(mlp(), torch.randn(2, 7), device="cpu")
+    with pytest.raises(EstimateError, match="precision must be one of"):
+        vramctl.estimate(mlp(), torch.randn(2, 256), precision="fp8")
+
+
+def test_model_from_a_factory_path() -> None:
+    est = vramctl.estimate(
+        "vramctl.estimator.zoo:LstmLanguageModel",
+        lambda b: torch.randint(0, 10_000, (b, 16)),
+        batch_size=2,
+        device="cpu",
+        mode="infer",
+    )
+    assert est.model == "vramctl.estimator.zoo:LstmLanguageModel"
+    assert est.parameters == sum(p.numel() for p in LstmLanguageModel().parameters())
+    assert est.breakdown["parameters"] > 100 * 2**20
+
+
+@pytest.mark.cuda
+def test_estimate_against_a_real_cuda_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]).cuda()
+    batch = torch.randn(256, 2048, device="cuda")
+    spec = StepSpec(autocast_device="cuda", foreach=True)
+    prepare_model(model, spec)
+    params = list(model.parameters())
+    opt = spec.make_optimizer(params)
+    assert opt is not None
+    warm_optimizer(opt, params)
+    run_step(model, batch, spec, opt)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    run_step(model, batch, spec, opt)
+    real = torch.cuda.max_memory_allocated()
+    est = vramctl.estimate(
+        nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]), batch.cpu(), device="cuda:0"
+    )
+    assert abs(est.peak_allocated - real) / real < 0.1
