@@ -49,11 +49,18 @@ def test_training_breakdown_has_gradients_and_adam_state() -> None:
     assert sgd.logical_peak < est.logical_peak
 
 
-def test_the_estimate_uses_no_real_memory_for_a_large_model() -> None:
-    def big():
-        return nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(8)])  # 2.1 GB of fp32
+def test_a_factory_is_built_on_fake_tensors() -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    built: list[nn.Module] = []
+
+    def big() -> nn.Module:  # 2.1 GB of fp32 weights if it were real
+        m = nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(8)])
+        built.append(m)
+        return m
 
     est = vramctl.estimate(big, torch.empty(4, 8192), mode="infer", device="A100-80GB")
+    assert all(isinstance(p, FakeTensor) for p in built[0].parameters())
     assert est.breakdown["parameters"] == 8 * (8192 * 8192 + 8192) * 4
 
 

@@ -30,15 +30,14 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from vramctl._errors import VramctlError
 from vramctl._na import NA
+from vramctl._tensors import storage, tensors
 from vramctl._units import format_bytes, parse_size
 from vramctl.device._base import Device
 from vramctl.device._health import DeviceHealth
@@ -90,21 +89,6 @@ def _planned_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return _storage_nbytes(list(size), list(stride) if stride else None, dtype.itemsize)
 
 
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
-
-
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    if t.layout != torch.strided or t.is_meta:
-        return None
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
 def _is_cpu_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or (
         isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
@@ -141,11 +125,11 @@ class _Budget(TorchDispatchMode):
         inputs = (
             set()
             if fresh_input
-            else {id(s) for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None}
+            else {id(s) for t in tensors((args, kwargs)) if (s := storage(t)) is not None}
         )
         new = []
-        for t in _tensors(out):
-            st = _storage(t)
+        for t in tensors(out):
+            st = storage(t)
             if st is None or (id(st) in inputs and not dev._tracks(st)):
                 continue  # a view of, or in-place op on, a storage made outside
             new.append(st)
@@ -291,12 +275,12 @@ class SimulatedDevice(Device):
         if isinstance(obj, torch.nn.Module):
             leaves: list[Any] = [*obj.parameters(), *obj.buffers()]
         elif isinstance(obj, torch.optim.Optimizer):
-            leaves = list(_tensors(list(obj.state.values())))
+            leaves = list(tensors(list(obj.state.values())))
         else:
-            leaves = list(_tensors(obj))
+            leaves = list(tensors(obj))
         for leaf in leaves:
             for t in (leaf, getattr(leaf, "grad", None)):
-                st = _storage(t) if isinstance(t, torch.Tensor) else None
+                st = storage(t) if isinstance(t, torch.Tensor) else None
                 if st is not None and not self._tracks(st) and all(st is not f for f in found):
                     found.append(st)
         self._account(found)

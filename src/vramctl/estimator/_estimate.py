@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -17,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from vramctl._errors import UnknownDeviceError, VramctlError
+from vramctl._tensors import tensors
 from vramctl._units import format_bytes, parse_size
 from vramctl.device._base import Device
 from vramctl.device._capability import ComputeCapability
@@ -368,13 +370,9 @@ def load_model_source(source: ModelSource) -> tuple[str, Callable[[], nn.Module]
 
 
 def _flat_tensors(tree: Any) -> Iterator[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
     if hasattr(tree, "to_tuple"):  # transformers ModelOutput
         tree = tree.to_tuple()
-    for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
+    return tensors(tree)
 
 
 # -- one session: a fake model, traced at one or more batches ------------------------
@@ -400,6 +398,8 @@ class Session:
     params: list[torch.Tensor] = field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None
     build_seconds: float = 0.0
+    target_utilization: float = 0.9
+    allocator_config: AllocatorConfig | None = None
 
     @classmethod
     def open(cls, source: ModelSource, spec: StepSpec, target: Target) -> Session:
@@ -433,6 +433,28 @@ class Session:
                     warm_optimizer(s.optimizer, s.params)
         s.build_seconds = time.perf_counter() - t0
         return s
+
+    def estimate(
+        self,
+        source: ModelSource,
+        batch: BatchSource,
+        batch_size: int | None,
+        seq_len: int | None,
+        seconds: float | None,
+    ) -> Estimate:
+        """Trace one batch and turn the trace into an :class:`Estimate`."""
+        t0 = time.perf_counter()
+        real, size = make_batch_for(self, source, batch, batch_size, seq_len, seconds)
+        traced = self.trace(real, size)
+        return build_estimate(
+            self,
+            traced,
+            target_utilization=self.target_utilization,
+            seq_len=seq_len,
+            seconds=seconds,
+            elapsed=time.perf_counter() - t0,
+            allocator_config=self.allocator_config,
+        )
 
     @property
     def parameter_count(self) -> int:
@@ -773,16 +795,22 @@ def build_estimate(
     )
 
 
-def make_spec(
+def open_session(
+    model: ModelSource,
     *,
+    device: Device | str | int | None,
+    target_utilization: float,
     mode: str,
-    precision: str,
     optimizer: str | Callable[..., torch.optim.Optimizer] | None,
+    precision: str,
     checkpointing: bool,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    target: Target,
-) -> StepSpec:
-    return StepSpec(
+    allocator_config: AllocatorConfig | None,
+) -> Session:
+    """Check the arguments, resolve the device and build the model on fake tensors."""
+    _check_utilization(target_utilization)
+    target = resolve_target(device)
+    spec = StepSpec(
         mode=mode,
         precision=precision,
         optimizer=optimizer,
@@ -791,6 +819,10 @@ def make_spec(
         autocast_device="cpu",
         foreach=True if target.cuda else None,
     )
+    session = Session.open(model, spec, target)
+    session.target_utilization = target_utilization
+    session.allocator_config = allocator_config
+    return session
 
 
 def make_batch_for(
@@ -875,28 +907,19 @@ def estimate(
     ``no_grad``.
     """
     t0 = time.perf_counter()
-    _check_utilization(target_utilization)
-    target = resolve_target(device)
-    spec = make_spec(
+    session = open_session(
+        model,
+        device=device,
+        target_utilization=target_utilization,
         mode=mode,
-        precision=precision,
         optimizer=optimizer,
+        precision=precision,
         checkpointing=checkpointing,
         loss_fn=loss_fn,
-        target=target,
-    )
-    session = Session.open(model, spec, target)
-    real_batch, size = make_batch_for(session, model, batch, batch_size, seq_len, seconds)
-    traced = session.trace(real_batch, size)
-    return build_estimate(
-        session,
-        traced,
-        target_utilization=target_utilization,
-        seq_len=seq_len,
-        seconds=seconds,
-        elapsed=time.perf_counter() - t0,
         allocator_config=allocator_config,
     )
+    est = session.estimate(model, batch, batch_size, seq_len, seconds)
+    return dataclasses.replace(est, elapsed=time.perf_counter() - t0)
 
 
 def _check_utilization(u: float) -> None:

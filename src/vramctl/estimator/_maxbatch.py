@@ -23,12 +23,7 @@ from vramctl.estimator._estimate import (
     Estimate,
     EstimateError,
     ModelSource,
-    Session,
-    _check_utilization,
-    build_estimate,
-    make_batch_for,
-    make_spec,
-    resolve_target,
+    open_session,
 )
 
 __all__ = ["MaxBatch", "max_batch_size"]
@@ -128,39 +123,28 @@ def max_batch_size(
     the same way from a quadratic fit.
     """
     t0 = time.perf_counter()
-    _check_utilization(target_utilization)
     if not probe or any(p < 1 for p in probe) or len(set(probe)) < 2:
         raise EstimateError("probe needs at least two distinct batch sizes of 1 or more")
-    target = resolve_target(device)
-    spec = make_spec(
+    session = open_session(
+        model,
+        device=device,
+        target_utilization=target_utilization,
         mode=mode,
-        precision=precision,
         optimizer=optimizer,
+        precision=precision,
         checkpointing=checkpointing,
         loss_fn=loss_fn,
-        target=target,
+        allocator_config=allocator_config,
     )
-    session = Session.open(model, spec, target)
-    budget = int(target.capacity * target_utilization)
+    budget = int(session.target.capacity * target_utilization)
     cache: dict[tuple[int, float | None], Estimate] = {}
 
     def at(b: int, n: float | None = None) -> Estimate:
         key = (b, n)
         if key not in cache:
-            t = time.perf_counter()
             sl = int(n) if n is not None and length_arg == "seq_len" else seq_len
             sec = float(n) if n is not None and length_arg == "seconds" else seconds
-            real, size = make_batch_for(session, model, batch, b, sl, sec)
-            traced = session.trace(real, size)
-            cache[key] = build_estimate(
-                session,
-                traced,
-                target_utilization=target_utilization,
-                seq_len=sl,
-                seconds=sec,
-                elapsed=time.perf_counter() - t,
-                allocator_config=allocator_config,
-            )
+            cache[key] = session.estimate(model, batch, b, sl, sec)
         return cache[key]
 
     length_arg = None
@@ -177,7 +161,8 @@ def max_batch_size(
         best = 0
     else:
         guess = limit if slope <= 0 else int((budget - fixed) // slope)
-        best = _confirm(at, max(1, min(guess, limit)), limit, slope)
+        fitting = sorted(b for b, _ in points if at(b).fits)
+        best = _confirm(at, max(1, min(guess, limit)), limit, slope, fitting)
     result_est = at(best) if best else None
 
     max_len: int | float | None = None
@@ -198,7 +183,9 @@ def max_batch_size(
     )
 
 
-def _confirm(at: Callable[[int], Estimate], guess: int, limit: int, slope: float) -> int:
+def _confirm(
+    at: Callable[[int], Estimate], guess: int, limit: int, slope: float, fitting: list[int]
+) -> int:
     """From the fitted guess to the largest size whose trace fits (and whose +1 does not).
 
     Keeps a bracket (largest fitting, smallest not fitting) and proposes the
@@ -207,7 +194,6 @@ def _confirm(at: Callable[[int], Estimate], guess: int, limit: int, slope: float
     interpolation search that ends in a few traces when memory is affine.
     """
     lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
-    fitting: list[int] = [x for x in (1, 2, 4) if x < guess and at(x).fits]
     b = guess
     for _ in range(40):
         e = at(b)

@@ -33,8 +33,10 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
+
+from vramctl._tensors import storage, tensors
 
 __all__ = ["StorageRecord", "Trace", "Tracer"]
 
@@ -160,7 +162,7 @@ class Tracer(TorchDispatchMode):
         """Count the storage of ``t`` (once) as allocated now; returns its id."""
         if not self.record:
             return None
-        st = _storage(t)
+        st = storage(t)
         if st is None:
             return None
         sid: int | None = self._sid.get(st)
@@ -177,7 +179,7 @@ class Tracer(TorchDispatchMode):
         return sid
 
     def sid_of(self, t: torch.Tensor) -> int | None:
-        st = _storage(t)
+        st = storage(t)
         return None if st is None else self._sid.get(st)
 
     def _freed(self, sid: int) -> None:
@@ -207,7 +209,7 @@ class Tracer(TorchDispatchMode):
         else:
             self._propagate_known(func, args, kwargs, out)
         name = _op_name(func)
-        outs = list(_tensors(out))
+        outs = list(tensors(out))
         ws = self.workspace(func, args, outs) if self.workspace is not None else 0
         if ws > 0:
             sid = len(self.trace.records)
@@ -240,17 +242,17 @@ class Tracer(TorchDispatchMode):
         return None if missing else (ra, rk)
 
     def _propagate_known(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        outs = list(_tensors(out))
+        outs = list(tensors(out))
         if not outs or func in _NOT_KNOWN:
             return
         if sum(t.numel() for t in outs) > KNOWN_NUMEL_LIMIT:
-            for t in _tensors((args, kwargs)):  # an in-place write makes values unknown
+            for t in tensors((args, kwargs)):  # an in-place write makes values unknown
                 self.known.pop(t, None)
             return
         real = self._real_args(args, kwargs)
         if real is None:
             if _is_inplace(func):
-                for t in _tensors((args, kwargs)):
+                for t in tensors((args, kwargs)):
                     self.known.pop(t, None)
             return
         with unset_fake_temporarily():
@@ -258,7 +260,7 @@ class Tracer(TorchDispatchMode):
                 real_out = func(*real[0], **real[1])
             except Exception:
                 return
-        for f, r in zip(outs, _tensors(real_out), strict=False):
+        for f, r in zip(outs, tensors(real_out), strict=False):
             if f.shape == r.shape:
                 self.known[f] = r
 
@@ -323,21 +325,6 @@ class DataDependentError(RuntimeError):
         )
         self.op = op
         self.module = module
-
-
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    if t.layout != torch.strided:
-        return None
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
 
 
 def _op_name(func: Any) -> str:
