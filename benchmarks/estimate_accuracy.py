@@ -134,6 +134,10 @@ def real_setup(
         foreach=True if device == "cuda" else None,
     )
     model = zoo.build(name).to(device)
+    if getattr(getattr(model, "config", None), "layerdrop", 0.0):
+        # The estimate describes the step that drops no layer (its worst case, listed in
+        # its assumptions); a real step would drop a random few.
+        model.config.layerdrop = 0.0
     if spec.param_dtype is not None:
         model.to(spec.param_dtype)
     prepare_model(model, spec)

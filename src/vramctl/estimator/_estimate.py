@@ -29,7 +29,8 @@ from vramctl.estimator._allocator import (
     AllocatorOutOfMemory,
     CachingAllocatorModel,
 )
-from vramctl.estimator._trace import DataDependentError, Trace, Tracer
+from vramctl.estimator._cpu_kernels import cpu_workspace
+from vramctl.estimator._trace import DataDependentError, EagerLinear, Trace, Tracer
 
 __all__ = ["Estimate", "EstimateError", "Target", "estimate", "resolve_target"]
 
@@ -464,7 +465,7 @@ class Session:
         assert self.model is not None
         model, spec = self.model, self.spec
         tracer = Tracer(self.fake_mode)
-        tracer.workspace = _cudnn_workspace if self.target.cuda else _onednn_workspace
+        tracer.workspace = _cudnn_workspace if self.target.cuda else cpu_workspace
         names = {id(m): n for n, m in model.named_modules()}
         root = type(model).__name__
         stack: list[str] = []
@@ -498,6 +499,7 @@ class Session:
                 _reparametrize_module(model, self.state, tie_weights=True, strict=False)
             )
             fake_batch = _fake_batch(batch, self.fake_mode, tracer, spec)
+            es.enter_context(EagerLinear())
             es.enter_context(tracer)
             if self.target.cuda:
                 handles = 2 if spec.mode == "train" else 1
@@ -599,25 +601,13 @@ _CONV_OPS = {
 }
 
 
-def _cudnn_workspace(func: Any, args: tuple[Any, ...], outs: list[torch.Tensor]) -> int:
+def _cudnn_workspace(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
+) -> int:
     if func not in _CONV_OPS or not outs:
         return 0
     biggest = max(t.untyped_storage().nbytes() for t in outs)
     return min(biggest, _cuda_model.CUDNN_WORKSPACE_CAP)
-
-
-def _onednn_workspace(func: Any, args: tuple[Any, ...], outs: list[torch.Tensor]) -> int:
-    """Scratch of PyTorch's CPU (oneDNN) kernels that is not a tensor the op returns.
-
-    Measured against the CPU allocator with the profiler: an fp32 convolution
-    reorders its output (one output's bytes), and ``mkldnn_rnn_layer`` packs the
-    layer's two weight matrices.
-    """
-    if func is torch.ops.aten.convolution.default and outs and outs[0].dtype == torch.float32:
-        return outs[0].untyped_storage().nbytes()
-    if func is torch.ops.aten.mkldnn_rnn_layer.default:
-        return sum(t.untyped_storage().nbytes() for t in args[1:3])
-    return 0
 
 
 def _claim_nodes(out: Any, module: str, table: dict[int, str]) -> None:

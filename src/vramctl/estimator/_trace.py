@@ -32,13 +32,14 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from vramctl._tensors import storage, tensors
 
-__all__ = ["StorageRecord", "Trace", "Tracer"]
+__all__ = ["EagerLinear", "StorageRecord", "Trace", "Tracer"]
 
 #: Outputs up to this many elements get real values when their inputs have them.
 KNOWN_NUMEL_LIMIT = 1 << 22
@@ -68,6 +69,14 @@ _VALUE_SHAPED = {
     "bincount",
     "histc",
     "segment_reduce",
+}
+#: Uniform [0, 1) random factories: their values are taken at the top of the range, so a
+#: random skip such as layer drop (``if torch.rand([]) < p: skip``) is not taken.
+_UNIFORM = {
+    _aten.rand.default,
+    _aten.rand.generator,
+    _aten.rand_like.default,
+    _aten.uniform_.default,
 }
 _NOT_KNOWN = {
     _aten.empty.memory_format,
@@ -151,8 +160,12 @@ class Tracer(TorchDispatchMode):
         #: fake tensor -> real tensor with its values, for input-derived tensors.
         self.known: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._assumed: set[tuple[str, str]] = set()
+        #: fake tensors whose known values come from random numbers (see ``_UNIFORM``).
+        self._random: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: Bytes of a modelled kernel workspace for an operator and its outputs (None: none).
-        self.workspace: Callable[[Any, tuple[Any, ...], list[torch.Tensor]], int] | None = None
+        self.workspace: (
+            Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Tensor]], int] | None
+        ) = None
         #: autograd node sequence number -> module that made it (for backward attribution).
         self.node_module: dict[int, str] = {}
 
@@ -210,7 +223,7 @@ class Tracer(TorchDispatchMode):
             self._propagate_known(func, args, kwargs, out)
         name = _op_name(func)
         outs = list(tensors(out))
-        ws = self.workspace(func, args, outs) if self.workspace is not None else 0
+        ws = self.workspace(func, args, kwargs, outs) if self.workspace is not None else 0
         if ws > 0:
             sid = len(self.trace.records)
             self.trace.records.append(
@@ -245,6 +258,15 @@ class Tracer(TorchDispatchMode):
         outs = list(tensors(out))
         if not outs or func in _NOT_KNOWN:
             return
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            for t in tensors((args, kwargs)):  # an in-place random fill
+                self.known.pop(t, None)
+            if func in _UNIFORM and outs[0].numel() <= KNOWN_NUMEL_LIMIT:
+                with unset_fake_temporarily():
+                    top = 1.0 - torch.finfo(outs[0].dtype).eps / 2
+                    self.known[outs[0]] = torch.full(outs[0].shape, top, dtype=outs[0].dtype)
+                self._random[outs[0]] = True
+            return
         if sum(t.numel() for t in outs) > KNOWN_NUMEL_LIMIT:
             for t in tensors((args, kwargs)):  # an in-place write makes values unknown
                 self.known.pop(t, None)
@@ -260,15 +282,24 @@ class Tracer(TorchDispatchMode):
                 real_out = func(*real[0], **real[1])
             except Exception:
                 return
+        random = any(t in self._random for t in tensors((args, kwargs)))
         for f, r in zip(outs, tensors(real_out), strict=False):
             if f.shape == r.shape:
                 self.known[f] = r
+                if random:
+                    self._random[f] = True
 
     def _data_dependent(self, func: Any, args: Any, kwargs: Any) -> Any:
         real = self._real_args(args, kwargs)
         known = real is not None
         if real is None:
             real = self._bound_args(func, args, kwargs)
+        elif any(t in self._random for t in tensors((args, kwargs))):
+            self._assume(
+                _op_name(func),
+                "depends on random numbers (torch.rand); they were taken at the top of "
+                "their range, so a random skip such as layer drop is not taken",
+            )
         with unset_fake_temporarily():
             real_out = func(*real[0], **real[1])
         if not isinstance(real_out, torch.Tensor | tuple | list):
@@ -287,17 +318,12 @@ class Tracer(TorchDispatchMode):
     def _bound_args(self, func: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Stand-ins for unknown values that give the operator its largest output."""
         name = _op_name(func)
-        key = (name, self.module)
-        if name in _VALUE_SHAPED and key not in self._assumed:
-            self._assumed.add(key)
-            where = f" in {self.module}" if self.module else ""
+        if name in _VALUE_SHAPED:
             if func in (_aten._local_scalar_dense.default, _aten.is_nonzero.default):
                 what = "read as 1 (true)"
             else:
                 what = "sized for its largest output (all elements selected, all distinct)"
-            self.trace.assumptions.append(
-                f"{name}{where} depends on values the trace cannot know; {what}"
-            )
+            self._assume(name, f"depends on values the trace cannot know; {what}")
 
         def standin(x: Any) -> Any:
             if not isinstance(x, torch.Tensor):
@@ -314,6 +340,49 @@ class Tracer(TorchDispatchMode):
 
         ra, rk = tree_map(standin, (args, kwargs))
         return ra, rk
+
+    def _assume(self, name: str, what: str) -> None:
+        """Record an assumption once per operator and module."""
+        key = (name, self.module)
+        if key in self._assumed:
+            return
+        self._assumed.add(key)
+        where = f" in {self.module}" if self.module else ""
+        self.trace.assumptions.append(f"{name}{where} {what}")
+
+
+class EagerLinear(TorchFunctionMode):
+    """Give ``F.linear`` on fake tensors the memory behaviour it has on real ones.
+
+    For an input that is not contiguous (a permuted 4-D activation, an LSTM's
+    output), eager ``linear`` computes ``matmul`` and adds the bias in place. With
+    a tensor subclass such as a fake tensor it adds out of place instead ("for
+    composite compliance"), which would hold one extra output at that moment.
+    This mode takes the eager path.
+    """
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x = args[0] if args else kwargs.get("input")
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (
+                bias is not None
+                and isinstance(x, torch.Tensor)
+                and isinstance(weight, torch.Tensor)
+                and x.dim() >= 3
+                and not x.is_contiguous()
+            ):
+                out = torch.matmul(x, weight.t())
+                return out.add_(bias if bias.dtype == out.dtype else bias.to(out.dtype))
+        return func(*args, **kwargs)
 
 
 class DataDependentError(RuntimeError):
