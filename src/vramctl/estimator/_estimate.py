@@ -29,6 +29,7 @@ from vramctl.estimator._allocator import (
     AllocatorOutOfMemory,
     CachingAllocatorModel,
 )
+from vramctl.estimator._autocast import CudaAutocast
 from vramctl.estimator._cpu_kernels import cpu_workspace
 from vramctl.estimator._trace import DataDependentError, EagerLinear, Trace, Tracer
 
@@ -500,6 +501,8 @@ class Session:
             )
             fake_batch = _fake_batch(batch, self.fake_mode, tracer, spec)
             es.enter_context(EagerLinear())
+            if self.target.cuda and spec.autocast_dtype is not None:
+                es.enter_context(CudaAutocast())
             es.enter_context(tracer)
             if self.target.cuda:
                 handles = 2 if spec.mode == "train" else 1
@@ -754,8 +757,8 @@ def build_estimate(
         notes.append("CPU target: live tensor bytes, no CUDA context or allocator modelled")
     if spec.autocast_dtype is not None and target.cuda:
         notes.append(
-            "autocast traced with the CPU policy; CUDA's keeps more ops (softmax, norms, "
-            "losses) in fp32"
+            "autocast: CUDA's fp32 rules (norms, softmax, exp/log/pow, sums, losses) applied "
+            "to a CPU trace"
         )
     return Estimate(
         model=session.name,

@@ -1,0 +1,148 @@
+"""CUDA's autocast policy on a trace that runs on CPU tensors.
+
+A CPU-only PyTorch build cannot carry a step on fake CUDA tensors, so the trace
+runs under ``torch.autocast("cpu")``. The CPU policy casts the same matrix
+operators to the low-precision dtype as CUDA's does, but it leaves in that dtype
+many operators CUDA runs in fp32: layer, group and RMS norms, softmax and
+log-softmax, ``exp``/``log``/``pow``/``rsqrt`` and friends, sums and cumulative
+sums, most losses, upsampling. Their outputs are twice as large on a GPU.
+
+:class:`CudaAutocast` is a ``TorchFunctionMode`` that, while CPU autocast is
+enabled (so a model's own ``torch.autocast(..., enabled=False)`` regions are
+honoured), applies CUDA's rules to those operators: ``fp32`` operators get their
+low-precision floating inputs cast to fp32, and ``fp32_set_opt_dtype``
+operators (softmax, sum ...) run with ``dtype=torch.float32`` when no dtype is
+given. The operator lists are PyTorch's (``ATen/autocast_mode.h``:
+``AT_FORALL_FP32`` and ``AT_FORALL_FP32_SET_OPT_DTYPE``); a test checks them
+against the installed headers where they are shipped.
+
+A function mode sees the Python-level call only, not operators a composite
+calls inside C++; ``cross_entropy`` (log-softmax then NLL, both fp32 under CUDA
+autocast) is therefore listed as an fp32 operator itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+__all__ = ["CUDA_FP32", "CUDA_FP32_SET_OPT_DTYPE", "CudaAutocast"]
+
+#: CUDA autocast runs these in fp32 (``AT_FORALL_FP32``), by ATen base name.
+CUDA_FP32 = frozenset(
+    {
+        "acos",
+        "asin",
+        "cosh",
+        "erfinv",
+        "exp",
+        "expm1",
+        "log",
+        "log10",
+        "log2",
+        "log1p",
+        "reciprocal",
+        "rsqrt",
+        "sinh",
+        "tan",
+        "pow",
+        "softplus",
+        "layer_norm",
+        "native_layer_norm",
+        "rms_norm",
+        "group_norm",
+        "frobenius_norm",
+        "nuclear_norm",
+        "cosine_similarity",
+        "poisson_nll_loss",
+        "cosine_embedding_loss",
+        "nll_loss",
+        "nll_loss2d",
+        "hinge_embedding_loss",
+        "kl_div",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "mse_loss",
+        "margin_ranking_loss",
+        "multilabel_margin_loss",
+        "soft_margin_loss",
+        "triplet_margin_loss",
+        "multi_margin_loss",
+        "binary_cross_entropy_with_logits",
+        "dist",
+        "pdist",
+        "cdist",
+        "renorm",
+        "logsumexp",
+        "upsample_nearest1d",
+        "_upsample_nearest_exact1d",
+        "upsample_nearest2d",
+        "_upsample_nearest_exact2d",
+        "upsample_nearest3d",
+        "_upsample_nearest_exact3d",
+        "upsample_linear1d",
+        "upsample_bilinear2d",
+        "_upsample_bilinear2d_aa",
+        "upsample_trilinear3d",
+        "upsample_bicubic2d",
+        "_upsample_bicubic2d_aa",
+    }
+)
+#: CUDA autocast gives these ``dtype=float32`` when none is passed.
+CUDA_FP32_SET_OPT_DTYPE = frozenset(
+    {
+        "prod",
+        "softmax",
+        "log_softmax",
+        "cumprod",
+        "cumsum",
+        "linalg_vector_norm",
+        "linalg_matrix_norm",
+        "sum",
+    }
+)
+#: Python-level names that reach an fp32 operator through a composite.
+_PYTHON_FP32 = frozenset({"cross_entropy", "interpolate", "upsample"})
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _to_fp32(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.dtype in _LOW:
+        return x.to(torch.float32)
+    return x
+
+
+class CudaAutocast(TorchFunctionMode):
+    """Apply CUDA autocast's fp32 rules while CPU autocast is enabled."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name and torch.is_autocast_enabled("cpu"):
+            if name in CUDA_FP32 or name in _PYTHON_FP32:
+                args, kwargs = tree_map(_to_fp32, (args, kwargs))
+            elif (
+                name in CUDA_FP32_SET_OPT_DTYPE
+                and kwargs.get("dtype") is None
+                and args
+                and isinstance(args[0], torch.Tensor)
+                and args[0].is_floating_point()
+                and not _dtype_given_positionally(name, args)
+            ):
+                kwargs = {**kwargs, "dtype": torch.float32}
+        return func(*args, **kwargs)
+
+
+def _dtype_given_positionally(name: str, args: tuple[Any, ...]) -> bool:
+    return any(isinstance(a, torch.dtype) for a in args[1:])

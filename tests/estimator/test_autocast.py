@@ -1,0 +1,85 @@
+"""CUDA's autocast rules on a CPU trace."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vramctl
+from vramctl.estimator._autocast import CUDA_FP32, CUDA_FP32_SET_OPT_DTYPE, CudaAutocast
+
+
+def test_cuda_fp32_operators_run_in_fp32_and_matmuls_stay_low() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    labels = torch.zeros(4, dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = F.layer_norm(F.linear(x, w), (8,))
+        with CudaAutocast():
+            h = F.linear(x, w)
+            got = {
+                "linear": h.dtype,
+                "layer_norm": F.layer_norm(h, (8,)).dtype,
+                "rms_norm": F.rms_norm(h, (8,)).dtype,
+                "softmax": h.softmax(-1).dtype,
+                "F.softmax": F.softmax(h, -1).dtype,
+                "exp": torch.exp(h).dtype,
+                "pow": (h**2).dtype,
+                "sum": h.sum(-1).dtype,
+                "cross_entropy": F.cross_entropy(h, labels).dtype,
+                "explicit dtype": h.softmax(-1, dtype=torch.bfloat16).dtype,
+            }
+            with torch.autocast("cpu", enabled=False):
+                got["autocast off"] = F.layer_norm(h, (8,)).dtype
+    assert plain.dtype == torch.bfloat16  # the CPU policy alone keeps the norm low
+    low = {"linear", "explicit dtype", "autocast off"}
+    for op, dtype in got.items():
+        assert dtype == (torch.bfloat16 if op in low else torch.float32), op
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(256, 256)
+        self.norm = nn.LayerNorm(256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.fc(x))
+        return (h @ h.transpose(-1, -2)).softmax(-1) @ h
+
+
+def test_a_cuda_target_traces_norms_and_softmax_in_fp32() -> None:
+    batch = torch.randn(8, 128, 256)
+    kw = {"mode": "infer", "precision": "amp-bf16"}
+    cpu = vramctl.estimate(Block(), batch, device="cpu", **kw)
+    gpu = vramctl.estimate(Block(), batch, device="A10G-24GB", **kw)
+    # The softmax output (8 x 128 x 128) is fp32 on CUDA: 4 bytes an element, not 2.
+    assert gpu.logical_peak - cpu.logical_peak >= 8 * 128 * 128 * 2
+    assert any("CUDA's fp32 rules" in n for n in gpu.notes)
+
+
+def _header_names(macro: str) -> set[str] | None:
+    header = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
+    if not header.exists():
+        return None
+    text = header.read_text()
+    start = text.find(f"#define {macro}(_)")
+    if start < 0:
+        return None
+    block = text[start : text.find("\n\n", start)]
+    return set(re.findall(r"_\((\w+)", block))
+
+
+@pytest.mark.parametrize(
+    ("macro", "ours"),
+    [("AT_FORALL_FP32", CUDA_FP32), ("AT_FORALL_FP32_SET_OPT_DTYPE", CUDA_FP32_SET_OPT_DTYPE)],
+)
+def test_the_lists_match_the_installed_pytorch(macro: str, ours: frozenset[str]) -> None:
+    names = _header_names(macro)
+    if names is None:
+        pytest.skip("this PyTorch install ships no ATen headers")
+    assert names <= ours, f"{macro} has operators vramctl does not list: {names - ours}"
