@@ -71,13 +71,14 @@ _VALUE_SHAPED = {
     "segment_reduce",
 }
 #: Uniform [0, 1) random factories: their values are taken at the top of the range, so a
-#: random skip such as layer drop (``if torch.rand([]) < p: skip``) is not taken.
+#: random skip such as layer drop (``if torch.rand([]) < p: skip``) is not taken. Only
+#: small draws (up to ``RANDOM_NUMEL_LIMIT``) get values; in-place fills (weight init) none.
 _UNIFORM = {
     _aten.rand.default,
     _aten.rand.generator,
     _aten.rand_like.default,
-    _aten.uniform_.default,
 }
+RANDOM_NUMEL_LIMIT = 1 << 12
 _NOT_KNOWN = {
     _aten.empty.memory_format,
     _aten.empty_strided.default,
@@ -261,7 +262,7 @@ class Tracer(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded in func.tags:
             for t in tensors((args, kwargs)):  # an in-place random fill
                 self.known.pop(t, None)
-            if func in _UNIFORM and outs[0].numel() <= KNOWN_NUMEL_LIMIT:
+            if func in _UNIFORM and outs[0].numel() <= RANDOM_NUMEL_LIMIT:
                 with unset_fake_temporarily():
                     top = 1.0 - torch.finfo(outs[0].dtype).eps / 2
                     self.known[outs[0]] = torch.full(outs[0].shape, top, dtype=outs[0].dtype)
