@@ -85,3 +85,32 @@ def test_the_lists_match_the_installed_pytorch(macro: str, ours: frozenset[str])
     if names is None:
         pytest.skip("this PyTorch install ships no ATen headers")
     assert names <= ours, f"{macro} has operators vramctl does not list: {names - ours}"
+
+
+@pytest.mark.cuda
+def test_the_emulation_gives_the_dtypes_cuda_autocast_gives() -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    labels = torch.zeros(4, dtype=torch.long)
+    cases = {
+        "layer_norm": lambda h: F.layer_norm(h, (8,)),
+        "rms_norm": lambda h: F.rms_norm(h, (8,)),
+        "group_norm": lambda h: F.group_norm(h.view(4, 8, 1), 2),
+        "softmax": lambda h: h.softmax(-1),
+        "log_softmax": lambda h: F.log_softmax(h, -1),
+        "exp": torch.exp,
+        "pow": lambda h: h.pow(2),
+        "rsqrt": torch.rsqrt,
+        "sum": lambda h: h.sum(-1),
+        "cumsum": lambda h: h.cumsum(-1),
+        "cross_entropy": lambda h: F.cross_entropy(h, labels.to(h.device)),
+        "mse_loss": lambda h: F.mse_loss(h, torch.zeros_like(h)),
+        "gelu": F.gelu,
+        "matmul": lambda h: h @ h.t(),
+    }
+    for name, fn in cases.items():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            real = fn(F.linear(x.cuda(), w.cuda())).dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocast():
+            emulated = fn(F.linear(x, w)).dtype
+        assert emulated == real, name
