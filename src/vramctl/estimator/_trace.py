@@ -259,8 +259,9 @@ class Tracer(TorchDispatchMode):
         outs = list(tensors(out))
         if not outs or func in _NOT_KNOWN:
             return
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            for t in tensors((args, kwargs)):  # an in-place random fill
+        inputs = list(tensors((args, kwargs)))
+        if _seeded(func):
+            for t in inputs:  # an in-place random fill
                 self.known.pop(t, None)
             if func in _UNIFORM and outs[0].numel() <= RANDOM_NUMEL_LIMIT:
                 with unset_fake_temporarily():
@@ -268,22 +269,24 @@ class Tracer(TorchDispatchMode):
                     self.known[outs[0]] = torch.full(outs[0].shape, top, dtype=outs[0].dtype)
                 self._random[outs[0]] = True
             return
+        if not all(t in self.known for t in inputs):  # the common case: an activation
+            if _is_inplace(func):  # an in-place write makes values unknown
+                for t in inputs:
+                    self.known.pop(t, None)
+            return
         if sum(t.numel() for t in outs) > KNOWN_NUMEL_LIMIT:
-            for t in tensors((args, kwargs)):  # an in-place write makes values unknown
+            for t in inputs:  # an in-place write makes values unknown
                 self.known.pop(t, None)
             return
         real = self._real_args(args, kwargs)
         if real is None:
-            if _is_inplace(func):
-                for t in tensors((args, kwargs)):
-                    self.known.pop(t, None)
             return
         with unset_fake_temporarily():
             try:
                 real_out = func(*real[0], **real[1])
             except Exception:
                 return
-        random = any(t in self._random for t in tensors((args, kwargs)))
+        random = any(t in self._random for t in inputs)
         for f, r in zip(outs, tensors(real_out), strict=False):
             if f.shape == r.shape:
                 self.known[f] = r
@@ -399,6 +402,17 @@ class DataDependentError(RuntimeError):
 
 def _op_name(func: Any) -> str:
     return str(getattr(func, "__name__", func)).split(".")[0]
+
+
+_SEEDED: dict[Any, bool] = {}
+
+
+def _seeded(func: Any) -> bool:
+    """Whether an operator draws random numbers."""
+    hit = _SEEDED.get(func)
+    if hit is None:
+        hit = _SEEDED[func] = torch.Tag.nondeterministic_seeded in func.tags
+    return hit
 
 
 def _is_inplace(func: Any) -> bool:
