@@ -114,3 +114,23 @@ def test_linear_on_a_permuted_input_adds_its_bias_in_place_as_eager_does() -> No
     # An out-of-place bias add would hold a second fc output at the peak.
     assert est.logical_peak < truth + out_bytes // 2
     assert abs(est.logical_peak - truth) / truth < 0.03
+
+
+class TruncInit(nn.Module):
+    """Weight init by rejection sampling (``nn.init.trunc_normal_`` loops on ``.any()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        nn.init.trunc_normal_(self.fc.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        while (h > 0).any():  # a loop on values the trace cannot know
+            h = h - 1
+        return h
+
+
+def test_loops_on_unknown_values_end_at_build_and_in_the_step() -> None:
+    est = vramctl.estimate(TruncInit, torch.randn(4, 64), mode="infer", device="cpu")
+    assert any("then false" in a for a in est.assumptions)

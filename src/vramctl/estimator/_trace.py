@@ -79,6 +79,8 @@ _UNIFORM = {
     _aten.rand_like.default,
 }
 RANDOM_NUMEL_LIMIT = 1 << 12
+#: Unknown truth values read as true at one place before a loop on them is cut.
+LOOP_LIMIT = 1000
 _NOT_KNOWN = {
     _aten.empty.memory_format,
     _aten.empty_strided.default,
@@ -161,6 +163,7 @@ class Tracer(TorchDispatchMode):
         #: fake tensor -> real tensor with its values, for input-derived tensors.
         self.known: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._assumed: set[tuple[str, str]] = set()
+        self._reads: dict[tuple[str, str], int] = {}
         #: fake tensors whose known values come from random numbers (see ``_UNIFORM``).
         self._random: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: Bytes of a modelled kernel workspace for an operator and its outputs (None: none).
@@ -320,10 +323,24 @@ class Tracer(TorchDispatchMode):
         return tree_map(fake, real_out)
 
     def _bound_args(self, func: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        """Stand-ins for unknown values that give the operator its largest output."""
+        """Stand-ins for unknown values that give the operator its largest output.
+
+        An unknown truth value reads as true, except while a model is built (weight
+        init's rejection sampling, ``while (w > 2).any(): redraw``, must end; the build
+        is not traced) and after :data:`LOOP_LIMIT` true readings at one place (a
+        loop on unknown values is cut, and the cut is listed).
+        """
         name = _op_name(func)
-        if name in _VALUE_SHAPED:
-            if func in (_aten._local_scalar_dense.default, _aten.is_nonzero.default):
+        scalar = func in (_aten._local_scalar_dense.default, _aten.is_nonzero.default)
+        falsy = not self.record
+        if scalar and self.record:
+            key = (name, self.module)
+            self._reads[key] = self._reads.get(key, 0) + 1
+            if self._reads[key] > LOOP_LIMIT:
+                falsy = True
+                self._assume(f"{name} (a loop)", f"read as true {LOOP_LIMIT} times, then false")
+        if name in _VALUE_SHAPED and self.record and not falsy:
+            if scalar:
                 what = "read as 1 (true)"
             else:
                 what = "sized for its largest output (all elements selected, all distinct)"
@@ -338,6 +355,8 @@ class Tracer(TorchDispatchMode):
             if x.numel() > BOUND_NUMEL_LIMIT:
                 raise DataDependentError(name, self.module, x.numel())
             with unset_fake_temporarily():
+                if falsy:
+                    return torch.zeros(x.shape, dtype=x.dtype)
                 if x.dtype == torch.bool:
                     return torch.ones(x.shape, dtype=torch.bool)
                 return (torch.arange(x.numel()) + 1).reshape(x.shape).to(x.dtype)
