@@ -138,11 +138,7 @@ class CudaAutocast(TorchFunctionMode):
                 and args
                 and isinstance(args[0], torch.Tensor)
                 and args[0].is_floating_point()
-                and not _dtype_given_positionally(name, args)
+                and not any(isinstance(a, torch.dtype) for a in args[1:])
             ):
                 kwargs = {**kwargs, "dtype": torch.float32}
         return func(*args, **kwargs)
-
-
-def _dtype_given_positionally(name: str, args: tuple[Any, ...]) -> bool:
-    return any(isinstance(a, torch.dtype) for a in args[1:])
