@@ -34,6 +34,16 @@ from vramctl.device import (
     use_device,
 )
 from vramctl.estimator import Estimate, EstimateError, MaxBatch, estimate, max_batch_size
+from vramctl.guard import (
+    Guard,
+    GuardEvent,
+    MemoryReport,
+    SplitBatchNormWarning,
+    StepDoesNotFitError,
+    StepResult,
+    guarded,
+    is_oom,
+)
 
 __all__ = [
     "NA",
@@ -42,9 +52,12 @@ __all__ = [
     "Estimate",
     "EstimateError",
     "GpuSpec",
+    "Guard",
+    "GuardEvent",
     "HealthState",
     "InvalidSizeError",
     "MaxBatch",
+    "MemoryReport",
     "MemoryState",
     "NotAvailable",
     "Policy",
@@ -52,6 +65,9 @@ __all__ = [
     "Selection",
     "SimulatedDevice",
     "SimulatedOutOfMemoryError",
+    "SplitBatchNormWarning",
+    "StepDoesNotFitError",
+    "StepResult",
     "UnknownDeviceError",
     "VramctlError",
     "__version__",
@@ -63,6 +79,8 @@ __all__ = [
     "get_device",
     "gpu_spec",
     "gpus",
+    "guarded",
+    "is_oom",
     "max_batch_size",
     "parse_size",
     "rank_devices",

@@ -27,9 +27,11 @@ those; see ``docs/simulate.md``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -111,6 +113,8 @@ class _Budget(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         dev = self.device
+        if dev._paused:
+            return func(*args, **kwargs)
         planned = _planned_bytes(func, args, kwargs)
         if planned is not None and planned > dev.free_bytes:
             dev._refuse(planned)
@@ -168,6 +172,7 @@ class SimulatedDevice(Device):
         self._allocated = 0
         self._peak = 0
         self._mode: _Budget | None = None
+        self._paused = 0
         self.ooms = 0
 
     # -- Device interface ---------------------------------------------------------
@@ -285,6 +290,20 @@ class SimulatedDevice(Device):
                     found.append(st)
         self._account(found)
         return obj
+
+    @contextlib.contextmanager
+    def host(self) -> Iterator[None]:
+        """Allocations made inside are host memory, not the simulated GPU's.
+
+        The simulated ``.to("cpu")``: what is made here is not counted, so
+        tensors copied inside (offloaded activations, a CPU fallback) take no
+        budget. Tensors made here and used afterwards stay uncounted.
+        """
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     # -- context ------------------------------------------------------------------
 

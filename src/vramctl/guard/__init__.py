@@ -1,0 +1,46 @@
+"""The OOM guard: recognise an out-of-memory error and finish the step in pieces."""
+
+from __future__ import annotations
+
+from vramctl.guard._guard import (
+    Guard,
+    GuardedFunction,
+    GuardEvent,
+    SplitBatchNormWarning,
+    StepResult,
+    add_listener,
+    guarded,
+    remove_listener,
+)
+from vramctl.guard._meter import PeakMeter, available_bytes, total_bytes
+from vramctl.guard._offload import can_offload, offload_activations
+from vramctl.guard._oom import OomCounters, is_oom, release
+from vramctl.guard._report import MemoryReport, StepDoesNotFitError, memory_report
+from vramctl.guard._split import batch_size_of, merge_outputs, piece_sizes, slice_batch, split_batch
+
+__all__ = [
+    "Guard",
+    "GuardEvent",
+    "GuardedFunction",
+    "MemoryReport",
+    "OomCounters",
+    "PeakMeter",
+    "SplitBatchNormWarning",
+    "StepDoesNotFitError",
+    "StepResult",
+    "add_listener",
+    "available_bytes",
+    "batch_size_of",
+    "can_offload",
+    "guarded",
+    "is_oom",
+    "memory_report",
+    "merge_outputs",
+    "offload_activations",
+    "piece_sizes",
+    "release",
+    "remove_listener",
+    "slice_batch",
+    "split_batch",
+    "total_bytes",
+]

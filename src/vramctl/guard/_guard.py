@@ -1,0 +1,673 @@
+"""``Guard`` and ``guarded``: a step that survives an out-of-memory error with nothing lost.
+
+When a step runs out of memory, what the failed attempt held is freed and the
+*same* batch runs again in smaller pieces:
+
+- training: forward and backward per piece, each piece's loss scaled by its
+  share of the batch (``reduction="mean"``) so the accumulated gradients are
+  the whole batch's, then one optimizer step (with ``GradScaler`` and gradient
+  clipping as configured);
+- inference: every piece's outputs, joined back in the original order; pieces
+  that already ran are not run again.
+
+The piece size that worked is kept for the next steps and probed back up
+(after ``patience`` good steps, when memory has been freed; the wait doubles
+after each failed probe, so it does not flap). When a single sample still does
+not fit, the activations are offloaded to host memory; when that fails too,
+:class:`StepDoesNotFitError` says what holds the memory and what to try.
+
+>>> import torch, vramctl
+>>> model = torch.nn.Linear(8, 2)
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> guard = vramctl.Guard(model, opt, loss_fn=lambda out, batch: out.square().mean())
+>>> result = guard.step(torch.randn(16, 8))
+>>> result.pieces, guard.summary()["ooms"]
+(1, 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramctl.device._base import Device
+from vramctl.device._discover import get_device
+from vramctl.device._select import current_device
+from vramctl.estimator._estimate import call_model
+from vramctl.guard._dist import agree, average_gradients
+from vramctl.guard._meter import available_bytes
+from vramctl.guard._offload import can_offload, offload_activations
+from vramctl.guard._oom import OomCounters, is_oom, release
+from vramctl.guard._report import StepDoesNotFitError, memory_report
+from vramctl.guard._split import (
+    batch_size_of,
+    merge_outputs,
+    piece_sizes,
+    slice_batch,
+    split_batch,
+)
+
+__all__ = [
+    "Guard",
+    "GuardEvent",
+    "GuardedFunction",
+    "SplitBatchNormWarning",
+    "StepResult",
+    "add_listener",
+    "guarded",
+    "remove_listener",
+]
+
+REDUCTIONS = ("mean", "sum")
+
+#: Called with every event of every guard (the monitor subscribes here).
+_listeners: list[Callable[[GuardEvent], None]] = []
+
+
+def add_listener(fn: Callable[[GuardEvent], None]) -> None:
+    """Call ``fn(event)`` for every event of every guard in this process."""
+    _listeners.append(fn)
+
+
+def remove_listener(fn: Callable[[GuardEvent], None]) -> None:
+    with contextlib.suppress(ValueError):
+        _listeners.remove(fn)
+
+
+class SplitBatchNormWarning(UserWarning):
+    """A model with BatchNorm ran in pieces: its batch statistics were computed per piece."""
+
+
+@dataclass(frozen=True)
+class GuardEvent:
+    """One thing the guard did.
+
+    ``kind`` is ``"oom"`` (an attempt ran out of memory and was freed),
+    ``"grow"`` (the piece size was probed back up), ``"offload"`` (activations
+    moved to host memory), ``"optimizer_oom"`` (the optimizer step ran out of
+    memory and was retried) or ``"gave_up"``.
+    """
+
+    kind: str
+    step: int
+    batch_size: int
+    pieces: int
+    piece_limit: int | None
+    time_lost: float = 0.0
+    available: int | None = None
+    detail: str = ""
+    timestamp: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "step": self.step,
+            "batch_size": self.batch_size,
+            "pieces": self.pieces,
+            "piece_limit": self.piece_limit,
+            "time_lost_s": round(self.time_lost, 6),
+            "available_bytes": self.available,
+            "detail": self.detail,
+            "timestamp": self.timestamp,
+        }
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a guarded training step did."""
+
+    #: The whole batch's loss (detached), as if it had run in one piece.
+    loss: torch.Tensor
+    batch_size: int
+    pieces: int
+    #: Out-of-memory errors survived in this step, and the seconds they cost.
+    ooms: int = 0
+    time_lost: float = 0.0
+    offloaded: bool = False
+
+
+@dataclass
+class _Attempt:
+    failed: bool = False
+    error: BaseException | None = None
+    message: str = ""
+
+
+class Guard:
+    """Run training or inference steps that finish in pieces when memory runs out.
+
+    ``model`` and ``optimizer`` make :meth:`step` a whole training step:
+    ``loss_fn(model(batch), batch)`` (or the output's ``.loss``, or the output
+    itself when it is a scalar), backward, optional unscaling and clipping, the
+    optimizer step and ``zero_grad``. The model is called with a dict batch as
+    keyword arguments, a tuple or list as positional arguments, anything else
+    as its one argument; ``forward=(model, batch) -> output`` says otherwise
+    (``lambda m, b: m(b[0])`` for ``(inputs, targets)`` pairs).
+    :meth:`infer` runs the model under
+    ``torch.no_grad`` and returns its outputs. :func:`guarded` wraps any
+    function instead of a model.
+
+    ``reduction`` says how the loss reduces over samples: ``"mean"`` (pieces
+    are weighted by their share of the batch, or by ``weight_fn(piece)``, for
+    example the number of target tokens) or ``"sum"``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        forward: Callable[[Any, Any], Any] | None = None,
+        reduction: str = "mean",
+        weight_fn: Callable[[Any], float | torch.Tensor] | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        clip_grad_norm: float | None = None,
+        device: Device | str | int | None = None,
+        piece_limit: int | None = None,
+        offload: bool = True,
+        patience: int = 16,
+        sync: bool | None = None,
+        on_event: Callable[[GuardEvent], None] | None = None,
+        history: int = 10_000,
+    ) -> None:
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if piece_limit is not None and piece_limit < 1:
+            raise ValueError(f"piece_limit must be at least 1, got {piece_limit}")
+        if patience < 1:
+            raise ValueError(f"patience must be at least 1, got {patience}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.forward = forward or call_model
+        self.reduction = reduction
+        self.weight_fn = weight_fn
+        self.scaler = scaler
+        self.clip_grad_norm = clip_grad_norm
+        self.device = _resolve_device(device, model, optimizer)
+        #: Largest number of samples per piece (None: the whole batch).
+        self.piece_limit = piece_limit
+        self.offload = offload and can_offload(self.device)
+        self.patience = patience
+        self.on_event = on_event
+        self.events: deque[GuardEvent] = deque(maxlen=history)
+        self._params = _params(model, optimizer)
+        self._sync = (
+            sync if sync is not None else isinstance(model, nn.parallel.DistributedDataParallel)
+        )
+        self._bn_warned = False
+        self._offloading = False
+        self._counters = OomCounters.read(self.device)
+        self._streak = 0
+        self._wait = patience
+        self._free_at_oom: int | None = None
+        self._grow_from: int | None = None
+        self.steps = 0
+        self.samples = 0
+        self.ooms = 0
+        self.split_steps = 0
+        self.time_lost = 0.0
+
+    # -- public -------------------------------------------------------------------
+
+    def step(self, batch: Any, *, update: bool = True) -> StepResult:
+        """One training step on ``batch``; ``update=False`` only accumulates gradients."""
+        if self.model is None:
+            raise ValueError("Guard.step needs a model; use guarded(fn, optimizer=...) otherwise")
+        model = self.model
+        return self.train_step(
+            batch, lambda piece: self._loss(self.forward(model, piece), piece), update
+        )
+
+    def infer(self, batch: Any) -> Any:
+        """The model's outputs for ``batch`` under ``torch.no_grad``, whole or in pieces."""
+        if self.model is None:
+            raise ValueError("Guard.infer needs a model; use guarded(fn) otherwise")
+        model = self.model
+
+        def run(piece: Any) -> Any:
+            with torch.no_grad():
+                return self.forward(model, piece)
+
+        return self.infer_step(batch, run)
+
+    def __call__(self, batch: Any) -> Any:
+        return self.step(batch) if self.optimizer is not None else self.infer(batch)
+
+    def summary(self, events: int = 20) -> dict[str, Any]:
+        """Counts and the latest ``events`` events, JSON-ready."""
+        return {
+            "device": self.device.id,
+            "steps": self.steps,
+            "samples": self.samples,
+            "ooms": self.ooms,
+            "ooms_recovered": sum(1 for e in self.events if e.kind in ("oom", "optimizer_oom")),
+            "split_steps": self.split_steps,
+            "piece_limit": self.piece_limit,
+            "offloading": self._offloading,
+            "time_lost_s": round(self.time_lost, 6),
+            "events": [e.to_dict() for e in list(self.events)[-events:]],
+        }
+
+    # -- training -----------------------------------------------------------------
+
+    def train_step(
+        self, batch: Any, loss_of: Callable[[Any], torch.Tensor], update: bool = True
+    ) -> StepResult:
+        """Run ``loss_of`` on ``batch`` (in pieces if need be), backward, optimizer step."""
+        n = batch_size_of(batch)
+        ooms_before, lost_before = self.ooms, self.time_lost
+        self._maybe_grow(n)
+        stash = _stash_grads(self._params)
+        while True:
+            limit = self.piece_limit or n
+            t0 = time.perf_counter()
+            att = _Attempt()
+            loss: torch.Tensor | None = None
+            try:
+                loss = self._accumulate(batch, n, limit, loss_of)
+            except Exception as exc:
+                if not is_oom(exc, device=self.device, counters=self._counters):
+                    _restore_grads(self._params, stash)
+                    raise
+                att = _Attempt(True, exc, str(exc))
+            failed = att.failed
+            if self._sync:
+                failed, agreed = agree(failed, limit)
+                limit = min(limit, agreed)
+            if not failed:
+                break
+            loss = None
+            _drop_grads(self._params)
+            self._recover(att, n, limit, time.perf_counter() - t0)
+        if self._sync:
+            average_gradients(self._params)
+        _restore_grads(self._params, stash, add=True)
+        if update:
+            self._optimizer_step(n)
+        self._done(n, limit)
+        assert loss is not None
+        return StepResult(
+            loss,
+            n,
+            len(piece_sizes(n, math.ceil(n / limit))),
+            self.ooms - ooms_before,
+            self.time_lost - lost_before,
+            self._offloading,
+        )
+
+    def _accumulate(
+        self, batch: Any, n: int, limit: int, loss_of: Callable[[Any], torch.Tensor]
+    ) -> torch.Tensor:
+        k = math.ceil(n / limit)
+        if k == 1:
+            with self._piece_context():
+                loss = loss_of(batch)
+                self._backward(loss)
+            return loss.detach()
+        self._warn_batchnorm()
+        pieces = split_batch(batch, k, size=n)
+        sizes = piece_sizes(n, k)
+        if self.weight_fn is not None:
+            weights = [float(self.weight_fn(p)) for p in pieces]
+        else:
+            weights = [float(s) for s in sizes]
+        total_w = sum(weights) if self.reduction == "mean" else 1.0
+        acc: torch.Tensor | None = None
+        for piece, w in zip(pieces, weights, strict=True):
+            scale = w / total_w if self.reduction == "mean" else 1.0
+            with self._piece_context():
+                loss = loss_of(piece)
+                self._backward(loss * scale)
+            part = loss.detach() * scale
+            acc = part if acc is None else acc + part
+            del loss
+        assert acc is not None
+        return acc
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    @contextlib.contextmanager
+    def _piece_context(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self._sync and isinstance(self.model, nn.parallel.DistributedDataParallel):
+                stack.enter_context(self.model.no_sync())
+            if self._offloading:
+                stack.enter_context(offload_activations(self.device))
+            yield
+
+    def _optimizer_step(self, n: int) -> None:
+        opt = self.optimizer
+        if opt is None:
+            return
+        for attempt in (1, 2):
+            t0 = time.perf_counter()
+            att = _Attempt()
+            try:
+                if self.scaler is not None:
+                    if self.clip_grad_norm is not None:
+                        self.scaler.unscale_(opt)
+                        nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
+                    self.scaler.step(opt)
+                    self.scaler.update()
+                else:
+                    if self.clip_grad_norm is not None:
+                        nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
+                    opt.step()
+            except Exception as exc:
+                if not is_oom(exc, device=self.device, counters=self._counters):
+                    raise
+                att = _Attempt(True, exc, str(exc))
+            if not att.failed:
+                break
+            release(att.error, self.device)
+            att.error = None
+            self._counters = OomCounters.read(self.device)
+            self.ooms += 1
+            lost = time.perf_counter() - t0
+            self.time_lost += lost
+            self._emit("optimizer_oom", n, 1, lost, att.message)
+            if attempt == 2:
+                self._give_up(
+                    n, att.message, ["the optimizer step, twice, after freeing the cache"]
+                )
+        opt.zero_grad(set_to_none=True)
+
+    def _loss(self, out: Any, piece: Any) -> torch.Tensor:
+        if self.loss_fn is not None:
+            return self.loss_fn(out, piece)
+        loss = getattr(out, "loss", None)
+        if loss is None and isinstance(out, dict):
+            loss = out.get("loss")
+        if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
+            loss = out
+        if not isinstance(loss, torch.Tensor):
+            raise ValueError(
+                "the model's output has no loss: pass loss_fn=(output, batch) -> scalar tensor"
+            )
+        return loss
+
+    # -- inference ----------------------------------------------------------------
+
+    def infer_step(self, batch: Any, fn: Callable[[Any], Any]) -> Any:
+        """``fn(batch)``, or ``fn`` over pieces of it joined back in order when memory runs out.
+
+        Pieces that finished are kept; only the rest is split further.
+        """
+        n = batch_size_of(batch)
+        self._maybe_grow(n)
+        limit = self.piece_limit or n
+        # (start, end) ranges still to run, and outputs of the ranges done.
+        todo = _ranges(0, n, limit)
+        done: list[tuple[int, int, Any]] = []
+        while todo:
+            lo, hi = todo[0]
+            t0 = time.perf_counter()
+            att = _Attempt()
+            try:
+                piece = batch if (lo, hi) == (0, n) else slice_batch(batch, lo, hi, size=n)
+                out = fn(piece)
+                del piece
+            except Exception as exc:
+                if not is_oom(exc, device=self.device, counters=self._counters):
+                    raise
+                att = _Attempt(True, exc, str(exc))
+            if not att.failed:
+                done.append((lo, hi, out))
+                del out
+                todo.pop(0)
+                continue
+            piece = None
+            limit = self._recover(att, n, hi - lo, time.perf_counter() - t0, train=False)
+            todo = _ranges(lo, n, limit)
+        self._done(n, limit)
+        if len(done) == 1:
+            return done[0][2]
+        return merge_outputs(
+            [o for _, _, o in done], [hi - lo for lo, hi, _ in done], reduction=self.reduction
+        )
+
+    # -- piece size ---------------------------------------------------------------
+
+    def _recover(self, att: _Attempt, n: int, tried: int, lost: float, train: bool = True) -> int:
+        """Free the failed attempt, record it, and return the next piece size (or give up)."""
+        release(att.error, self.device)
+        att.error = None
+        self._counters = OomCounters.read(self.device)
+        self.ooms += 1
+        self.time_lost += lost
+        self._streak = 0
+        free = _available(self.device)
+        self._free_at_oom = free
+        if self._grow_from is not None:
+            # A probe back up failed: wait twice as long before the next one.
+            self._wait = min(self._wait * 2, 4096)
+            self._grow_from = None
+        if tried > 1:
+            new = max(1, tried // 2)
+            self.piece_limit = new
+            self._emit("oom", n, math.ceil(n / new), lost, att.message, free)
+            return new
+        if train and self.offload and not self._offloading:
+            self._offloading = True
+            self.piece_limit = 1
+            self._emit("oom", n, n, lost, att.message, free)
+            self._emit("offload", n, n, 0.0, "activations saved for backward go to host memory")
+            return 1
+        self._emit("oom", n, n, lost, att.message, free)
+        tried_list = ["pieces of one sample"]
+        if self._offloading:
+            tried_list.append("activations offloaded to host memory")
+        self._give_up(n, att.message, tried_list)
+        raise AssertionError("unreachable")
+
+    def _give_up(self, n: int, message: str, attempts: list[str]) -> None:
+        self._emit("gave_up", n, n, 0.0, message)
+        report = memory_report(
+            self.device,
+            model=_unwrap(self.model),
+            optimizer=self.optimizer,
+            error=message,
+            attempts=attempts,
+        )
+        raise StepDoesNotFitError(
+            f"the step does not fit on {self.device.id} even one sample at a time", report
+        )
+
+    def _maybe_grow(self, n: int) -> None:
+        """After ``patience`` good steps, try larger pieces if memory was freed since the OOM."""
+        if self.piece_limit is None or self._streak < self._wait:
+            return
+        free = _available(self.device)
+        freed = self._free_at_oom is None or (free is not None and free > self._free_at_oom * 1.05)
+        if not freed and self._streak < 4 * self._wait:
+            return
+        old = self.piece_limit
+        self._grow_from = old
+        self.piece_limit = None if old * 2 >= n else old * 2
+        self._offloading = False
+        self._streak = 0
+        self._emit("grow", n, math.ceil(n / (self.piece_limit or n)), 0.0, f"from {old}", free)
+
+    def _done(self, n: int, limit: int) -> None:
+        self.steps += 1
+        self.samples += n
+        self._streak += 1
+        if limit < n:
+            self.split_steps += 1
+        if self._grow_from is not None and self._streak >= 1:
+            self._grow_from = None
+            self._wait = self.patience
+
+    def _warn_batchnorm(self) -> None:
+        if self._bn_warned or self.model is None:
+            return
+        if any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+            for m in self.model.modules()
+        ):
+            warnings.warn(
+                "the batch ran in pieces: BatchNorm statistics were computed per piece, so "
+                "this step is not exactly the whole batch's (use GroupNorm or LayerNorm, or "
+                "a smaller batch, for exact steps)",
+                SplitBatchNormWarning,
+                stacklevel=4,
+            )
+        self._bn_warned = True
+
+    def _emit(
+        self,
+        kind: str,
+        n: int,
+        pieces: int,
+        lost: float,
+        detail: str,
+        available: int | None = None,
+    ) -> None:
+        event = GuardEvent(
+            kind, self.steps, n, pieces, self.piece_limit, lost, available, detail.split("\n")[0]
+        )
+        self.events.append(event)
+        for fn in [self.on_event, *_listeners]:
+            if fn is not None:
+                fn(event)
+
+
+class GuardedFunction:
+    """A function run by a :class:`Guard`: see :func:`guarded`."""
+
+    def __init__(self, fn: Callable[..., Any], guard: Guard, train: bool) -> None:
+        self.fn = fn
+        self.guard = guard
+        self.train = train
+        self.__wrapped__ = fn
+        self.__name__ = getattr(fn, "__name__", "guarded")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def __call__(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        fn = self.fn
+        if self.train:
+            return self.guard.train_step(batch, lambda piece: fn(piece, *args, **kwargs))
+        return self.guard.infer_step(batch, lambda piece: fn(piece, *args, **kwargs))
+
+    def summary(self) -> dict[str, Any]:
+        return self.guard.summary()
+
+
+def guarded(
+    fn: Callable[..., Any] | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    model: nn.Module | None = None,
+    train: bool | None = None,
+    **options: Any,
+) -> Any:
+    """Guard a function of a batch, as a decorator (``@guarded``) or a call.
+
+    For inference, ``fn(batch)`` returns outputs; under memory pressure it runs
+    on pieces whose outputs are joined back in order. For training, pass the
+    ``optimizer``: ``fn(batch)`` returns the loss, and the guard runs backward
+    (per piece when it must) and the optimizer step, returning a
+    :class:`StepResult`. Extra arguments of the call go to ``fn`` unchanged.
+    ``options`` are :class:`Guard`'s.
+
+    >>> import torch, vramctl
+    >>> net = torch.nn.Linear(4, 3)
+    >>> @vramctl.guarded
+    ... def predict(x):
+    ...     return net(x).argmax(dim=1)
+    >>> predict(torch.randn(10, 4)).shape
+    torch.Size([10])
+    """
+
+    def wrap(f: Callable[..., Any]) -> GuardedFunction:
+        is_train = optimizer is not None if train is None else train
+        if is_train and optimizer is None and model is None:
+            raise ValueError("a guarded training function needs optimizer= (or model=)")
+        return GuardedFunction(f, Guard(model, optimizer, **options), is_train)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def _resolve_device(
+    device: Device | str | int | None,
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+) -> Device:
+    if device is not None:
+        return get_device(device)
+    for p in _params(model, optimizer):
+        if p.is_cuda:
+            return get_device(p.device.index or 0)
+        break
+    return current_device()
+
+
+def _unwrap(model: nn.Module | None) -> nn.Module | None:
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _params(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if model is not None:
+        return [p for p in model.parameters() if p.requires_grad]
+    if optimizer is not None:
+        return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    return []
+
+
+def _available(device: Device) -> int | None:
+    try:
+        return available_bytes(device)
+    except Exception:
+        return None
+
+
+def _ranges(start: int, n: int, limit: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + limit, n)) for lo in range(start, n, limit)]
+
+
+def _stash_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None] | None:
+    """Set existing gradients aside (no copy), so a failed attempt cannot touch them."""
+    if all(p.grad is None for p in params):
+        return None
+    stash = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return stash
+
+
+def _restore_grads(
+    params: Sequence[torch.Tensor], stash: list[torch.Tensor | None] | None, add: bool = False
+) -> None:
+    if stash is None:
+        return
+    for p, old in zip(params, stash, strict=True):
+        if old is None:
+            continue
+        if add and p.grad is not None:
+            p.grad.add_(old)
+        else:
+            p.grad = old
+
+
+def _drop_grads(params: Sequence[torch.Tensor]) -> None:
+    for p in params:
+        p.grad = None

@@ -1,0 +1,117 @@
+"""Recognising an out-of-memory error, and freeing what a failed attempt held.
+
+An OOM is recognised by its type first (``torch.OutOfMemoryError``, which
+includes CUDA's and the simulated device's, and Python's ``MemoryError``), then
+by the allocators' own counters (the CUDA caching allocator's ``num_ooms``
+and the simulated device's ``ooms`` rise when they refuse an allocation), and
+only last by the messages of errors raised as plain ``RuntimeError``: cuBLAS
+and cuDNN allocation failures and the CPU allocator's ``can't allocate
+memory``. Errors wrapped by other libraries are followed through
+``__cause__`` and ``__context__``.
+
+>>> import torch
+>>> from vramctl.guard import is_oom
+>>> try:
+...     torch.empty(2**62, dtype=torch.uint8)
+... except RuntimeError as exc:
+...     is_oom(exc)
+True
+"""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from vramctl.device._base import Device
+from vramctl.device._simulate import SimulatedDevice
+
+__all__ = ["OomCounters", "is_oom", "release"]
+
+# Messages of allocation failures that reach Python as plain RuntimeError.
+_MESSAGES = (
+    "out of memory",  # "CUDA error: out of memory" (a kernel's own cudaMalloc)
+    "cublas_status_alloc_failed",
+    "cudnn_status_alloc_failed",
+    "cudnn_status_not_enough_workspace",
+    "can't allocate memory",  # DefaultCPUAllocator
+    "not enough memory",  # DefaultCPUAllocator on some platforms, MPS
+    "failed to allocate",
+)
+
+
+@dataclass
+class OomCounters:
+    """Allocator OOM counters read before an attempt, to tell an OOM by its effect."""
+
+    cuda: int = 0
+    sim: int = 0
+
+    @classmethod
+    def read(cls, device: Device | None) -> OomCounters:
+        return cls(cuda=_cuda_ooms(device), sim=_sim_ooms(device))
+
+    def rose(self, device: Device | None) -> bool:
+        """True when an allocator refused an allocation since :meth:`read`."""
+        return _cuda_ooms(device) > self.cuda or _sim_ooms(device) > self.sim
+
+
+def _cuda_ooms(device: Device | None) -> int:
+    if device is None or device.kind not in ("cuda", "mig") or not torch.cuda.is_initialized():
+        return 0
+    stats = torch.cuda.memory_stats(device.index)
+    return int(stats.get("num_ooms", 0))
+
+
+def _sim_ooms(device: Device | None) -> int:
+    return device.ooms if isinstance(device, SimulatedDevice) else 0
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and all(cur is not s for s in seen) and len(seen) < 16:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return seen
+
+
+def is_oom(
+    exc: BaseException, *, device: Device | None = None, counters: OomCounters | None = None
+) -> bool:
+    """True when ``exc`` (or an error it wraps) is an allocation failure.
+
+    With ``device`` and the ``counters`` read before the attempt, an error of
+    any type counts as an OOM when the device's allocator recorded a refusal
+    during the attempt, whatever its message says.
+    """
+    for err in _chain(exc):
+        if isinstance(err, torch.OutOfMemoryError | MemoryError):
+            return True
+    if counters is not None and counters.rose(device):
+        return True
+    for err in _chain(exc):
+        if isinstance(err, RuntimeError):
+            text = str(err).lower()
+            if any(m in text for m in _MESSAGES):
+                return True
+    return False
+
+
+def release(exc: BaseException | None = None, device: Device | None = None) -> None:
+    """Free what a failed attempt held: its frames' tensors, then the allocator's cache.
+
+    Call it outside the ``except`` block (the PyTorch FAQ's advice): inside it,
+    the traceback keeps every frame of the failed step, and so its tensors, alive.
+    """
+    if exc is not None:
+        for err in _chain(exc):
+            if err.__traceback__ is not None:
+                traceback.clear_frames(err.__traceback__)
+                err.__traceback__ = None
+    gc.collect()
+    if device is not None and device.kind in ("cuda", "mig") and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
