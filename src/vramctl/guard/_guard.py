@@ -92,6 +92,7 @@ class GuardEvent:
     """One thing the guard did.
 
     ``kind`` is ``"oom"`` (an attempt ran out of memory and was freed),
+    ``"peer_oom"`` (another rank ran out of memory, so this one ran again too),
     ``"grow"`` (the piece size was probed back up), ``"offload"`` (activations
     moved to host memory), ``"optimizer_oom"`` (the optimizer step ran out of
     memory and was retried) or ``"gave_up"``.
@@ -289,7 +290,9 @@ class Guard:
                 break
             loss = None
             _drop_grads(self._params)
-            self._recover(att, n, limit, time.perf_counter() - t0)
+            if not att.failed:
+                att.message = "another rank ran out of memory; every rank runs the step again"
+            self._recover(att, n, limit, time.perf_counter() - t0, peer=not att.failed)
         if self._sync:
             average_gradients(self._params)
         _restore_grads(self._params, stash, add=True)
@@ -443,13 +446,25 @@ class Guard:
 
     # -- piece size ---------------------------------------------------------------
 
-    def _recover(self, att: _Attempt, n: int, tried: int, lost: float, train: bool = True) -> int:
-        """Free the failed attempt, record it, and return the next piece size (or give up)."""
+    def _recover(
+        self,
+        att: _Attempt,
+        n: int,
+        tried: int,
+        lost: float,
+        train: bool = True,
+        peer: bool = False,
+    ) -> int:
+        """Free the failed attempt, record it, and return the next piece size (or give up).
+
+        ``peer``: this rank's attempt worked, another rank's did not.
+        """
         release(att.error, self.device)
         att.error = None
         self._counters = OomCounters.read(self.device)
-        self.ooms += 1
+        self.ooms += 0 if peer else 1
         self.time_lost += lost
+        kind = "peer_oom" if peer else "oom"
         self._streak = 0
         free = _available(self.device)
         self._free_at_oom = free
@@ -460,15 +475,15 @@ class Guard:
         if tried > 1:
             new = max(1, tried // 2)
             self.piece_limit = new
-            self._emit("oom", n, math.ceil(n / new), lost, att.message, free)
+            self._emit(kind, n, math.ceil(n / new), lost, att.message, free)
             return new
         if train and self.offload and not self._offloading:
             self._offloading = True
             self.piece_limit = 1
-            self._emit("oom", n, n, lost, att.message, free)
+            self._emit(kind, n, n, lost, att.message, free)
             self._emit("offload", n, n, 0.0, "activations saved for backward go to host memory")
             return 1
-        self._emit("oom", n, n, lost, att.message, free)
+        self._emit(kind, n, n, lost, att.message, free)
         tried_list = ["pieces of one sample"]
         if self._offloading:
             tried_list.append("activations offloaded to host memory")
@@ -493,7 +508,10 @@ class Guard:
         if self.piece_limit is None or self._streak < self._wait:
             return
         free = _available(self.device)
-        freed = self._free_at_oom is None or (free is not None and free > self._free_at_oom * 1.05)
+        # Ranks must decide alike: under DDP only the count of good steps decides.
+        freed = not self._sync and (
+            self._free_at_oom is None or (free is not None and free > self._free_at_oom * 1.05)
+        )
         if not freed and self._streak < 4 * self._wait:
             return
         old = self.piece_limit
