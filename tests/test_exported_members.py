@@ -8,6 +8,16 @@ import vramctl
 import vramctl.device
 
 EXPECTED = {
+    "AdaptiveBatcher",
+    "BatchingError",
+    "Guard",
+    "GuardEvent",
+    "MemoryReport",
+    "SplitBatchNormWarning",
+    "StepDoesNotFitError",
+    "StepResult",
+    "guarded",
+    "is_oom",
     "NA",
     "ComputeCapability",
     "Device",

@@ -11,6 +11,7 @@ from vramctl._errors import InvalidSizeError, UnknownDeviceError, VramctlError
 from vramctl._na import NA, NotAvailable
 from vramctl._units import format_bytes, parse_size
 from vramctl._version import __version__
+from vramctl.batching import AdaptiveBatcher, BatchingError
 from vramctl.device import (
     ComputeCapability,
     Device,
@@ -47,6 +48,8 @@ from vramctl.guard import (
 
 __all__ = [
     "NA",
+    "AdaptiveBatcher",
+    "BatchingError",
     "ComputeCapability",
     "Device",
     "Estimate",
