@@ -413,3 +413,24 @@ def test_cuda_oom_is_survived_with_the_same_gradients() -> None:
     del hog
     assert result.ooms >= 1
     assert _rel(_grads(model), want) <= 1e-5  # cuDNN/cuBLAS may pick other kernels per size
+
+
+def test_an_optimizer_step_that_runs_out_of_memory_is_not_run_twice() -> None:
+    # AdamW updates its moments and step count in place before it needs its temporaries.
+    model = nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    x = torch.randn(8, 256)
+    with vramctl.simulate("64MiB") as gpu:
+        gpu.adopt(model)
+        guard = Guard(model, opt, loss_fn=lambda out, b: out.square().mean(), device=gpu)
+        guard.step(x)  # the optimizer's state now exists
+        steps_before = [int(s["step"]) for s in opt.state.values()]
+        grads = 4 * (256 * 256 + 256)
+        hog = gpu.adopt(torch.empty(gpu.free_bytes - grads - 65536, dtype=torch.uint8))
+        with pytest.raises(StepDoesNotFitError, match="optimizer step does not fit"):
+            guard.step(x)
+        del hog
+    assert [int(s["step"]) for s in opt.state.values()] == [n + 1 for n in steps_before]
+    summary = guard.summary()
+    assert summary["ooms"] == 1 and summary["ooms_recovered"] == 0
+    assert [e.kind for e in guard.events][-2:] == ["optimizer_oom", "gave_up"]

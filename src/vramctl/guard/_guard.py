@@ -95,7 +95,7 @@ class GuardEvent:
     ``"peer_oom"`` (another rank ran out of memory, so this one ran again too),
     ``"grow"`` (the piece size was probed back up), ``"offload"`` (activations
     moved to host memory), ``"optimizer_oom"`` (the optimizer step ran out of
-    memory and was retried) or ``"gave_up"``.
+    memory: never retried, as it may have updated part of its state) or ``"gave_up"``.
     """
 
     kind: str
@@ -217,6 +217,7 @@ class Guard:
         self.samples = 0
         self.ooms = 0
         self.split_steps = 0
+        self.recovered = 0
         self.time_lost = 0.0
 
     # -- public -------------------------------------------------------------------
@@ -252,7 +253,7 @@ class Guard:
             "steps": self.steps,
             "samples": self.samples,
             "ooms": self.ooms,
-            "ooms_recovered": sum(1 for e in self.events if e.kind in ("oom", "optimizer_oom")),
+            "ooms_recovered": self.recovered,
             "split_steps": self.split_steps,
             "piece_limit": self.piece_limit,
             "offloading": self._offloading,
@@ -267,14 +268,51 @@ class Guard:
     ) -> StepResult:
         """Run ``loss_of`` on ``batch`` (in pieces if need be), backward, optimizer step."""
         n = batch_size_of(batch)
-        ooms_before, lost_before = self.ooms, self.time_lost
-        self._maybe_grow(n)
+        if self.piece_limit is not None:
+            self._maybe_grow(n)
+        before = (self.ooms, self.time_lost)
         stash = _stash_grads(self._params)
+        if self.piece_limit is None and not self._sync and not self._offloading:
+            # The common case, kept lean: the whole batch, nothing to agree on.
+            t0 = time.perf_counter()
+            loss: torch.Tensor | None = None
+            try:
+                loss = loss_of(batch)
+                self._backward(loss)
+            except Exception as exc:
+                if not is_oom(exc, device=self.device, counters=self._counters):
+                    _restore_grads(self._params, stash)
+                    raise
+                att = _Attempt(True, exc, str(exc))
+            else:
+                _restore_grads(self._params, stash, add=True)
+                if update:
+                    self._optimizer_step(n)
+                self.steps += 1
+                self.samples += n
+                self._streak += 1
+                return StepResult(loss.detach(), n, 1)
+            loss = None  # the failed attempt's graph goes with it
+            _drop_grads(self._params)
+            self._recover(att, n, n, time.perf_counter() - t0)
+        return self._split_step(batch, n, loss_of, update, stash, before)
+
+    def _split_step(
+        self,
+        batch: Any,
+        n: int,
+        loss_of: Callable[[Any], torch.Tensor],
+        update: bool,
+        stash: list[torch.Tensor | None] | None,
+        before: tuple[int, float],
+    ) -> StepResult:
+        loss: torch.Tensor | None = None
+        ooms_before, lost_before = before
         while True:
             limit = self.piece_limit or n
             t0 = time.perf_counter()
             att = _Attempt()
-            loss: torch.Tensor | None = None
+            loss = None
             try:
                 loss = self._accumulate(batch, n, limit, loss_of)
             except Exception as exc:
@@ -298,13 +336,15 @@ class Guard:
         _restore_grads(self._params, stash, add=True)
         if update:
             self._optimizer_step(n)
+        ooms = self.ooms - ooms_before
+        self.recovered += ooms
         self._done(n, limit)
         assert loss is not None
         return StepResult(
             loss,
             n,
             len(piece_sizes(n, math.ceil(n / limit))),
-            self.ooms - ooms_before,
+            ooms,
             self.time_lost - lost_before,
             self._offloading,
         )
@@ -354,41 +394,49 @@ class Guard:
             yield
 
     def _optimizer_step(self, n: int) -> None:
+        """Clip (unscaling first with a scaler), step, zero the gradients.
+
+        An OOM here is not retried: the optimizer may already have updated part
+        of its state in place (Adam's moments and step count), and running it
+        again would apply the update twice. The step gives up with a report.
+        """
         opt = self.optimizer
         if opt is None:
             return
-        for attempt in (1, 2):
-            t0 = time.perf_counter()
-            att = _Attempt()
-            try:
-                if self.scaler is not None:
-                    if self.clip_grad_norm is not None:
-                        self.scaler.unscale_(opt)
-                        nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
-                    self.scaler.step(opt)
-                    self.scaler.update()
-                else:
-                    if self.clip_grad_norm is not None:
-                        nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
-                    opt.step()
-            except Exception as exc:
-                if not is_oom(exc, device=self.device, counters=self._counters):
-                    raise
-                att = _Attempt(True, exc, str(exc))
-            if not att.failed:
-                break
-            release(att.error, self.device)
-            att.error = None
-            self._counters = OomCounters.read(self.device)
-            self.ooms += 1
-            lost = time.perf_counter() - t0
-            self.time_lost += lost
-            self._emit("optimizer_oom", n, 1, lost, att.message)
-            if attempt == 2:
-                self._give_up(
-                    n, att.message, ["the optimizer step, twice, after freeing the cache"]
-                )
-        opt.zero_grad(set_to_none=True)
+        try:
+            if self.scaler is not None:
+                if self.clip_grad_norm is not None:
+                    self.scaler.unscale_(opt)
+                    nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
+                self.scaler.step(opt)
+                self.scaler.update()
+            else:
+                if self.clip_grad_norm is not None:
+                    nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
+                opt.step()
+        except Exception as exc:
+            if not is_oom(exc, device=self.device, counters=self._counters):
+                raise
+            att = _Attempt(True, exc, str(exc))
+        else:
+            opt.zero_grad(set_to_none=True)
+            return
+        release(att.error, self.device)
+        att.error = None
+        self._counters = OomCounters.read(self.device)
+        self.ooms += 1
+        self._emit("optimizer_oom", n, 1, 0.0, att.message)
+        self._give_up(
+            n,
+            att.message,
+            [
+                "nothing: the optimizer step ran out of memory after its gradients were "
+                "complete, and may have updated part of its state, so it is not run twice; "
+                "restore the last checkpoint, and leave room for its temporaries "
+                "(foreach=False uses less)"
+            ],
+            what="the optimizer step does not fit",
+        )
 
     def _loss(self, out: Any, piece: Any) -> torch.Tensor:
         if self.loss_fn is not None:
@@ -413,6 +461,7 @@ class Guard:
         """
         n = batch_size_of(batch)
         self._maybe_grow(n)
+        ooms_before = self.ooms
         limit = self.piece_limit or n
         # (start, end) ranges still to run, and outputs of the ranges done.
         todo = _ranges(0, n, limit)
@@ -437,6 +486,7 @@ class Guard:
             piece = None
             limit = self._recover(att, n, hi - lo, time.perf_counter() - t0, train=False)
             todo = _ranges(lo, n, limit)
+        self.recovered += self.ooms - ooms_before
         self._done(n, limit)
         if len(done) == 1:
             return done[0][2]
@@ -490,7 +540,7 @@ class Guard:
         self._give_up(n, att.message, tried_list)
         raise AssertionError("unreachable")
 
-    def _give_up(self, n: int, message: str, attempts: list[str]) -> None:
+    def _give_up(self, n: int, message: str, attempts: list[str], what: str = "") -> None:
         self._emit("gave_up", n, n, 0.0, message)
         report = memory_report(
             self.device,
@@ -500,7 +550,8 @@ class Guard:
             attempts=attempts,
         )
         raise StepDoesNotFitError(
-            f"the step does not fit on {self.device.id} even one sample at a time", report
+            f"{what or 'the step does not fit even one sample at a time'} on {self.device.id}",
+            report,
         )
 
     def _maybe_grow(self, n: int) -> None:

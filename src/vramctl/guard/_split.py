@@ -33,12 +33,12 @@ __all__ = ["batch_size_of", "merge_outputs", "piece_sizes", "slice_batch", "spli
 def _first_tensor(tree: Any) -> torch.Tensor | None:
     if isinstance(tree, torch.Tensor):
         return tree
-    if isinstance(tree, Mapping):
-        items: Any = tree.values()
+    if isinstance(tree, tuple | list):
+        items: Any = tree
+    elif isinstance(tree, Mapping):
+        items = tree.values()
     elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         items = (getattr(tree, f.name) for f in dataclasses.fields(tree))
-    elif isinstance(tree, tuple | list):
-        items = tree
     else:
         return None
     for item in items:
