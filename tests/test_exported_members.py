@@ -8,6 +8,9 @@ import vramctl
 import vramctl.device
 
 EXPECTED = {
+    "FitError",
+    "FitResult",
+    "fit_batch_size",
     "AdaptiveBatcher",
     "BatchingError",
     "Guard",

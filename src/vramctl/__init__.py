@@ -35,6 +35,7 @@ from vramctl.device import (
     use_device,
 )
 from vramctl.estimator import Estimate, EstimateError, MaxBatch, estimate, max_batch_size
+from vramctl.fit import FitError, FitResult, fit_batch_size
 from vramctl.guard import (
     Guard,
     GuardEvent,
@@ -54,6 +55,8 @@ __all__ = [
     "Device",
     "Estimate",
     "EstimateError",
+    "FitError",
+    "FitResult",
     "GpuSpec",
     "Guard",
     "GuardEvent",
@@ -78,6 +81,7 @@ __all__ = [
     "current_device",
     "devices",
     "estimate",
+    "fit_batch_size",
     "format_bytes",
     "get_device",
     "gpu_spec",

@@ -1,0 +1,491 @@
+"""``fit_batch_size``: the largest batch whose real step fits, found in a few real probes.
+
+The estimator predicts the answer without running anything; real steps then
+check it, because what a device really holds differs from any model of it
+(the CUDA context, kernels' workspaces, a simulated GPU's CPU kernels). A probe
+runs ``step(make_batch(b))`` for real and measures its peak device memory with
+:class:`vramctl.guard.PeakMeter`; ``b`` fits when the peak stays within
+``target * total`` and nothing runs out of memory. Peak memory is a convex,
+piecewise-affine function of the batch size (fixed weights and optimizer state,
+activations per sample), so three probes usually settle it:
+
+1. at the estimator's prediction (without a model: at ``start``);
+2. at the first probe's size scaled by the memory left: the bytes the step
+   added over what was already held, spread over its samples, is at least the
+   true cost of one more sample, so this size fits;
+3. where the line through the two real points meets the budget.
+
+A probe that misses narrows a bracket (largest size that fits, smallest that
+does not) and the next one interpolates inside it. The answer is the largest
+probe that fitted. It is cached on disk (see :mod:`vramctl.fit._cache`).
+
+>>> import torch, vramctl
+>>> from vramctl.fit import fit_batch_size
+>>> with vramctl.simulate("64MiB") as gpu:
+...     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+...                                 torch.nn.Linear(1024, 10))
+...     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+...     def step(x):
+...         model(x).square().mean().backward()
+...         opt.step()
+...         opt.zero_grad()
+...     fit = fit_batch_size(step, lambda b: torch.randn(b, 256), device=gpu,
+...                          model=model, optimizer=opt, cache=False)
+>>> fit.source, fit.peak_used <= fit.budget, len(fit.probes) <= 3
+('probe', True, True)
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from vramctl._units import format_bytes
+from vramctl.device._base import Device
+from vramctl.device._discover import get_device
+from vramctl.device._select import current_device
+from vramctl.device._simulate import SimulatedDevice
+from vramctl.estimator import estimate as estimate_step
+from vramctl.estimator import max_batch_size
+from vramctl.fit import _cache
+from vramctl.fit._probe import Prober, host, preserved, rng_kept
+from vramctl.fit._result import FitError, FitResult
+from vramctl.fit._search import Search
+from vramctl.guard import available_bytes, is_oom, total_bytes
+
+__all__ = ["DEFAULT_START", "MAX_PROBES", "TOLERANCE", "fit_batch_size"]
+
+#: Probes from the first that fits (the search usually needs three in all).
+MAX_PROBES = 8
+#: Stop when the next probe would add less than this share to the largest size that fits.
+TOLERANCE = 0.01
+#: Batch size of the first probe when there is no prediction.
+DEFAULT_START = 1
+
+
+# -- resolving the inputs ---------------------------------------------------------------
+
+
+def _active_simulation() -> SimulatedDevice | None:
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        dev = getattr(mode, "device", None)
+        if isinstance(dev, SimulatedDevice):
+            return dev
+    return None
+
+
+def _resolve_device(
+    device: Device | str | int | None, step: Any, model: torch.nn.Module | None
+) -> Device:
+    if device is None:
+        device = _active_simulation()
+    if device is None:
+        found = getattr(step, "device", None)
+        if isinstance(found, Device):
+            device = found
+    if device is None and model is not None:
+        p = next(iter(model.parameters()), None)
+        if p is not None and p.device.type == "cuda":
+            device = get_device(p.device.index or 0)
+    if device is None:
+        device = current_device()
+    dev = device if isinstance(device, Device) else get_device(device)
+    if isinstance(dev, SimulatedDevice) and all(
+        getattr(m, "device", None) is not dev for m in _get_current_dispatch_mode_stack()
+    ):
+        raise FitError(
+            f"{dev.id} is not active: call fit_batch_size inside its block "
+            f"(with vramctl.simulate(...) as gpu: fit_batch_size(step, make_batch, device=gpu))"
+        )
+    return dev
+
+
+def _optimizer_factory(opt: torch.optim.Optimizer) -> Callable[..., torch.optim.Optimizer]:
+    """Builds the same optimizer class with the same defaults (for the estimator)."""
+    cls = type(opt)
+    try:
+        accepted = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        accepted = {}  # type: ignore[assignment]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        kwargs = dict(opt.defaults)
+    else:
+        kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}
+
+    def build(params: Any) -> torch.optim.Optimizer:
+        return cls(params, **kwargs)
+
+    return build
+
+
+def _held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the weights, buffers and optimizer state (the estimator counts these itself)."""
+    seen: dict[int, int] = {}
+    tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _estimator_target(
+    device: Device,
+    target: float,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    kwargs: dict[str, Any],
+    make_batch: Callable[[int], Any],
+) -> tuple[Device | str, float] | None:
+    """The device and utilization to hand the estimator.
+
+    A real GPU is estimated as itself. The CPU is estimated with the share of
+    its memory that is left for this step (the host's other users subtracted).
+    A simulated GPU counts live tensors only, with no CUDA context, workspaces
+    or allocator slack, and may be smaller than the context the estimator
+    models: it is estimated as a generic GPU whose budget is what the simulated
+    one has left for this step plus those modelled extras (read from an
+    estimate at batch size 1), so that the prediction aims at what the
+    simulated device will count.
+    """
+    if device.kind in ("cuda", "mig"):
+        return device, target
+    total = total_bytes(device)
+    used = total - available_bytes(device)
+    room = int(target * total) - (used - _held_bytes(model, optimizer))
+    if room <= 0:
+        return None
+    if not isinstance(device, SimulatedDevice):
+        return device, room / total
+    only_max = ("limit", "probe", "lengths")
+    with host(device):
+        one = estimate_step(
+            model,
+            make_batch,
+            batch_size=1,
+            device=f"{total_bytes(device)}B",
+            **{k: v for k, v in kwargs.items() if k not in only_max},
+        )
+    extras = sum(one.breakdown.get(k, 0) for k in ("context", "workspaces", "allocator"))
+    return f"{math.ceil((room + extras) / target)}B", target
+
+
+def _predict(
+    model: torch.nn.Module,
+    make_batch: Callable[[int], Any],
+    device: Device,
+    target: float,
+    mode: str,
+    optimizer: torch.optim.Optimizer | None,
+    options: dict[str, Any],
+) -> tuple[int | None, float | None, str | None]:
+    """The estimator's answer and its per-sample slope near it (or a note saying why not)."""
+    kwargs: dict[str, Any] = {
+        "mode": mode,
+        "optimizer": _optimizer_factory(optimizer) if optimizer is not None else None,
+    }
+    kwargs.update(options)
+    try:
+        where = _estimator_target(device, target, model, optimizer, kwargs, make_batch)
+        if where is None:
+            return None, None, "no room left for the step: the estimate was skipped"
+        with host(device):
+            est = max_batch_size(
+                model, make_batch, device=where[0], target_utilization=where[1], **kwargs
+            )
+    except Exception as exc:
+        return None, None, f"estimate failed ({type(exc).__name__}: {exc}); searched without it"
+    points = sorted({b: p for b, p, _ in est.curve}.items())
+    slope = est.per_sample
+    if est.batch_size > 1:
+        near = [(b, p) for b, p in points if b >= est.batch_size / 2]
+        if len(near) >= 2 and near[-1][0] - near[0][0] >= 2:
+            slope = (near[-1][1] - near[0][1]) / (near[-1][0] - near[0][0])
+    return est.batch_size, (slope if slope > 0 else None), None
+
+
+# -- the public function ----------------------------------------------------------------
+
+
+def fit_batch_size(
+    step: Callable[[Any], Any],
+    make_batch: Callable[[int], Any],
+    *,
+    device: Device | str | int | None = None,
+    target: float = 0.9,
+    start: int | None = None,
+    max: int | None = None,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    cache: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+    steps_per_probe: int = 2,
+    max_probes: int = MAX_PROBES,
+    tolerance: float = TOLERANCE,
+    mode: str | None = None,
+    estimate: bool = True,
+    estimate_options: dict[str, Any] | None = None,
+) -> FitResult:
+    """The largest batch size ``b`` at which ``step(make_batch(b))`` fits ``target`` of the device.
+
+    ``step`` takes one batch and runs a whole training step (forward, backward,
+    optimizer step) or an inference call; ``make_batch(b)`` builds a batch of
+    ``b`` samples on the device. ``model`` and ``optimizer`` (taken from
+    ``step.model`` and ``step.optimizer`` when not given, as on a
+    :class:`vramctl.Guard`) seed the search with the estimator's prediction.
+
+    **Probing runs real steps**, which change the weights, buffers and optimizer
+    state: they are copied before probing (to host memory; on a simulated GPU
+    inside ``device.host()``, so the copies take none of its budget) and put
+    back afterwards, with the train/eval flags and the random number generators.
+    Gradients are set to None. Each probe runs ``steps_per_probe`` steps on one
+    batch (the first step also makes the optimizer's state) and fits when its
+    peak device-level used bytes stay within ``target * total`` with no
+    out-of-memory error (one the step caught itself counts too).
+
+    ``start`` is the first probe's size (default: the prediction, else 1; with
+    ``start`` no estimate is made),
+    ``max`` an upper limit. The search stops when the next probe would add less
+    than ``tolerance`` (a share) to the largest size that fits, or after
+    ``max_probes`` probes from the first that fits; it usually takes three in
+    all. The answer is cached in
+    ``cache_dir`` (else ``$VRAMCTL_CACHE_DIR``, else ``~/.cache/vramctl``) under
+    the step's code, the model, the input shapes, the device, its free memory
+    (in 1/32 bands) and ``target``; a later call with the same key returns it
+    with ``source="cache"`` and runs nothing. ``mode`` (``"train"`` or
+    ``"infer"``, default: ``"train"`` with an optimizer or a model in training
+    mode) and ``estimate_options`` (``precision``, ``loss_fn`` ...; a step's own
+    ``loss_fn`` attribute by default) go to :func:`vramctl.max_batch_size`;
+    ``estimate=False`` skips it.
+
+    On a simulated GPU, call it inside the device's ``with`` block.
+    """
+    t0 = time.perf_counter()
+    upper = max
+    if not isinstance(target, int | float) or not 0 < target <= 1:
+        raise FitError(f"target must be in (0, 1], got {target!r}")
+    for name, value in (("start", start), ("max", upper)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise FitError(f"{name} must be a positive integer, got {value!r}")
+    if start is not None and upper is not None and start > upper:
+        raise FitError(f"start ({start}) is above max ({upper})")
+    if steps_per_probe < 1 or max_probes < 1:
+        raise FitError("steps_per_probe and max_probes must be at least 1")
+    if not 0 <= tolerance < 1:
+        raise FitError(f"tolerance must be in [0, 1), got {tolerance!r}")
+    if not callable(step) or not callable(make_batch):
+        raise FitError("step and make_batch must be callables: step(batch), make_batch(size)")
+    if model is None and isinstance(getattr(step, "model", None), torch.nn.Module):
+        model = step.model  # type: ignore[attr-defined]
+    if optimizer is None and isinstance(getattr(step, "optimizer", None), torch.optim.Optimizer):
+        optimizer = step.optimizer  # type: ignore[attr-defined]
+    dev = _resolve_device(device, step, model)
+    with rng_kept(dev):
+        return _fit(
+            step,
+            make_batch,
+            dev,
+            target=target,
+            start=start,
+            upper=upper,
+            model=model,
+            optimizer=optimizer,
+            cache=cache,
+            cache_dir=cache_dir,
+            steps=steps_per_probe,
+            max_probes=max_probes,
+            tolerance=tolerance,
+            mode=mode,
+            estimate=estimate,
+            estimate_options=dict(estimate_options or {}),
+            t0=t0,
+        )
+
+
+def _fit(
+    step: Callable[[Any], Any],
+    make_batch: Callable[[int], Any],
+    dev: Device,
+    *,
+    target: float,
+    start: int | None,
+    upper: int | None,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    cache: bool,
+    cache_dir: str | os.PathLike[str] | None,
+    steps: int,
+    max_probes: int,
+    tolerance: float,
+    mode: str | None,
+    estimate: bool,
+    estimate_options: dict[str, Any],
+    t0: float,
+) -> FitResult:
+    budget = int(target * total_bytes(dev))
+    band = _cache.free_band(dev)  # before make_batch(1) holds anything
+    signature, sample_bytes = _sample(make_batch, dev)
+    # Every sample's input is on the device: no more samples fit than the room has inputs.
+    room = budget - (total_bytes(dev) - available_bytes(dev))
+    ceiling = room // sample_bytes if sample_bytes else None
+    if upper is not None:
+        ceiling = upper if ceiling is None else min(ceiling, upper)
+    key: dict[str, Any] | None = None
+    root = _cache.cache_root(cache_dir)
+    if cache:
+        key = _cache_key(step, signature, band, dev, target, upper, model, optimizer)
+        hit = _cache.load(root, key)
+        if hit is not None and _int_or_none(hit.get("batch_size")):
+            return FitResult(
+                batch_size=hit["batch_size"],
+                peak_used=_int_or_none(hit.get("peak_used_bytes")),
+                budget=budget,
+                predicted=_int_or_none(hit.get("predicted")),
+                probes=[],
+                source="cache",
+                elapsed=time.perf_counter() - t0,
+                device=dev.id,
+                target=target,
+                notes=(f"read from {root}",),
+            )
+
+    notes: list[str] = []
+    predicted: int | None = None
+    slope: float | None = None
+    if model is not None and estimate and start is None:
+        run_mode = mode or (
+            "train" if optimizer is not None or (model.training and _trainable(model)) else "infer"
+        )
+        options = dict(estimate_options)
+        if ceiling is not None and ceiling >= 1:
+            options.setdefault("limit", ceiling)
+        if callable(getattr(step, "loss_fn", None)):  # a Guard's loss: (output, batch) -> loss
+            options.setdefault("loss_fn", step.loss_fn)  # type: ignore[attr-defined]
+        predicted, slope, note = _predict(
+            model, make_batch, dev, target, run_mode, optimizer, options
+        )
+        if note:
+            notes.append(note)
+    first = start or predicted or DEFAULT_START
+    if ceiling is not None:
+        first = max(1, min(first, ceiling))
+
+    search = Search(budget, upper, slope, tolerance, ceiling)
+    owners = [o for o in (model, optimizer) if o is not None]
+    probe = Prober(step, make_batch, dev, budget, steps, owners)
+    with preserved(dev, model, optimizer, step):
+        for owner in owners:
+            owner.zero_grad(set_to_none=True)
+        b: int | None = first
+        while b is not None:
+            search.probes.append(probe(b))
+            if search.lo and len(search.probes) - search.misses_before_fit() >= max_probes:
+                notes.append(f"stopped after {max_probes} probes from the first that fitted")
+                break
+            b = search.next()
+
+    best = search.lo
+    if best == 0:
+        raise FitError(_nothing_fits(search, dev, budget, target))
+    if upper is not None and best >= upper:
+        notes.append(f"reached max={upper}")
+    result = FitResult(
+        batch_size=best,
+        peak_used=search.at(best).peak,
+        budget=budget,
+        predicted=predicted,
+        probes=[(p.batch_size, p.peak, p.fits) for p in search.probes],
+        source="probe",
+        elapsed=time.perf_counter() - t0,
+        device=dev.id,
+        target=target,
+        notes=tuple(notes),
+    )
+    if key is not None:
+        _cache.store(root, key, result.to_dict())
+    return result
+
+
+def _nothing_fits(search: Search, dev: Device, budget: int, target: float) -> str:
+    one = next((p for p in search.probes if p.batch_size == 1), None)
+    if one is not None and one.peak is not None:
+        seen = f"peaked at {format_bytes(one.peak)}"
+    elif one is not None and one.floor is not None:
+        seen = f"ran out of memory, needing more than {format_bytes(one.floor)}"
+    else:
+        seen = "ran out of memory"
+    return (
+        f"not even batch size 1 fits on {dev.id}: its step {seen}, over the budget of "
+        f"{format_bytes(budget)} (target {target:g} of {format_bytes(total_bytes(dev))}). "
+        "Free memory held elsewhere, raise target, or make the step smaller "
+        "(mixed precision, gradient checkpointing, a smaller model or a larger device)."
+    )
+
+
+def _trainable(model: torch.nn.Module) -> bool:
+    return any(p.requires_grad for p in model.parameters())
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _sample(make_batch: Callable[[int], Any], device: Device) -> tuple[Any, int]:
+    """The input signature of ``make_batch(1)`` and its bytes on ``device``."""
+    try:
+        with host(device):
+            sample = make_batch(1)
+            signature = _cache.input_signature(sample)
+            kind = device.torch_device.type
+            seen = {
+                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in _tensors(sample)
+                if t.device.type == kind
+            }
+            del sample
+    except Exception as exc:
+        if is_oom(exc):
+            raise FitError(f"make_batch(1) ran out of memory on {device.id}") from exc
+        raise FitError(f"make_batch(1) failed: {type(exc).__name__}: {exc}") from exc
+    return signature, sum(seen.values())
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, list | tuple):
+        return [t for item in tree for t in _tensors(item)]
+    return []
+
+
+def _cache_key(
+    step: Callable[[Any], Any],
+    signature: Any,
+    band: int,
+    device: Device,
+    target: float,
+    upper: int | None,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+) -> dict[str, Any]:
+    return {
+        "step": _cache.step_identity(step),
+        "model": _cache.model_identity(model, optimizer),
+        "inputs": signature,
+        "device": _cache.device_identity(device),
+        "free_band": band,
+        "target": round(float(target), 6),
+        "max": upper,
+        "runtime": _cache.runtime(),
+    }

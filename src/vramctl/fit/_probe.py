@@ -1,0 +1,213 @@
+"""Running one real probe, and keeping the model's state safe while probes run.
+
+A probe builds one batch, runs ``step`` on it a few times under a
+:class:`vramctl.guard.PeakMeter`, and reports the peak device-level used bytes,
+or an out-of-memory error. What a failed probe held is freed outside the
+``except`` block (its frames are cleared first), so nothing it made is alive
+when the next probe starts.
+
+>>> import torch, vramctl
+>>> from vramctl.fit._probe import Prober
+>>> with vramctl.simulate("16MiB") as gpu:
+...     model = torch.nn.Linear(256, 256)
+...     probe = Prober(lambda x: model(x).sum().backward(), lambda b: torch.randn(b, 256),
+...                    gpu, budget=8 * 2**20, steps=1, owners=[model])
+...     small, big = probe(64), probe(100_000)
+>>> small.fits, small.peak is not None, big.fits, big.peak
+(True, True, False, None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from vramctl.device._base import Device
+from vramctl.device._simulate import SimulatedDevice
+from vramctl.fit._result import FitError
+from vramctl.fit._search import Probe
+from vramctl.guard import OomCounters, PeakMeter, available_bytes, is_oom, release, total_bytes
+
+__all__ = ["Prober", "host", "preserved", "rng_kept", "to_host"]
+
+
+_MISSING = object()
+
+
+class _BatchError(Exception):
+    pass
+
+
+def _run(step: Callable[[Any], Any], make_batch: Callable[[int], Any], b: int, n: int) -> None:
+    """One probe's work in its own frame, so that nothing it made outlives it."""
+    try:
+        batch = make_batch(b)
+    except Exception as exc:
+        if is_oom(exc):
+            raise
+        raise _BatchError(f"make_batch({b}) failed: {type(exc).__name__}: {exc}") from exc
+    for _ in range(n):
+        step(batch)
+
+
+def _settle(device: Device) -> None:
+    """Before a probe: collect young cycles, and on CUDA give back the allocator's cache.
+
+    A probe's peak is measured from what is held when it starts: blocks a larger
+    probe left cached would count in a smaller one's reserved peak. (A full
+    collection, slow in a large process, is made only after an OOM: ``release``.)
+    """
+    gc.collect(1)
+    if device.kind in ("cuda", "mig") and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _requested(exc: BaseException) -> int:
+    """The refused request of a simulated OOM (0 when unknown)."""
+    cur: BaseException | None = exc
+    for _ in range(16):
+        if cur is None:
+            break
+        req = getattr(cur, "requested", None)
+        if isinstance(req, int):
+            return req
+        cur = cur.__cause__ or cur.__context__
+    return 0
+
+
+class Prober:
+    """Runs real probes of ``step`` on ``device`` and measures them."""
+
+    def __init__(
+        self,
+        step: Callable[[Any], Any],
+        make_batch: Callable[[int], Any],
+        device: Device,
+        budget: int,
+        steps: int,
+        owners: Sequence[torch.nn.Module | torch.optim.Optimizer],
+    ) -> None:
+        self.step = step
+        self.make_batch = make_batch
+        self.device = device
+        self.budget = budget
+        self.steps = steps
+        #: Their gradients are set to None after each probe.
+        self.owners = list(owners)
+        # A Guard used as the step learns a piece size from an OOM; every probe starts
+        # from the one it had, so that no probe runs split because an earlier one failed.
+        self.piece_limit = getattr(step, "piece_limit", _MISSING)
+
+    def __call__(self, b: int) -> Probe:
+        dev = self.device
+        if self.piece_limit is not _MISSING:
+            with contextlib.suppress(AttributeError, TypeError):
+                self.step.piece_limit = self.piece_limit  # type: ignore[attr-defined]
+        _settle(dev)
+        base = total_bytes(dev) - available_bytes(dev)
+        counters = OomCounters.read(dev)
+        meter = PeakMeter(dev)
+        failure: BaseException | None = None
+        try:
+            with meter:
+                _run(self.step, self.make_batch, b, self.steps)
+        except _BatchError as exc:
+            raise FitError(str(exc)) from exc.__cause__
+        except Exception as exc:
+            if not is_oom(exc, device=dev, counters=counters):
+                raise FitError(
+                    f"the step failed at batch size {b}: {type(exc).__name__}: {exc}"
+                ) from exc
+            failure = exc
+        oom = failure is not None or counters.rose(dev)  # a step may catch its own OOM
+        floor: int | None = None
+        if failure is not None:
+            floor = meter.peak_used + _requested(failure)
+            release(failure, dev)  # outside the except block, so its frames let go
+            failure = None
+        for owner in self.owners:
+            owner.zero_grad(set_to_none=True)
+        if oom:
+            return Probe(b, None, False, base, floor)
+        return Probe(b, meter.peak_used, meter.peak_used <= self.budget, base)
+
+
+# -- state kept safe while probing ------------------------------------------------------
+
+
+def to_host(obj: Any) -> Any:
+    """A deep copy with every tensor copied to host memory (dict subclasses and metadata kept)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = {} if type(obj) is dict else type(obj)()
+        for k, v in obj.items():
+            out[k] = to_host(v)
+        meta = getattr(obj, "_metadata", None)  # a state_dict's version records
+        if meta is not None:
+            out._metadata = copy.deepcopy(meta)  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, list):
+        return [to_host(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_host(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def host(device: Device) -> contextlib.AbstractContextManager[Any]:
+    """On a simulated GPU, its ``host()`` block (what is made there is not counted)."""
+    return device.host() if isinstance(device, SimulatedDevice) else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def rng_kept(device: Device) -> Iterator[None]:
+    """Put the CPU (and the device's CUDA) random number generator back afterwards."""
+    cpu = torch.get_rng_state()
+    index = device.index if device.kind in ("cuda", "mig") else None
+    gpu = torch.cuda.get_rng_state(index) if index is not None else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if gpu is not None and index is not None:
+            torch.cuda.set_rng_state(gpu, index)
+
+
+@contextlib.contextmanager
+def preserved(
+    device: Device,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    step: Any,
+) -> Iterator[None]:
+    """Copy weights, buffers and optimizer state to the host; put them back afterwards.
+
+    Train/eval flags come back too, gradients are set to None, and a
+    :class:`vramctl.Guard` used as the step gets back the piece size it had.
+    """
+    with host(device):
+        model_state = to_host(model.state_dict()) if model is not None else None
+        opt_state = to_host(optimizer.state_dict()) if optimizer is not None else None
+    modes = [(m, m.training) for m in model.modules()] if model is not None else []
+    piece_limit = getattr(step, "piece_limit", _MISSING)
+    try:
+        yield
+    finally:
+        if model is not None and model_state is not None:
+            model.load_state_dict(model_state)
+            model.zero_grad(set_to_none=True)
+        if optimizer is not None and opt_state is not None:
+            optimizer.load_state_dict(opt_state)
+            optimizer.zero_grad(set_to_none=True)
+            if isinstance(device, SimulatedDevice):
+                device.adopt(optimizer)  # the restored state was copied outside the budget
+        for m, training in modes:
+            m.training = training
+        if piece_limit is not _MISSING:
+            with contextlib.suppress(AttributeError, TypeError):
+                step.piece_limit = piece_limit

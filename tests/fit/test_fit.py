@@ -1,0 +1,240 @@
+"""fit_batch_size on a simulated GPU: real models, real optimizers, real allocations."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import vramctl
+from tests.fit.models import (
+    SmallCnn,
+    TokenMlp,
+    cnn_batch,
+    fits,
+    mlp_batch,
+    train_step,
+    true_max,
+)
+from vramctl.fit import FitError, FitResult, fit_batch_size
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], torch.Tensor], str]] = {
+    # Sized so that the largest batch is in the low hundreds.
+    "mlp": (TokenMlp, mlp_batch, "48MiB"),
+    "cnn": (SmallCnn, cnn_batch, "32MiB"),
+}
+
+
+def tensors_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": model.state_dict(), "opt": opt.state_dict()}
+
+
+def assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_within_3_percent_of_the_true_max_in_3_probes(name: str) -> None:
+    """The fitted size against a real search; weights and optimizer state are unchanged."""
+    cls, make_batch, size = MODELS[name]
+    torch.manual_seed(0)
+    with vramctl.simulate(size) as gpu:
+        model = cls()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = train_step(model, opt)
+        step(make_batch(4))  # the optimizer has state: it must come back as it was
+        with gpu.host():
+            before = copy.deepcopy(tensors_of(model, opt))
+        allocated = gpu.allocated_bytes
+        rng = torch.get_rng_state()
+
+        fit = fit_batch_size(step, make_batch, device=gpu, model=model, optimizer=opt, cache=False)
+
+        assert gpu.allocated_bytes == allocated
+        assert_same(tensors_of(model, opt), before)
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert all(p.grad is None for p in model.parameters())
+
+        truth = true_max(
+            lambda b: fits(gpu, model, step, make_batch, b, fit.budget), fit.batch_size
+        )
+    assert 50 <= truth <= 500
+    assert fit.source == "probe"
+    assert fit.predicted is not None and fit.predicted > 0
+    assert len(fit.probes) <= 3
+    assert 0.97 * truth <= fit.batch_size <= truth
+    assert fit.peak_used is not None and fit.peak_used <= fit.budget
+    assert fit.budget == int(0.9 * gpu.total_bytes)
+    assert (fit.batch_size, fit.peak_used, True) in fit.probes
+
+
+def test_a_step_with_model_and_optimizer_attributes_seeds_the_estimate() -> None:
+    class Step:
+        def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+            self.model, self.optimizer = model, optimizer
+
+        def __call__(self, batch: torch.Tensor) -> None:
+            self.model(batch).square().mean().backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    with vramctl.simulate("48MiB") as gpu:
+        model = TokenMlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with gpu.host():
+            weights = copy.deepcopy(model.state_dict())
+        fit = fit_batch_size(Step(model, opt), mlp_batch, cache=False)  # device: the active one
+        assert_same(model.state_dict(), weights)
+        assert opt.state_dict()["state"] == {}
+    assert fit.device == gpu.id
+    assert fit.predicted is not None
+    assert len(fit.probes) <= 3
+
+
+def test_an_oom_probe_leaves_nothing_allocated() -> None:
+    with vramctl.simulate("48MiB") as gpu:
+        model = TokenMlp()
+        opt = torch.optim.Adam(model.parameters())
+        step = train_step(model, opt)
+        allocated = gpu.allocated_bytes
+        ooms = gpu.ooms
+        fit = fit_batch_size(
+            step, mlp_batch, device=gpu, model=model, optimizer=opt, start=2000, cache=False
+        )
+        assert gpu.ooms > ooms
+        assert fit.probes[0] == (2000, None, False)
+        assert gpu.allocated_bytes == allocated
+        assert opt.state_dict()["state"] == {}
+    assert 0 < fit.batch_size < 2000
+    assert fit.peak_used is not None and fit.peak_used <= fit.budget
+
+
+def test_a_step_that_catches_its_own_oom_does_not_fit() -> None:
+    """A Guard finishes an oversized step in pieces; the probe still counts as not fitting."""
+    with vramctl.simulate("48MiB") as gpu:
+        model = TokenMlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = vramctl.guard.Guard(
+            model, opt, loss_fn=lambda out, batch: out.square().mean(), device=gpu
+        )
+        fit = fit_batch_size(guard, mlp_batch, start=600, cache=False)
+        assert guard.piece_limit is None  # what the guard learnt while probing is undone
+    assert fit.probes[0] == (600, None, False)
+    assert 0 < fit.batch_size < 600
+
+
+def test_without_a_model_it_searches_from_start() -> None:
+    with vramctl.simulate("48MiB") as gpu:
+        model = TokenMlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = train_step(model, opt)
+        fit = fit_batch_size(step, mlp_batch, device=gpu, cache=False)
+        truth = true_max(lambda b: fits(gpu, model, step, mlp_batch, b, fit.budget), fit.batch_size)
+    assert fit.predicted is None
+    assert fit.probes[0][0] == 1
+    assert 0.97 * truth <= fit.batch_size <= truth
+
+
+def test_max_and_target_are_respected() -> None:
+    with vramctl.simulate("48MiB") as gpu:
+        model = TokenMlp()
+        step = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        capped = fit_batch_size(step, mlp_batch, max=20, cache=False)
+        started = fit_batch_size(step, mlp_batch, start=7, max=400, cache=False)
+        low = fit_batch_size(step, mlp_batch, target=0.5, start=50, cache=False)
+        high = fit_batch_size(step, mlp_batch, target=0.9, start=50, cache=False)
+    assert capped.batch_size == 20 and all(b <= 20 for b, _, _ in capped.probes)
+    assert any("max=20" in n for n in capped.notes)
+    assert started.probes[0][0] == 7 and all(b <= 400 for b, _, _ in started.probes)
+    assert low.budget == int(0.5 * gpu.total_bytes)
+    assert low.batch_size < high.batch_size
+
+
+def test_nothing_fits_says_what_batch_1_needs() -> None:
+    with vramctl.simulate("16MiB") as gpu:
+        model = nn.Linear(64, 4096)
+        step = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+        def huge(b: int) -> torch.Tensor:
+            return torch.randn(b, 3000, 64)  # 0.77 MB of input, 49 MB of output per sample
+
+        with pytest.raises(FitError) as info:
+            fit_batch_size(step, huge, device=gpu, model=model, cache=False)
+        assert gpu.allocated_bytes == sum(p.nbytes for p in model.parameters())
+    msg = str(info.value)
+    assert "batch size 1" in msg and "sim:16MiB" in msg
+    assert "budget of 14.40 MiB" in msg  # 0.9 x 16 MiB
+    assert "gradient checkpointing" in msg
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"target": 0}, "target must be in"),
+        ({"target": 1.5}, "target must be in"),
+        ({"start": 0}, "start must be a positive integer"),
+        ({"start": 8, "max": 4}, "above max"),
+        ({"steps_per_probe": 0}, "at least 1"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with vramctl.simulate("48MiB"), pytest.raises(FitError, match=match):
+        fit_batch_size(lambda b: None, mlp_batch, cache=False, **kwargs)
+
+
+def test_make_batch_failing_is_a_fit_error(tmp_path: Path) -> None:
+    def broken(b: int) -> torch.Tensor:
+        raise KeyError("no such column")
+
+    with vramctl.simulate("48MiB") as gpu:
+        with pytest.raises(FitError, match=r"make_batch\(1\) failed: KeyError"):
+            fit_batch_size(lambda b: None, broken, device=gpu, cache_dir=tmp_path)
+        with pytest.raises(FitError, match=r"make_batch\(1\) failed: KeyError"):
+            fit_batch_size(lambda b: None, broken, device=gpu, cache=False)
+
+
+def test_a_simulated_device_must_be_active() -> None:
+    gpu = vramctl.simulate("48MiB")
+    with pytest.raises(FitError, match="not active"):
+        fit_batch_size(lambda b: None, mlp_batch, device=gpu, cache=False)
+
+
+def test_the_cpu_device() -> None:
+    model = TokenMlp()
+    step = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fit = fit_batch_size(step, mlp_batch, device="cpu", max=32, cache=False)
+    assert fit.device == "cpu"
+    assert fit.batch_size == 32
+
+
+def test_result_to_dict() -> None:
+    fit = FitResult(
+        batch_size=48,
+        peak_used=100,
+        budget=200,
+        predicted=40,
+        probes=[(40, 90, True), (48, 100, True)],
+        elapsed=0.5,
+        device="sim:1GiB",
+    )
+    d = fit.to_dict()
+    assert d["batch_size"] == 48 and d["source"] == "probe"
+    assert d["probes"][1] == {"batch_size": 48, "peak_used_bytes": 100, "fits": True}
+    with pytest.raises(AttributeError):
+        fit.batch_size = 1  # type: ignore[misc]

@@ -1,0 +1,86 @@
+"""fit_batch_size on a real GPU (``cuda``-marked: skipped where none is usable)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import vramctl
+from tests.fit.models import fits, train_step, true_max
+from vramctl.fit import fit_batch_size
+
+pytestmark = pytest.mark.cuda
+
+GiB = 2**30
+
+
+class Wide(nn.Module):
+    """About 6 MB of activations per sample (256 tokens of width 2048, fp32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def batch(b: int) -> torch.Tensor:
+    return torch.randn(b, 256, 512, device="cuda")
+
+
+def target_for(dev: vramctl.Device, room: int) -> float:
+    """The target that leaves ``room`` bytes over what the GPU holds now."""
+    free, total = torch.cuda.mem_get_info(dev.index)
+    return min(1.0, (total - free + room) / total)
+
+
+@pytest.fixture
+def gpu() -> vramctl.Device:
+    gc.collect()
+    torch.cuda.empty_cache()
+    return vramctl.get_device("cuda:0")
+
+
+def test_within_3_percent_of_a_real_search(gpu: vramctl.Device) -> None:
+    torch.manual_seed(0)
+    model = Wide().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = train_step(model, opt)
+    step(batch(2))
+    before = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    allocated = torch.cuda.memory_allocated(gpu.index)
+    target = target_for(gpu, 3 * GiB)
+
+    fit = fit_batch_size(step, batch, model=model, optimizer=opt, target=target, cache=False)
+
+    assert fit.device == gpu.id  # found from the model's parameters
+    assert torch.cuda.memory_allocated(gpu.index) == allocated
+    for k, v in before["model"].items():
+        assert torch.equal(model.state_dict()[k], v)
+    for i, state in before["opt"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(opt.state_dict()["state"][i][k], v)
+    budget = fit.budget
+    truth = true_max(lambda b: fits(gpu, model, step, batch, b, budget), fit.batch_size)
+    assert truth >= 20
+    assert 0.97 * truth <= fit.batch_size <= truth
+    assert fit.predicted is not None
+    assert len(fit.probes) <= 4  # the goal is 3; the allocator's rounding may cost one more
+
+
+def test_an_oom_on_the_gpu_is_recovered(gpu: vramctl.Device) -> None:
+    model = Wide().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = train_step(model, opt)
+    allocated = torch.cuda.memory_allocated(gpu.index)
+    free, _ = torch.cuda.mem_get_info(gpu.index)
+    oversize = int(2 * free // (256 * 2048 * 4 * 3)) + 1  # twice what the free memory holds
+    fit = fit_batch_size(step, batch, device=gpu, start=oversize, cache=False)
+    assert fit.probes[0] == (oversize, None, False)
+    assert 0 < fit.batch_size < oversize
+    assert torch.cuda.memory_allocated(gpu.index) == allocated
