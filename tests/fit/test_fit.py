@@ -139,6 +139,32 @@ def test_a_step_that_catches_its_own_oom_does_not_fit() -> None:
     assert 0 < fit.batch_size < 600
 
 
+def test_a_guard_is_estimated_as_it_calls_the_model() -> None:
+    """Its forward(model, batch) and loss_fn(out, batch) reach the estimate."""
+    model = nn.Sequential(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def make_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 16, 64), torch.randn(n, 16, 1)
+
+    with vramctl.simulate("24MiB") as gpu:
+        gpu.adopt(model)
+        guard = vramctl.guard.Guard(
+            model,
+            opt,
+            loss_fn=lambda out, batch: (out - batch[1]).square().mean(),
+            forward=lambda m, batch: m(batch[0]),
+            device=gpu,
+        )
+        fit = fit_batch_size(guard, make_batch, cache=False)
+        budget = fit.budget
+        truth = true_max(lambda b: fits(gpu, model, guard, make_batch, b, budget), fit.batch_size)
+    assert fit.notes == ()  # the estimate did not fail
+    assert fit.predicted is not None and fit.predicted > 0
+    assert len(fit.probes) <= 3
+    assert 0.97 * truth <= fit.batch_size <= truth
+
+
 def test_without_a_model_it_searches_from_start() -> None:
     with vramctl.simulate("48MiB") as gpu:
         model = TokenMlp()

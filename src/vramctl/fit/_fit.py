@@ -37,8 +37,6 @@ probe that fitted. It is cached on disk (see :mod:`vramctl.fit._cache`).
 
 from __future__ import annotations
 
-import inspect
-import math
 import os
 import time
 from collections.abc import Callable
@@ -52,12 +50,11 @@ from vramctl.device._base import Device
 from vramctl.device._discover import get_device
 from vramctl.device._select import current_device
 from vramctl.device._simulate import SimulatedDevice
-from vramctl.estimator import estimate as estimate_step
-from vramctl.estimator import max_batch_size
 from vramctl.fit import _cache
 from vramctl.fit._probe import Prober, host, preserved, rng_kept
 from vramctl.fit._result import FitError, FitResult
 from vramctl.fit._search import Search
+from vramctl.fit._seed import as_called, batch_structure, predict
 from vramctl.guard import available_bytes, is_oom, total_bytes
 
 __all__ = ["DEFAULT_START", "MAX_PROBES", "TOLERANCE", "fit_batch_size"]
@@ -105,112 +102,6 @@ def _resolve_device(
             f"(with vramctl.simulate(...) as gpu: fit_batch_size(step, make_batch, device=gpu))"
         )
     return dev
-
-
-def _optimizer_factory(opt: torch.optim.Optimizer) -> Callable[..., torch.optim.Optimizer]:
-    """Builds the same optimizer class with the same defaults (for the estimator)."""
-    cls = type(opt)
-    try:
-        accepted = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        accepted = {}  # type: ignore[assignment]
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        kwargs = dict(opt.defaults)
-    else:
-        kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}
-
-    def build(params: Any) -> torch.optim.Optimizer:
-        return cls(params, **kwargs)
-
-    return build
-
-
-def _held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of the weights, buffers and optimizer state (the estimator counts these itself)."""
-    seen: dict[int, int] = {}
-    tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
-def _estimator_target(
-    device: Device,
-    target: float,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    kwargs: dict[str, Any],
-    make_batch: Callable[[int], Any],
-) -> tuple[Device | str, float] | None:
-    """The device and utilization to hand the estimator.
-
-    A real GPU is estimated as itself. The CPU is estimated with the share of
-    its memory that is left for this step (the host's other users subtracted).
-    A simulated GPU counts live tensors only, with no CUDA context, workspaces
-    or allocator slack, and may be smaller than the context the estimator
-    models: it is estimated as a generic GPU whose budget is what the simulated
-    one has left for this step plus those modelled extras (read from an
-    estimate at batch size 1), so that the prediction aims at what the
-    simulated device will count.
-    """
-    if device.kind in ("cuda", "mig"):
-        return device, target
-    total = total_bytes(device)
-    used = total - available_bytes(device)
-    room = int(target * total) - (used - _held_bytes(model, optimizer))
-    if room <= 0:
-        return None
-    if not isinstance(device, SimulatedDevice):
-        return device, room / total
-    only_max = ("limit", "probe", "lengths")
-    with host(device):
-        one = estimate_step(
-            model,
-            make_batch,
-            batch_size=1,
-            device=f"{total_bytes(device)}B",
-            **{k: v for k, v in kwargs.items() if k not in only_max},
-        )
-    extras = sum(one.breakdown.get(k, 0) for k in ("context", "workspaces", "allocator"))
-    return f"{math.ceil((room + extras) / target)}B", target
-
-
-def _predict(
-    model: torch.nn.Module,
-    make_batch: Callable[[int], Any],
-    device: Device,
-    target: float,
-    mode: str,
-    optimizer: torch.optim.Optimizer | None,
-    options: dict[str, Any],
-) -> tuple[int | None, float | None, str | None]:
-    """The estimator's answer and its per-sample slope near it (or a note saying why not)."""
-    kwargs: dict[str, Any] = {
-        "mode": mode,
-        "optimizer": _optimizer_factory(optimizer) if optimizer is not None else None,
-    }
-    kwargs.update(options)
-    try:
-        where = _estimator_target(device, target, model, optimizer, kwargs, make_batch)
-        if where is None:
-            return None, None, "no room left for the step: the estimate was skipped"
-        with host(device):
-            est = max_batch_size(
-                model, make_batch, device=where[0], target_utilization=where[1], **kwargs
-            )
-    except Exception as exc:
-        return None, None, f"estimate failed ({type(exc).__name__}: {exc}); searched without it"
-    points = sorted({b: p for b, p, _ in est.curve}.items())
-    slope = est.per_sample
-    if est.batch_size > 1:
-        near = [(b, p) for b, p in points if b >= est.batch_size / 2]
-        if len(near) >= 2 and near[-1][0] - near[0][0] >= 2:
-            slope = (near[-1][1] - near[0][1]) / (near[-1][0] - near[0][0])
-    return est.batch_size, (slope if slope > 0 else None), None
 
 
 # -- the public function ----------------------------------------------------------------
@@ -333,7 +224,7 @@ def _fit(
 ) -> FitResult:
     budget = int(target * total_bytes(dev))
     band = _cache.free_band(dev)  # before make_batch(1) holds anything
-    signature, sample_bytes = _sample(make_batch, dev)
+    signature, sample_bytes, structure = _sample(make_batch, dev)
     # Every sample's input is on the device: no more samples fit than the room has inputs.
     room = budget - (total_bytes(dev) - available_bytes(dev))
     ceiling = room // sample_bytes if sample_bytes else None
@@ -370,8 +261,14 @@ def _fit(
             options.setdefault("limit", ceiling)
         if callable(getattr(step, "loss_fn", None)):  # a Guard's loss: (output, batch) -> loss
             options.setdefault("loss_fn", step.loss_fn)  # type: ignore[attr-defined]
-        predicted, slope, note = _predict(
-            model, make_batch, dev, target, run_mode, optimizer, options
+        predicted, slope, note = predict(
+            as_called(model, step, structure),
+            make_batch,
+            dev,
+            target,
+            run_mode,
+            optimizer,
+            options,
         )
         if note:
             notes.append(note)
@@ -439,12 +336,13 @@ def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _sample(make_batch: Callable[[int], Any], device: Device) -> tuple[Any, int]:
-    """The input signature of ``make_batch(1)`` and its bytes on ``device``."""
+def _sample(make_batch: Callable[[int], Any], device: Device) -> tuple[Any, int, str]:
+    """The input signature of ``make_batch(1)``, its bytes on ``device``, and its structure."""
     try:
         with host(device):
             sample = make_batch(1)
             signature = _cache.input_signature(sample)
+            structure = batch_structure(sample)
             kind = device.torch_device.type
             seen = {
                 t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -456,7 +354,7 @@ def _sample(make_batch: Callable[[int], Any], device: Device) -> tuple[Any, int]
         if is_oom(exc):
             raise FitError(f"make_batch(1) ran out of memory on {device.id}") from exc
         raise FitError(f"make_batch(1) failed: {type(exc).__name__}: {exc}") from exc
-    return signature, sum(seen.values())
+    return signature, sum(seen.values()), structure
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

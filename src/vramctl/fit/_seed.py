@@ -1,0 +1,181 @@
+"""Seeding the search: the estimator's answer for the step as the device will count it.
+
+The estimator (:func:`vramctl.max_batch_size`) traces the model on fake
+tensors. It is handed the model as the step calls it (a Guard's ``forward``),
+the optimizer rebuilt from its class and defaults, and a device whose budget is
+what the real device has left for this step; see :func:`predict`.
+
+>>> import torch
+>>> from vramctl.fit._seed import as_called
+>>> class Step:
+...     forward = staticmethod(lambda model, batch: model(batch[0]))
+>>> wrapped = as_called(torch.nn.Linear(4, 2), Step(), "tuple")
+>>> wrapped(torch.zeros(3, 4), torch.zeros(3)).shape
+torch.Size([3, 2])
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from vramctl.device._base import Device
+from vramctl.device._simulate import SimulatedDevice
+from vramctl.estimator import estimate as estimate_step
+from vramctl.estimator import max_batch_size
+from vramctl.estimator._estimate import call_model
+from vramctl.fit._probe import host
+from vramctl.guard import available_bytes, total_bytes
+
+__all__ = ["as_called", "batch_structure", "predict"]
+
+
+def batch_structure(batch: Any) -> str:
+    """``"dict"``, ``"tuple"``, ``"list"`` or ``"one"``: how a model is called with it."""
+    if isinstance(batch, Mapping):
+        return "dict"
+    if isinstance(batch, tuple):
+        return "tuple"
+    return "list" if isinstance(batch, list) else "one"
+
+
+class _Called(torch.nn.Module):
+    """A model as a step calls it: ``forward(model, batch)``."""
+
+    def __init__(
+        self, model: torch.nn.Module, forward: Callable[[Any, Any], Any], structure: str
+    ) -> None:
+        super().__init__()
+        self.inner = model
+        self._call = forward
+        self._structure = structure
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        batch: Any
+        if self._structure == "dict":
+            batch = dict(kwargs)
+        elif self._structure == "tuple":
+            batch = tuple(args)
+        elif self._structure == "list":
+            batch = list(args)
+        else:
+            batch = args[0]
+        return self._call(self.inner, batch)
+
+
+def as_called(model: torch.nn.Module, step: Any, structure: str) -> torch.nn.Module:
+    """``model``, wrapped in the step's own ``forward(model, batch)`` when it has one."""
+    forward = getattr(step, "forward", None)
+    if not callable(forward) or forward is call_model or isinstance(step, torch.nn.Module):
+        return model
+    return _Called(model, forward, structure)
+
+
+def _optimizer_factory(opt: torch.optim.Optimizer) -> Callable[..., torch.optim.Optimizer]:
+    """Builds the same optimizer class with the same defaults (for the estimator)."""
+    cls = type(opt)
+    try:
+        accepted = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        accepted = {}  # type: ignore[assignment]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        kwargs = dict(opt.defaults)
+    else:
+        kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}
+
+    def build(params: Any) -> torch.optim.Optimizer:
+        return cls(params, **kwargs)
+
+    return build
+
+
+def _held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the weights, buffers and optimizer state (the estimator counts these itself)."""
+    seen: dict[int, int] = {}
+    tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _estimator_target(
+    device: Device,
+    target: float,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    kwargs: dict[str, Any],
+    make_batch: Callable[[int], Any],
+) -> tuple[Device | str, float] | None:
+    """The device and utilization to hand the estimator.
+
+    A real GPU is estimated as itself. The CPU is estimated with the share of
+    its memory that is left for this step (the host's other users subtracted).
+    A simulated GPU counts live tensors only, with no CUDA context, workspaces
+    or allocator slack, and may be smaller than the context the estimator
+    models: it is estimated as a generic GPU whose budget is what the simulated
+    one has left for this step plus those modelled extras (read from an
+    estimate at batch size 1), so that the prediction aims at what the
+    simulated device will count.
+    """
+    if device.kind in ("cuda", "mig"):
+        return device, target
+    total = total_bytes(device)
+    used = total - available_bytes(device)
+    room = int(target * total) - (used - _held_bytes(model, optimizer))
+    if room <= 0:
+        return None
+    if not isinstance(device, SimulatedDevice):
+        return device, room / total
+    only_max = ("limit", "probe", "lengths")
+    with host(device):
+        one = estimate_step(
+            model,
+            make_batch,
+            batch_size=1,
+            device=f"{total_bytes(device)}B",
+            **{k: v for k, v in kwargs.items() if k not in only_max},
+        )
+    extras = sum(one.breakdown.get(k, 0) for k in ("context", "workspaces", "allocator"))
+    return f"{math.ceil((room + extras) / target)}B", target
+
+
+def predict(
+    model: torch.nn.Module,
+    make_batch: Callable[[int], Any],
+    device: Device,
+    target: float,
+    mode: str,
+    optimizer: torch.optim.Optimizer | None,
+    options: dict[str, Any],
+) -> tuple[int | None, float | None, str | None]:
+    """The estimator's answer and its per-sample slope near it (or a note saying why not)."""
+    kwargs: dict[str, Any] = {
+        "mode": mode,
+        "optimizer": _optimizer_factory(optimizer) if optimizer is not None else None,
+    }
+    kwargs.update(options)
+    try:
+        where = _estimator_target(device, target, model, optimizer, kwargs, make_batch)
+        if where is None:
+            return None, None, "no room left for the step: the estimate was skipped"
+        with host(device):
+            est = max_batch_size(
+                model, make_batch, device=where[0], target_utilization=where[1], **kwargs
+            )
+    except Exception as exc:
+        return None, None, f"estimate failed ({type(exc).__name__}: {exc}); searched without it"
+    points = sorted({b: p for b, p, _ in est.curve}.items())
+    slope = est.per_sample
+    if est.batch_size > 1:
+        near = [(b, p) for b, p in points if b >= est.batch_size / 2]
+        if len(near) >= 2 and near[-1][0] - near[0][0] >= 2:
+            slope = (near[-1][1] - near[0][1]) / (near[-1][0] - near[0][0])
+    return est.batch_size, (slope if slope > 0 else None), None
