@@ -434,3 +434,15 @@ def test_an_optimizer_step_that_runs_out_of_memory_is_not_run_twice() -> None:
     summary = guard.summary()
     assert summary["ooms"] == 1 and summary["ooms_recovered"] == 0
     assert [e.kind for e in guard.events][-2:] == ["optimizer_oom", "gave_up"]
+
+
+def test_a_guard_made_inside_a_simulated_gpu_uses_it() -> None:
+    model, batch = make("mlp", 64)
+    budget = _tight(model, batch, 0.6)
+    with vramctl.simulate(budget) as gpu:
+        gpu.adopt(model)
+        assert vramctl.current_device() is gpu
+        guard = Guard(model, forward=FWD, loss_fn=loss_fn())  # no device=
+        assert guard.device is gpu and guard.offload  # offload works on a simulated GPU
+        assert guard.step(batch, update=False).ooms >= 1
+    assert vramctl.current_device().id == "cpu"

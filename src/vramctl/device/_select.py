@@ -18,6 +18,7 @@ from vramctl._units import format_bytes, parse_size
 from vramctl.device._base import Device
 from vramctl.device._discover import devices, get_device
 from vramctl.device._memory import MemoryState
+from vramctl.device._simulate import active_simulation
 
 __all__ = ["Policy", "Selection", "current_device", "rank_devices", "select_device", "use_device"]
 
@@ -197,11 +198,15 @@ _current: contextvars.ContextVar[Device | None] = contextvars.ContextVar(
 def current_device() -> Device:
     """The device of the innermost :func:`use_device`.
 
-    Otherwise PyTorch's current CUDA device once CUDA is initialised, or the CPU.
+    Otherwise the simulated GPU whose ``with`` block is active, then PyTorch's
+    current CUDA device once CUDA is initialised, or the CPU.
     """
     dev = _current.get()
     if dev is not None:
         return dev
+    sim = active_simulation()
+    if sim is not None:
+        return sim
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return get_device(torch.cuda.current_device())
     return get_device("cpu")

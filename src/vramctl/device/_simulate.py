@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from vramctl._errors import VramctlError
 from vramctl._na import NA
@@ -46,7 +46,7 @@ from vramctl.device._health import DeviceHealth
 from vramctl.device._memory import MemoryState, ProcessMemory
 from vramctl.device.catalog import GpuSpec, gpu_spec
 
-__all__ = ["SimulatedDevice", "SimulatedOutOfMemoryError", "simulate"]
+__all__ = ["SimulatedDevice", "SimulatedOutOfMemoryError", "active_simulation", "simulate"]
 
 
 class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
@@ -174,6 +174,8 @@ class SimulatedDevice(Device):
         self._mode: _Budget | None = None
         self._paused = 0
         self.ooms = 0
+        #: True for a counter used only to measure (never a current device).
+        self.counting_only = False
 
     # -- Device interface ---------------------------------------------------------
 
@@ -318,6 +320,14 @@ class SimulatedDevice(Device):
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(*exc)  # type: ignore[no-untyped-call]
+
+
+def active_simulation() -> SimulatedDevice | None:
+    """The innermost simulated device whose ``with`` block this thread is in, if any."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, _Budget) and not mode.device.counting_only:
+            return mode.device
+    return None
 
 
 def simulate(device: str | int, *, reserve: int | str = 0) -> SimulatedDevice:

@@ -49,7 +49,7 @@ from vramctl._units import format_bytes
 from vramctl.device._base import Device
 from vramctl.device._discover import get_device
 from vramctl.device._select import current_device
-from vramctl.device._simulate import SimulatedDevice
+from vramctl.device._simulate import SimulatedDevice, active_simulation
 from vramctl.fit import _cache
 from vramctl.fit._probe import Prober, host, preserved, rng_kept
 from vramctl.fit._result import FitError, FitResult
@@ -70,19 +70,11 @@ DEFAULT_START = 1
 # -- resolving the inputs ---------------------------------------------------------------
 
 
-def _active_simulation() -> SimulatedDevice | None:
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        dev = getattr(mode, "device", None)
-        if isinstance(dev, SimulatedDevice):
-            return dev
-    return None
-
-
 def _resolve_device(
     device: Device | str | int | None, step: Any, model: torch.nn.Module | None
 ) -> Device:
     if device is None:
-        device = _active_simulation()
+        device = active_simulation()
     if device is None:
         found = getattr(step, "device", None)
         if isinstance(found, Device):

@@ -78,6 +78,7 @@ class PeakMeter:
             vm = psutil.virtual_memory()
             self._base = int(vm.total - vm.available)
             self._counter = SimulatedDevice(None, 1 << 62)
+            self._counter.counting_only = True
             self._counter.__enter__()
         return self
 
