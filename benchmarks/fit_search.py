@@ -155,13 +155,16 @@ SPECS = [
 ]
 
 
-def loss_of(out: torch.Tensor) -> torch.Tensor:
+def loss_of(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against the input tokens for the language models, else the mean square."""
+    if x.dtype == torch.long:
+        return nn.functional.cross_entropy(out.flatten(0, -2).float(), x.flatten())
     return out.float().square().mean()
 
 
 def make_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
     def step(x: torch.Tensor) -> None:
-        loss_of(model(x)).backward()
+        loss_of(model(x), x).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -301,7 +304,7 @@ def run_lightning(spec: Spec, budget: int) -> Outcome:
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             self.seen.append((batch_idx, batch.shape[0]))
-            return loss_of(self.net(batch))
+            return loss_of(self.net(batch), batch)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)

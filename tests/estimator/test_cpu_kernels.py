@@ -47,6 +47,38 @@ def test_too_large_kernels_fall_back_to_the_rule(monkeypatch: pytest.MonkeyPatch
     assert ruled.logical_peak < measured.logical_peak
 
 
+class Lm(nn.Module):
+    """A two-layer LSTM language model: oneDNN keeps a workspace per layer for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 64)
+        self.lstm = nn.LSTM(64, 64, 2, batch_first=True)
+        self.head = nn.Linear(64, 100)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.emb(ids))[0])
+
+
+@pytest.mark.parametrize("measure", [True, False])
+def test_a_training_lstm_counts_its_onednn_workspace(
+    measure: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    model, batch = Lm(), torch.randint(0, 100, (16, 24))
+    _cpu_kernels.probe_cache_clear()
+    if not measure:  # too large to run: the bytes-per-unit rule
+        monkeypatch.setattr(_cpu_kernels, "PROBE_BYTES_LIMIT", 0)
+    est = vramctl.estimate(model, batch, device="cpu")
+    _cpu_kernels.probe_cache_clear()
+    truth = _real_cpu_peak(model, batch, StepSpec())
+    # The meta kernel returns an empty workspace; the real one is ~64 bytes per
+    # (step, sample, hidden unit) per layer, larger than the layer's output.
+    workspace = 2 * 24 * 16 * 64 * 60
+    assert est.logical_peak > workspace
+    assert abs(est.logical_peak - truth) / truth < (0.03 if measure else 0.05)
+
+
 class LayerDrop(nn.Module):
     """Layers skipped at random in training, as wav2vec2 and HuBERT do."""
 

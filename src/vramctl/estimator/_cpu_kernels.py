@@ -35,12 +35,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from vramctl._tensors import tensors
 
-__all__ = ["PROBE_BYTES_LIMIT", "cpu_workspace", "probe_cache_clear"]
+__all__ = ["PROBE_BYTES_LIMIT", "cpu_output_bytes", "cpu_workspace", "probe_cache_clear"]
 
 _aten = torch.ops.aten
 
 #: Kernels whose scratch is measured. (Not ``mkldnn_rnn_layer_backward``: it reads the
-#: forward's workspace, and oneDNN crashes on a zero-filled one.)
+#: forward's workspace, and oneDNN crashes on a zero-filled one; it is given its forward's.)
 PROBED = {
     _aten.convolution.default,
     _aten.convolution_backward.default,
@@ -50,17 +50,58 @@ PROBED = {
 PROBE_BYTES_LIMIT = 512 << 20
 
 _cache: dict[tuple[Any, ...], int] = {}
+#: Kernel call -> the real bytes of its outputs (measured alongside the scratch).
+_out_cache: dict[tuple[Any, ...], list[int]] = {}
+#: An LSTM layer's input and weight shapes -> its forward's scratch (its backward's too).
+_rnn_scratch: dict[tuple[Any, ...], int] = {}
+
+#: Kernels whose fake (meta) outputs are smaller than the real ones: a training LSTM
+#: layer's oneDNN workspace, which the meta kernel returns empty and the real one
+#: fills with the gates of every step (about 64 bytes per step, sample and hidden unit).
+SIZED_OUTPUTS = {_aten.mkldnn_rnn_layer.default}
+#: Bytes per (time step, sample, hidden unit) of an fp32 training LSTM layer's workspace,
+#: when the call is too large to measure (measured here: 62 to 66).
+RNN_WORKSPACE_BYTES = 66
 
 
 def probe_cache_clear() -> None:
     """Forget the measured scratch sizes (for tests)."""
     _cache.clear()
+    _out_cache.clear()
+    _rnn_scratch.clear()
+
+
+def cpu_output_bytes(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
+) -> list[int] | None:
+    """The real bytes of each output of ``func`` where the fake outputs understate them."""
+    if func not in SIZED_OUTPUTS or len(outs) < 4:
+        return None
+    cpu_workspace(func, args, kwargs, outs)  # measures both, once per call signature
+    hit = _out_cache.get(_signature(func, args, kwargs))
+    if hit is not None and len(hit) == len(outs):
+        return hit
+    sizes = [_span_bytes(t) for t in outs]
+    if _train_flag(args, kwargs):
+        x, hidden = outs[0], outs[1]
+        steps_and_samples = x.numel() // max(1, x.shape[-1])
+        sizes[3] = RNN_WORKSPACE_BYTES * steps_and_samples * hidden.shape[-1]
+    return sizes
+
+
+def _train_flag(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    train = kwargs.get("train", args[15] if len(args) > 15 else False)
+    return bool(train)
 
 
 def cpu_workspace(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
 ) -> int:
     """Bytes of scratch the CPU kernel for ``func`` takes beyond its outputs."""
+    if func is _aten.mkldnn_rnn_layer_backward.default:
+        # It cannot run on a zero-filled workspace; measured, it takes what its forward
+        # took, to 1-2% (the same weight reorders and gate buffers).
+        return _rnn_scratch.get(_rnn_layer(args), 0)
     if func not in PROBED:
         return 0
     key = _signature(func, args, kwargs)
@@ -72,10 +113,19 @@ def cpu_workspace(
     )
     measured = None
     if nbytes <= PROBE_BYTES_LIMIT and not torch.autograd.profiler._is_profiler_enabled:
-        measured = _measure(func, args, kwargs)
+        found = _measure(func, args, kwargs)
+        if found is not None:
+            measured, _out_cache[key] = found
     value = measured if measured is not None else _rule(func, args, outs)
     _cache[key] = value
+    if func is _aten.mkldnn_rnn_layer.default:
+        _rnn_scratch[_rnn_layer(args)] = value
     return value
+
+
+def _rnn_layer(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An LSTM layer call's input and weight shapes (the same in its forward and backward)."""
+    return tuple((tuple(t.shape), t.dtype) for t in args[:3] if isinstance(t, torch.Tensor))
 
 
 def _rule(func: Any, args: tuple[Any, ...], outs: list[torch.Tensor]) -> int:
@@ -110,7 +160,10 @@ def _zeros_like_layout(t: torch.Tensor) -> torch.Tensor:
     return base.as_strided(t.shape, t.stride(), t.storage_offset() if t.numel() else 0)
 
 
-def _measure(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+def _measure(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[int, list[int]] | None:
+    """The scratch of one real call on zero-filled tensors, and its outputs' bytes."""
     from torch.autograd.profiler import profile
 
     with unset_fake_temporarily():
@@ -120,18 +173,20 @@ def _measure(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | 
         try:
             # The legacy (non-Kineto) profiler starts in milliseconds; it still reports
             # every allocation of the CPU allocator, in order.
-            quiet, no_grad = _quiet_stderr(), torch.no_grad()
-            with quiet, no_grad, profile(profile_memory=True, use_kineto=False) as prof:
+            # Grad mode as the step has it: an LSTM layer keeps its workspace only with grad.
+            quiet, grad = _quiet_stderr(), torch.set_grad_enabled(func in SIZED_OUTPUTS)
+            with quiet, grad, profile(profile_memory=True, use_kineto=False) as prof:
                 out = func(*ra, **rk)
         except Exception:
             return None
+        sizes = [_span_bytes(t) for t in tensors(out)]
         del out, ra, rk
     live = peak = 0
     events = [e for e in prof.kineto_results.events() if e.name() == "[memory]"]
     for e in sorted(events, key=lambda e: e.start_ns()):
         live += e.nbytes()
         peak = max(peak, live)
-    return max(0, peak - live)  # what is still held is the outputs
+    return max(0, peak - live), sizes  # what is still held is the outputs
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from vramctl.estimator._allocator import (
     CachingAllocatorModel,
 )
 from vramctl.estimator._autocast import CudaAutocast
-from vramctl.estimator._cpu_kernels import cpu_workspace
+from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace
 from vramctl.estimator._trace import DataDependentError, EagerLinear, Trace, Tracer
 
 __all__ = ["Estimate", "EstimateError", "Target", "estimate", "resolve_target"]
@@ -70,13 +70,16 @@ class Target:
     cuda: bool
 
 
-def resolve_target(device: Device | str | int | None) -> Target:
+def resolve_target(device: Target | Device | str | int | None) -> Target:
     """A catalog name (``"A10G-24GB"``), a size (``"24GiB"``), ``"cpu"``, a local GPU or a Device.
 
-    ``None`` takes this machine's first GPU, or the CPU where there is none.
+    ``None`` takes this machine's first GPU, or the CPU where there is none; a
+    :class:`Target` is taken as it is.
     """
     from vramctl.device import get_device, gpus
 
+    if isinstance(device, Target):
+        return device
     if device is None:
         found = gpus()
         device = found[0] if found else "cpu"
@@ -282,7 +285,9 @@ class StepSpec:
             raise EstimateError(
                 "the model's output has no tensor to take a loss from; pass loss_fn=(output, batch)"
             )
-        return first.float().mean()
+        # A typical loss: it holds about as much as MSE or cross-entropy over the output
+        # (an output-sized result and output-sized gradients), where a bare mean holds none.
+        return first.float().square().mean()
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
@@ -467,6 +472,7 @@ class Session:
         model, spec = self.model, self.spec
         tracer = Tracer(self.fake_mode)
         tracer.workspace = _cudnn_workspace if self.target.cuda else cpu_workspace
+        tracer.output_bytes = None if self.target.cuda else cpu_output_bytes
         names = {id(m): n for n, m in model.named_modules()}
         root = type(model).__name__
         stack: list[str] = []
@@ -791,7 +797,7 @@ def build_estimate(
 def open_session(
     model: ModelSource,
     *,
-    device: Device | str | int | None,
+    device: Target | Device | str | int | None,
     target_utilization: float,
     mode: str,
     optimizer: str | Callable[..., torch.optim.Optimizer] | None,
@@ -879,7 +885,7 @@ def estimate(
     batch_size: int | None = None,
     seq_len: int | None = None,
     seconds: float | None = None,
-    device: Device | str | int | None = None,
+    device: Target | Device | str | int | None = None,
     checkpointing: bool = False,
     target_utilization: float = 0.9,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,

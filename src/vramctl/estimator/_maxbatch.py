@@ -23,6 +23,7 @@ from vramctl.estimator._estimate import (
     Estimate,
     EstimateError,
     ModelSource,
+    Target,
     open_session,
 )
 
@@ -99,7 +100,7 @@ def max_batch_size(
     model: ModelSource,
     batch: Callable[[int], Any] | None = None,
     *,
-    device: Device | str | int | None = None,
+    device: Target | Device | str | int | None = None,
     target_utilization: float = 0.9,
     mode: str = "train",
     optimizer: str | Callable[..., torch.optim.Optimizer] | None = "adamw",

@@ -170,13 +170,23 @@ class Tracer(TorchDispatchMode):
         self.workspace: (
             Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Tensor]], int] | None
         ) = None
+        #: The real bytes of an operator's outputs where its fake outputs understate them.
+        self.output_bytes: (
+            Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Tensor]], list[int] | None]
+            | None
+        ) = None
         #: autograd node sequence number -> module that made it (for backward attribution).
         self.node_module: dict[int, str] = {}
 
     # -- storages -----------------------------------------------------------------
 
-    def register(self, t: torch.Tensor, op: str = "preexisting") -> int | None:
-        """Count the storage of ``t`` (once) as allocated now; returns its id."""
+    def register(
+        self, t: torch.Tensor, op: str = "preexisting", nbytes: int | None = None
+    ) -> int | None:
+        """Count the storage of ``t`` (once) as allocated now; returns its id.
+
+        ``nbytes`` overrides the size of a storage whose fake size is not the real one.
+        """
         if not self.record:
             return None
         st = storage(t)
@@ -185,7 +195,7 @@ class Tracer(TorchDispatchMode):
         sid: int | None = self._sid.get(st)
         if sid is not None:
             return sid
-        nbytes = st.nbytes()
+        nbytes = max(st.nbytes(), nbytes or 0)
         if nbytes == 0:
             return None
         sid = len(self.trace.records)
@@ -234,8 +244,9 @@ class Tracer(TorchDispatchMode):
                 StorageRecord(ws, name, self.module, self.phase, category="workspaces")
             )
             self.trace.events.append(sid)
-        for t in outs:
-            self.register(t, name)
+        real = self.output_bytes(func, args, kwargs, outs) if self.output_bytes else None
+        for i, t in enumerate(outs):
+            self.register(t, name, real[i] if real is not None else None)
         if ws > 0:
             self.trace.events.append(~sid)
             self.trace.records[sid].freed_phase = self.phase

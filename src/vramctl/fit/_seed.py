@@ -17,7 +17,6 @@ torch.Size([3, 2])
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,8 +24,7 @@ import torch
 
 from vramctl.device._base import Device
 from vramctl.device._simulate import SimulatedDevice
-from vramctl.estimator import estimate as estimate_step
-from vramctl.estimator import max_batch_size
+from vramctl.estimator import Target, max_batch_size
 from vramctl.estimator._estimate import call_model
 from vramctl.fit._probe import host
 from vramctl.guard import available_bytes, total_bytes
@@ -111,19 +109,15 @@ def _estimator_target(
     target: float,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    kwargs: dict[str, Any],
-    make_batch: Callable[[int], Any],
-) -> tuple[Device | str, float] | None:
+) -> tuple[Target | Device, float] | None:
     """The device and utilization to hand the estimator.
 
     A real GPU is estimated as itself. The CPU is estimated with the share of
     its memory that is left for this step (the host's other users subtracted).
-    A simulated GPU counts live tensors only, with no CUDA context, workspaces
-    or allocator slack, and may be smaller than the context the estimator
-    models: it is estimated as a generic GPU whose budget is what the simulated
-    one has left for this step plus those modelled extras (read from an
-    estimate at batch size 1), so that the prediction aims at what the
-    simulated device will count.
+    A simulated GPU counts live tensor storages of this host's CPU kernels, with
+    no CUDA context, workspaces or caching allocator: it is estimated as such
+    (a target without CUDA's extras, whose kernel scratch is measured here),
+    with the share of its capacity left for this step.
     """
     if device.kind in ("cuda", "mig"):
         return device, target
@@ -132,19 +126,9 @@ def _estimator_target(
     room = int(target * total) - (used - _held_bytes(model, optimizer))
     if room <= 0:
         return None
-    if not isinstance(device, SimulatedDevice):
-        return device, room / total
-    only_max = ("limit", "probe", "lengths")
-    with host(device):
-        one = estimate_step(
-            model,
-            make_batch,
-            batch_size=1,
-            device=f"{total_bytes(device)}B",
-            **{k: v for k, v in kwargs.items() if k not in only_max},
-        )
-    extras = sum(one.breakdown.get(k, 0) for k in ("context", "workspaces", "allocator"))
-    return f"{math.ceil((room + extras) / target)}B", target
+    if isinstance(device, SimulatedDevice):
+        return Target(device.id, total, None, cuda=False), room / total
+    return device, room / total
 
 
 def predict(
@@ -163,7 +147,7 @@ def predict(
     }
     kwargs.update(options)
     try:
-        where = _estimator_target(device, target, model, optimizer, kwargs, make_batch)
+        where = _estimator_target(device, target, model, optimizer)
         if where is None:
             return None, None, "no room left for the step: the estimate was skipped"
         with host(device):
