@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 import vramctl
+import vramctl.batching
 import vramctl.device
 
 EXPECTED = {
@@ -68,6 +69,41 @@ def test_public_objects_say_they_are_from_vramctl() -> None:
         obj = getattr(vramctl, name)
         if isinstance(obj, type) or inspect.isfunction(obj):
             assert obj.__module__.startswith("vramctl"), (name, obj.__module__)
+
+
+BATCHING = {
+    "AdaptiveBatcher",
+    "AudioBatches",
+    "AudioError",
+    "Batch",
+    "BatchingError",
+    "BucketingSampler",
+    "Budget",
+    "Item",
+    "Manifest",
+    "ManifestError",
+    "ManifestProblem",
+    "MapDataset",
+    "MemoryBudget",
+    "PaddedDuration",
+    "QuadraticDuration",
+    "SamplerStats",
+    "Stitcher",
+    "chunk_count",
+    "chunk_items",
+    "duration_edges",
+    "items_from",
+    "load_audio",
+    "synthesize",
+}
+
+
+def test_batching_exports_are_the_intended_ones() -> None:
+    assert set(vramctl.batching.__all__) == BATCHING
+    for name in vramctl.batching.__all__:
+        obj = getattr(vramctl.batching, name)
+        if isinstance(obj, type) or inspect.isfunction(obj):
+            assert obj.__module__.startswith("vramctl.batching"), (name, obj.__module__)
 
 
 def test_device_layer_exports_resolve() -> None:

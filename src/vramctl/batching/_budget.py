@@ -1,0 +1,344 @@
+"""Batch budgets: how many items of a given length a batch may hold.
+
+A budget is a small policy behind the :class:`Budget` protocol:
+``max_count(longest)`` is the largest number of items, none longer than
+``longest``, that a batch may hold (0 when one such item alone is over), and
+``cost(count, longest)`` is the budget's measure of such a batch, at most
+``limit`` for a batch within it. Samplers treat budgets as **hard**: an item
+that would take a batch over closes the batch first.
+
+- :class:`PaddedDuration`: total seconds including padding (``count * longest``),
+  fairseq's ``max_tokens`` and Lhotse's ``max_duration`` on padded batches;
+- :class:`QuadraticDuration`: the same with attention's quadratic cost added,
+  ``count * (longest + longest**2 / quadratic_duration)`` (Lhotse's
+  ``quadratic_duration``);
+- :class:`MemoryBudget`: bytes, from the estimator's peak for your model on your
+  device at a few lengths (see :meth:`MemoryBudget.for_model`).
+
+>>> b = PaddedDuration(600)
+>>> b.max_count(14.5), b.cost(41, 14.5) <= b.limit
+(41, True)
+>>> QuadraticDuration(600, quadratic_duration=30).max_count(30.0)
+10
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from vramctl._units import format_bytes
+from vramctl.batching._adaptive import BatchingError
+from vramctl.device._base import Device
+from vramctl.estimator import Target
+from vramctl.estimator import estimate as estimate_step
+from vramctl.guard import available_bytes, total_bytes
+
+__all__ = ["Budget", "MemoryBudget", "PaddedDuration", "QuadraticDuration"]
+
+
+@runtime_checkable
+class Budget(Protocol):
+    """How much a batch may hold, by its item count and its longest item."""
+
+    @property
+    def limit(self) -> float:
+        """The most :meth:`cost` a batch may have."""
+        ...
+
+    def max_count(self, longest: float) -> int:
+        """The most items no longer than ``longest`` a batch may hold (0: not even one)."""
+        ...
+
+    def cost(self, count: int, longest: float) -> float:
+        """This budget's measure of a batch of ``count`` items padded to ``longest``."""
+        ...
+
+
+def _positive(name: str, value: float) -> float:
+    if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise BatchingError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class PaddedDuration:
+    """At most ``max_duration`` seconds per batch, padding included."""
+
+    max_duration: float
+    #: At most this many items per batch, whatever their length (None: no cap).
+    max_items: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("max_duration", self.max_duration)
+        if self.max_items is not None and self.max_items < 1:
+            raise BatchingError(f"max_items must be at least 1, got {self.max_items}")
+
+    @property
+    def limit(self) -> float:
+        return self.max_duration
+
+    def max_count(self, longest: float) -> int:
+        n = int(self.max_duration // longest) if longest > 0 else 0
+        return n if self.max_items is None else min(n, self.max_items)
+
+    def cost(self, count: int, longest: float) -> float:
+        return count * longest
+
+
+@dataclass(frozen=True)
+class QuadraticDuration:
+    """Padded seconds plus attention's quadratic term, at most ``max_duration`` per batch.
+
+    An item of ``d`` seconds costs ``d + d**2 / quadratic_duration``: at
+    ``d == quadratic_duration`` the attention term equals the linear one.
+    """
+
+    max_duration: float
+    quadratic_duration: float = 30.0
+    max_items: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("max_duration", self.max_duration)
+        _positive("quadratic_duration", self.quadratic_duration)
+        if self.max_items is not None and self.max_items < 1:
+            raise BatchingError(f"max_items must be at least 1, got {self.max_items}")
+
+    @property
+    def limit(self) -> float:
+        return self.max_duration
+
+    def _item(self, longest: float) -> float:
+        return longest + longest * longest / self.quadratic_duration
+
+    def max_count(self, longest: float) -> int:
+        # The float quotient can land a hair under an exact integer: check the product.
+        per = self._item(longest)
+        n = int(self.max_duration // per) if per > 0 else 0
+        while (n + 1) * per <= self.max_duration:
+            n += 1
+        return n if self.max_items is None else min(n, self.max_items)
+
+    def cost(self, count: int, longest: float) -> float:
+        return count * self._item(longest)
+
+
+#: make_batch(count, seconds) -> a batch as the model takes it.
+MakeBatch = Callable[[int, float], Any]
+
+
+@dataclass(frozen=True)
+class _Anchor:
+    seconds: float
+    #: Predicted peak bytes at batch 1 and the bytes each further sample adds.
+    fixed: float
+    per_item: float
+
+
+class MemoryBudget:
+    """At most ``budget_bytes`` of predicted peak memory per batch.
+
+    The peak of a step at batch ``n`` and padded length ``L`` is about
+    ``fixed(L) + n * per_item(L)``; both parts grow with ``L`` (linearly, and
+    quadratically under attention). :meth:`for_model` reads them from the
+    estimator at a few anchor lengths; between anchors they are interpolated
+    linearly, which for a convex cost lies above it (a safe side), and
+    ``max_count(L)`` is how many items fit the budget by that line.
+    Beyond the last anchor nothing fits: give ``max_duration`` as the longest
+    item a batch may hold (chunk longer ones).
+
+    >>> mb = MemoryBudget(1000, [(10.0, 100.0, 50.0), (20.0, 150.0, 100.0)])
+    >>> mb.max_count(10.0), mb.max_count(15.0), mb.max_count(20.0), mb.max_count(25.0)
+    (19, 12, 9, 0)
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        anchors: Sequence[tuple[float, float, float]],
+        *,
+        max_items: int | None = None,
+        notes: Sequence[str] = (),
+    ) -> None:
+        if budget_bytes <= 0:
+            raise BatchingError(f"budget_bytes must be positive, got {budget_bytes}")
+        if not anchors:
+            raise BatchingError("a memory budget needs at least one anchor length")
+        self.budget_bytes = int(budget_bytes)
+        self.anchors = sorted(
+            (_Anchor(float(s), float(f), max(float(p), 1.0)) for s, f, p in anchors),
+            key=lambda a: a.seconds,
+        )
+        self._seconds = [a.seconds for a in self.anchors]
+        self.max_items = max_items
+        self.notes = tuple(notes)
+        self._cache: dict[float, int] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"MemoryBudget({format_bytes(self.budget_bytes)}, anchors at "
+            f"{', '.join(f'{s:g}s' for s in self._seconds)})"
+        )
+
+    @property
+    def limit(self) -> float:
+        return float(self.budget_bytes)
+
+    @property
+    def max_duration(self) -> float:
+        """The longest item this budget has a prediction for."""
+        return self._seconds[-1]
+
+    def peak(self, count: int, longest: float) -> float:
+        """The predicted peak bytes of a batch (conservative between anchors)."""
+        i = bisect.bisect_left(self._seconds, longest)
+        if i >= len(self.anchors):
+            return math.inf
+        hi = self.anchors[i]
+        if i == 0 or hi.seconds == longest:
+            return hi.fixed + (count - 1) * hi.per_item
+        lo = self.anchors[i - 1]
+        w = (longest - lo.seconds) / (hi.seconds - lo.seconds)
+        fixed = lo.fixed + w * (hi.fixed - lo.fixed)
+        per = lo.per_item + w * (hi.per_item - lo.per_item)
+        return fixed + (count - 1) * per
+
+    def max_count(self, longest: float) -> int:
+        hit = self._cache.get(longest)
+        if hit is not None:
+            return hit
+        i = bisect.bisect_left(self._seconds, longest)
+        if i >= len(self.anchors):
+            n = 0
+        else:
+            base = self.peak(1, longest)
+            if base > self.budget_bytes:
+                n = 0
+            else:
+                per = self.peak(2, longest) - base
+                n = 1 + int((self.budget_bytes - base) // per)
+        if self.max_items is not None:
+            n = min(n, self.max_items)
+        if len(self._cache) < 100_000:
+            self._cache[longest] = n
+        return n
+
+    def cost(self, count: int, longest: float) -> float:
+        return self.peak(count, longest)
+
+    def table(self, edges: Sequence[float]) -> list[tuple[float, int]]:
+        """``(longest, max_count)`` at each length: the per-bucket batch sizes."""
+        return [(e, self.max_count(e)) for e in edges]
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        make_batch: MakeBatch,
+        *,
+        max_duration: float,
+        device: Device | str | None = None,
+        target: float = 0.9,
+        budget_bytes: int | None = None,
+        mode: str = "infer",
+        anchors: int = 4,
+        min_duration: float | None = None,
+        max_items: int | None = None,
+        **estimate_options: Any,
+    ) -> MemoryBudget:
+        """The memory budget of ``model`` on ``device``, predicted by the estimator.
+
+        ``make_batch(count, seconds)`` builds a batch of ``count`` items padded
+        to ``seconds``. The step is traced on fake tensors (no memory used) at
+        ``anchors`` lengths up to ``max_duration``, at two batch sizes each,
+        then once more at the predicted count to correct for the allocator's
+        rounding: no real step runs. The budget is ``target`` of what the
+        device has free now (``budget_bytes`` overrides it), less what the
+        model already holds there, which the estimate counts itself.
+        """
+        if max_duration <= 0:
+            raise BatchingError(f"max_duration must be positive, got {max_duration}")
+        if anchors < 1:
+            raise BatchingError(f"anchors must be at least 1, got {anchors}")
+        where: Target | Device | str
+        if budget_bytes is None:
+            dev = _device(device)
+            budget_bytes = _room(dev, target, model)
+            where = _target_of(dev)
+        else:
+            where = Target("budget", int(budget_bytes), None, cuda=False)
+            if device is not None:
+                where = _target_of(_device(device))
+        if budget_bytes <= 0:
+            raise BatchingError("no memory is left on the device for a batch")
+        lo = min_duration if min_duration is not None else max_duration / 8
+        lengths = _anchor_lengths(lo, max_duration, anchors)
+        rows: list[tuple[float, float, float]] = []
+        notes: list[str] = []
+        for seconds in lengths:
+
+            def peak(n: int, seconds: float = seconds) -> float:
+                est = estimate_step(
+                    model,
+                    lambda b, s=seconds: make_batch(b, s),
+                    batch_size=n,
+                    device=where,
+                    mode=mode,
+                    **estimate_options,
+                )
+                return float(est.peak_reserved)
+
+            one, four = peak(1), peak(4)
+            per = max((four - one) / 3, 1.0)
+            n = 1 + int((budget_bytes - one) // per) if one <= budget_bytes else 0
+            if n > 4:  # the line through 1 and 4 misses the allocator's rounding at n: refit
+                at_n = peak(n)
+                if at_n > budget_bytes:
+                    per = (at_n - one) / (n - 1) * (1 + 1e-9)
+            rows.append((seconds, one, per))
+            if one > budget_bytes:
+                notes.append(f"one item of {seconds:g} s alone is over the budget")
+        return cls(int(budget_bytes), rows, max_items=max_items, notes=notes)
+
+
+def _anchor_lengths(lo: float, hi: float, k: int) -> list[float]:
+    if k == 1 or lo >= hi:
+        return [hi]
+    ratio = (hi / lo) ** (1 / (k - 1))
+    return [*(lo * ratio**i for i in range(k - 1)), hi]
+
+
+def _device(device: Device | str | None) -> Device:
+    from vramctl.device import current_device, get_device
+
+    if device is None:
+        return current_device()
+    return get_device(device) if isinstance(device, str) else device
+
+
+def _target_of(dev: Device) -> Target | Device:
+    """What the estimator is handed for ``dev`` (a simulated GPU counts live storages)."""
+    from vramctl.device._simulate import SimulatedDevice
+
+    if isinstance(dev, SimulatedDevice):
+        return Target(dev.id, total_bytes(dev), None, cuda=False)
+    return dev
+
+
+def _room(dev: Device, target: float, model: torch.nn.Module) -> int:
+    if not 0 < target <= 1:
+        raise BatchingError(f"target must be in (0, 1], got {target!r}")
+    total = total_bytes(dev)
+    used = total - available_bytes(dev)
+    held = sum(
+        t.untyped_storage().nbytes()
+        for t in (*model.parameters(), *model.buffers())
+        if t.device.type == dev.torch_device.type
+    )
+    # The estimate counts the model's own weights: leave them in the budget.
+    return int(target * total) - (used - held)

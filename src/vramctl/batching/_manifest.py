@@ -1,0 +1,387 @@
+"""Manifests: JSON Lines, CSV or a Lhotse CutSet, streamed one record at a time.
+
+A record names one item: an ``id``, where its audio is (a ``path``, or an
+in-memory source) and how long it is (``duration`` in seconds, or
+``num_samples`` at a ``sample_rate``). Field names of the common toolkits are
+accepted: NeMo's ``audio_filepath``, Lhotse's cut ``id`` and ``duration``,
+LibriSpeech length lists' ``utterance_id``.
+
+Reading never holds the file: records are parsed as they are drawn, so a
+10M-line manifest costs the memory of one line. A bad line (not JSON, a
+missing field, a duration of zero or less) is reported with the file, line and
+field, kept in :attr:`Manifest.problems` (the first thousand) and counted, and
+reading goes on with the next line.
+
+>>> import json, tempfile, os
+>>> d = tempfile.mkdtemp()
+>>> p = os.path.join(d, "m.jsonl")
+>>> with open(p, "w") as f:
+...     _ = f.write(json.dumps({"id": "a", "path": "a.wav", "duration": 2.5}) + "\\n")
+...     _ = f.write("not json\\n")
+...     _ = f.write(json.dumps({"id": "b", "num_samples": 32000}) + "\\n")
+>>> m = Manifest(p)
+>>> [(i.id, i.duration, i.index) for i in m]
+[('a', 2.5, 0), ('b', 2.0, 2)]
+>>> m.problems[0].line, m.problems[0].field
+(2, None)
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from typing import Any
+
+from vramctl._errors import VramctlError
+
+__all__ = ["Item", "Manifest", "ManifestError", "ManifestProblem", "items_from"]
+
+log = logging.getLogger("vramctl.batching")
+
+#: Sample rate assumed for ``num_samples`` when a record gives none.
+DEFAULT_SAMPLE_RATE = 16_000
+#: At most this many problems are kept in :attr:`Manifest.problems` (all are counted).
+MAX_PROBLEMS = 1000
+
+_ID_FIELDS = ("id", "utterance_id", "utt_id", "cut_id", "key")
+_PATH_FIELDS = ("path", "audio_filepath", "audio_path", "source", "file")
+_DURATION_FIELDS = ("duration", "seconds", "length")
+_SAMPLES_FIELDS = ("num_samples", "samples")
+
+_loads: Callable[[str], Any]
+try:  # orjson parses a line in a fraction of json's time; optional
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover - exercised where orjson is absent
+    _loads = json.loads
+
+
+class ManifestError(VramctlError, ValueError):
+    """A manifest that cannot be read at all (missing file, unknown format)."""
+
+
+@dataclass(slots=True)
+class Item:
+    """One item of a manifest: an id, its audio and its length in seconds.
+
+    Treat it as immutable. (It is not a frozen dataclass because a frozen one
+    takes eight times as long to build, and a 10M-line manifest builds 10M.)
+    """
+
+    id: str
+    #: Seconds (or, for non-audio data, a length in the manifest's own units).
+    duration: float
+    #: Where the audio is: a file path (None: in memory, see ``data``).
+    path: str | None = None
+    #: 0-based position of the record in the manifest (its line among the records).
+    index: int = -1
+    #: Seconds into the source where the item starts (chunks of a long recording).
+    offset: float = 0.0
+    #: An in-memory source (for example a waveform tensor), or None.
+    data: Any = field(default=None, compare=False, repr=False)
+    #: The id of the recording this item is a chunk of (None: a whole recording).
+    parent: str | None = None
+    #: The chunk's position in its recording (0 for a whole recording).
+    chunk: int = 0
+    #: Other fields of the record (text, speaker ...), or None.
+    extra: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class ManifestProblem:
+    """A manifest record that was skipped, and why."""
+
+    file: str
+    #: 1-based line number in the file (for CSV, counting the header line).
+    line: int
+    #: The field at fault, or None when the whole line is (not JSON, wrong column count).
+    field: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}"
+        if self.field:
+            return f"{where}: {self.field}: {self.message}"
+        return f"{where}: {self.message}"
+
+
+class Manifest:
+    """A manifest file, read lazily: iterate it for :class:`Item` s, once or many times.
+
+    ``format`` is ``"jsonl"``, ``"csv"`` or ``"lhotse"`` (a CutSet manifest,
+    ``.jsonl.gz`` included; needs ``lhotse``), else taken from the file name.
+    ``sample_rate`` converts ``num_samples`` fields to seconds. Relative paths
+    are taken relative to the manifest's folder.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        format: str | None = None,
+        sample_rate: int = DEFAULT_SAMPLE_RATE,
+    ) -> None:
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise ManifestError(f"manifest {self.path}: no such file")
+        if sample_rate <= 0:
+            raise ManifestError(f"sample_rate must be positive, got {sample_rate}")
+        self.format = format or _guess_format(self.path)
+        if self.format not in ("jsonl", "csv", "lhotse"):
+            raise ManifestError(
+                f"manifest {self.path}: unknown format {self.format!r} (jsonl, csv or lhotse)"
+            )
+        if self.format == "lhotse" and find_spec("lhotse") is None:
+            raise ManifestError(
+                f"manifest {self.path} is a Lhotse CutSet: pip install lhotse to read it"
+            )
+        self.sample_rate = sample_rate
+        self.root = os.path.dirname(os.path.abspath(self.path))
+        self._prefix = self.root + os.sep
+        #: (id field, path field, duration field, divisor, field count) of the first record.
+        self._schema: tuple[str, str | None, str, float, int] | None = None
+        #: The first problems of the latest pass (see :data:`MAX_PROBLEMS`).
+        self.problems: list[ManifestProblem] = []
+        #: How many records the latest pass skipped.
+        self.skipped = 0
+
+    def __repr__(self) -> str:
+        return f"Manifest({self.path!r}, format={self.format!r})"
+
+    def __iter__(self) -> Iterator[Item]:
+        self.problems = []
+        self.skipped = 0
+        self._schema = None
+        if self.format == "lhotse":
+            return self._lhotse()
+        if self.format == "csv":
+            return self._csv()
+        return self._jsonl()
+
+    # -- readers ------------------------------------------------------------------
+
+    def _problem(self, line: int, fld: str | None, message: str) -> None:
+        self.skipped += 1
+        p = ManifestProblem(self.path, line, fld, message)
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(p)
+            log.warning("skipped %s", p)
+
+    def _jsonl(self) -> Iterator[Item]:
+        loads = _loads
+        index = -1
+        with _open_text(self.path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                index += 1
+                try:
+                    record = loads(line)
+                except ValueError as exc:
+                    self._problem(lineno, None, f"not valid JSON ({exc})")
+                    continue
+                if not isinstance(record, dict):
+                    self._problem(lineno, None, "not a JSON object")
+                    continue
+                item = self._item(record, lineno, index)
+                if item is not None:
+                    yield item
+
+    def _csv(self) -> Iterator[Item]:
+        index = -1
+        with _open_text(self.path) as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None:
+                return
+            names = [h.strip() for h in header]
+            width = len(names)
+            for lineno, row in enumerate(reader, 2):
+                if not row:
+                    continue
+                index += 1
+                if len(row) != width:
+                    self._problem(lineno, None, f"{len(row)} columns, the header has {width}")
+                    continue
+                item = self._item(dict(zip(names, row, strict=True)), lineno, index)
+                if item is not None:
+                    yield item
+
+    def _lhotse(self) -> Iterator[Item]:
+        from lhotse import CutSet
+
+        for index, cut in enumerate(CutSet.from_file(self.path)):
+            source = None
+            if getattr(cut, "recording", None) is not None:
+                sources = cut.recording.sources
+                if sources and sources[0].type == "file":
+                    source = str(sources[0].source)
+            yield Item(
+                id=cut.id,
+                duration=float(cut.duration),
+                path=source,
+                index=index,
+                offset=float(cut.start),
+                extra={"cut": cut},
+            )
+
+    def _item(self, record: dict[str, Any], lineno: int, index: int) -> Item | None:
+        fast = self._schema
+        if fast is not None and len(record) == fast[4]:
+            # The common case: the same fields as the first record (no lookups by alias).
+            idk, pathk, durk, scale, _ = fast
+            try:
+                rid, path, d = record[idk], record.get(pathk) if pathk else None, record[durk]
+                duration = float(d) / scale
+            except (KeyError, TypeError, ValueError):
+                pass
+            else:
+                if rid != "" and rid is not None and duration > 0 and duration != math.inf:
+                    if path:
+                        path = str(path)
+                        if path[0] != "/" and not os.path.isabs(path):
+                            path = self._prefix + path
+                    return Item(str(rid), duration, path or None, index)
+        return self._item_slow(record, lineno, index)
+
+    def _learn(self, record: dict[str, Any]) -> None:
+        """Remember the first good record's field names, for the fast path."""
+        idk = next((k for k in _ID_FIELDS if record.get(k) is not None), None)
+        pathk = next((k for k in _PATH_FIELDS if record.get(k) is not None), None)
+        durk = next((k for k in _DURATION_FIELDS if k in record), None)
+        scale = 1.0
+        if durk is None:
+            durk = next((k for k in _SAMPLES_FIELDS if k in record), None)
+            if durk is None or "sample_rate" in record:
+                return
+            scale = float(self.sample_rate)
+        known = {idk, pathk, durk}
+        if idk is None or any(k not in known for k in record):
+            return  # other fields go to extra: the general path keeps them
+        self._schema = (idk, pathk, durk, scale, len(record))
+
+    def _item_slow(self, record: dict[str, Any], lineno: int, index: int) -> Item | None:
+        rid = _first(record, _ID_FIELDS)
+        if rid is None or rid == "":
+            self._problem(lineno, "id", f"missing (one of {', '.join(_ID_FIELDS)})")
+            return None
+        duration, fld, err = self._duration(record)
+        if err is not None:
+            self._problem(lineno, fld, err)
+            return None
+        path = _first(record, _PATH_FIELDS)
+        if path is not None:
+            path = str(path)
+            if path and not os.path.isabs(path):
+                path = os.path.join(self.root, path)
+        known = {*_ID_FIELDS, *_PATH_FIELDS, *_DURATION_FIELDS, *_SAMPLES_FIELDS, "sample_rate"}
+        extra = {k: v for k, v in record.items() if k not in known} or None
+        offset = record.get("offset", 0.0)
+        try:
+            offset = float(offset or 0.0)
+        except (TypeError, ValueError):
+            self._problem(lineno, "offset", f"not a number: {offset!r}")
+            return None
+        if self._schema is None and extra is None and not offset:
+            self._learn(record)
+        return Item(str(rid), duration, path or None, index, offset, None, None, 0, extra)
+
+    def _duration(self, record: dict[str, Any]) -> tuple[float, str | None, str | None]:
+        for name in _DURATION_FIELDS:
+            if name in record:
+                return _positive(record[name], name)
+        for name in _SAMPLES_FIELDS:
+            if name in record:
+                samples, fld, err = _positive(record[name], name)
+                if err is not None:
+                    return 0.0, fld, err
+                given = record.get("sample_rate", self.sample_rate)
+                rate, rfld, rerr = _positive(given, "sample_rate")
+                if rerr is not None:
+                    return 0.0, rfld, rerr
+                return samples / rate, None, None
+        return 0.0, "duration", "missing (duration, or num_samples with sample_rate)"
+
+
+def items_from(
+    records: Iterable[Mapping[str, Any] | Item], *, sample_rate: int = 16_000
+) -> Iterator[Item]:
+    """:class:`Item` s from in-memory records (dicts with the manifest's fields, or Items).
+
+    A dict's ``data`` field is kept as the in-memory source. Bad records raise
+    :class:`ManifestError` naming the record and field.
+
+    >>> [i.duration for i in items_from([{"id": "x", "num_samples": 8000}])]
+    [0.5]
+    """
+    reader = Manifest.__new__(Manifest)
+    reader.path, reader.sample_rate, reader.root = "<records>", sample_rate, os.getcwd()
+    reader.problems, reader.skipped, reader._schema = [], 0, None
+    reader._prefix = reader.root + os.sep
+    for index, record in enumerate(records):
+        if isinstance(record, Item):
+            yield record
+            continue
+        item = reader._item_slow(dict(record), index + 1, index)
+        if item is None:
+            raise ManifestError(
+                f"record {index}: {reader.problems[-1].field}: {reader.problems[-1].message}"
+            )
+        data = record.get("data")
+        if data is not None:
+            item = Item(
+                item.id,
+                item.duration,
+                item.path,
+                item.index,
+                item.offset,
+                data,
+                None,
+                0,
+                item.extra,
+            )
+        yield item
+
+
+def _first(record: Mapping[str, Any], names: tuple[str, ...]) -> Any:
+    for name in names:
+        value = record.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def _positive(value: Any, name: str) -> tuple[float, str | None, str | None]:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return 0.0, name, f"not a number: {value!r}"
+    if not math.isfinite(x) or x <= 0:
+        return 0.0, name, f"must be positive, got {value!r}"
+    return x, None, None
+
+
+def _guess_format(path: str) -> str:
+    low = path.lower().removesuffix(".gz")
+    if low.endswith(".csv"):
+        return "csv"
+    if low.endswith((".jsonl", ".json", ".ndjson")):
+        base = os.path.basename(low)
+        if base.startswith("cuts") and find_spec("lhotse") is not None:
+            return "lhotse"
+        return "jsonl"
+    return "jsonl"
+
+
+def _open_text(path: str) -> io.TextIOBase:
+    if path.endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    return open(path, encoding="utf-8", newline="", buffering=1 << 20)

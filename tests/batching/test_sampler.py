@@ -1,0 +1,246 @@
+"""Manifests, budgets and the bucketing sampler: hard budgets, nothing lost, exact resume."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import vramctl
+from vramctl.batching import (
+    BatchingError,
+    BucketingSampler,
+    Item,
+    Manifest,
+    ManifestError,
+    MemoryBudget,
+    PaddedDuration,
+    QuadraticDuration,
+    duration_edges,
+)
+
+
+def _lengths(n: int, seed: int = 0) -> list[float]:
+    """LibriSpeech-like clip lengths: most 10-17 s, a tail down to 1 s and up to 25 s."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        d = rng.gauss(13.5, 3.0) if rng.random() < 0.85 else rng.uniform(1.0, 25.0)
+        out.append(round(min(25.0, max(1.0, d)), 3))
+    return out
+
+
+def _items(n: int, seed: int = 0) -> list[Item]:
+    return [Item(f"u{i}", d, index=i) for i, d in enumerate(_lengths(n, seed))]
+
+
+# -- manifests -----------------------------------------------------------------------
+
+
+def test_jsonl_and_csv_manifests_stream_the_same_items(tmp_path: Path) -> None:
+    lengths = _lengths(50)
+    jl, cs = tmp_path / "m.jsonl", tmp_path / "m.csv"
+    with jl.open("w") as f:
+        for i, d in enumerate(lengths):
+            f.write(json.dumps({"id": f"u{i}", "audio_filepath": f"a/{i}.wav", "duration": d}))
+            f.write("\n")
+    with cs.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["utterance_id", "num_samples"])
+        for i, d in enumerate(lengths):
+            w.writerow([f"u{i}", round(d * 16000)])
+    a, b = list(Manifest(jl)), list(Manifest(cs))
+    assert [i.id for i in a] == [i.id for i in b] == [f"u{i}" for i in range(50)]
+    assert [i.duration for i in a] == pytest.approx([i.duration for i in b], abs=1e-4)
+    assert a[3].path == str(tmp_path / "a" / "3.wav")  # relative to the manifest's folder
+    assert b[0].path is None
+
+
+def test_bad_lines_are_reported_with_file_line_and_field_and_reading_goes_on(
+    tmp_path: Path,
+) -> None:
+    p = tmp_path / "m.jsonl"
+    p.write_text(
+        "\n".join(
+            [
+                json.dumps({"id": "a", "duration": 2.0}),
+                "{not json",
+                json.dumps({"id": "b"}),
+                json.dumps({"id": "c", "duration": -1}),
+                json.dumps({"duration": 3.0}),
+                json.dumps({"id": "d", "duration": 0}),
+                json.dumps([1, 2]),
+                json.dumps({"id": "e", "duration": 4.0, "text": "hello"}),
+            ]
+        )
+        + "\n"
+    )
+    m = Manifest(p)
+    got = list(m)
+    assert [(i.id, i.index) for i in got] == [("a", 0), ("e", 7)]
+    assert got[1].extra == {"text": "hello"}
+    found = [(q.line, q.field) for q in m.problems]
+    assert found == [(2, None), (3, "duration"), (4, "duration"), (5, "id"), (6, "duration"),
+                     (7, None)]  # fmt: skip
+    assert m.skipped == 6
+    assert str(m.problems[2]).startswith(f"{p}:4: duration: must be positive")
+
+
+def test_a_missing_manifest_or_unknown_format_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="no such file"):
+        Manifest(tmp_path / "nope.jsonl")
+    (tmp_path / "m.txt").write_text("")
+    with pytest.raises(ManifestError, match="unknown format"):
+        Manifest(tmp_path / "m.txt", format="yaml")
+
+
+def test_a_lhotse_cutset_manifest_is_read(tmp_path: Path) -> None:
+    lhotse = pytest.importorskip("lhotse")
+    cuts = lhotse.CutSet.from_cuts(
+        lhotse.MonoCut(id=f"c{i}", start=0.0, duration=d, channel=0, recording=None)
+        for i, d in enumerate([1.5, 2.5, 3.5])
+    )
+    path = tmp_path / "cuts.jsonl.gz"
+    cuts.to_file(path)
+    got = list(Manifest(path, format="lhotse"))
+    assert [(i.id, i.duration) for i in got] == [("c0", 1.5), ("c1", 2.5), ("c2", 3.5)]
+
+
+# -- budgets -------------------------------------------------------------------------
+
+
+def test_budgets_are_exact_at_their_limits() -> None:
+    b = PaddedDuration(600.0)
+    assert b.max_count(15.0) == 40 and b.cost(40, 15.0) == 600.0
+    assert b.max_count(601.0) == 0
+    assert PaddedDuration(600.0, max_items=8).max_count(1.0) == 8
+    q = QuadraticDuration(100.0, quadratic_duration=10.0)
+    assert q.max_count(10.0) == 5 and q.cost(5, 10.0) <= 100.0 < q.cost(6, 10.0)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(BatchingError, match="max_duration"):
+            PaddedDuration(bad)
+
+
+class Conv(nn.Module):
+    """A small frame model: strided convolutions and a projection, as audio front ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv1d(1, 32, 10, stride=5), nn.GELU(), nn.Conv1d(32, 64, 4, stride=4)
+        )
+        self.head = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x.unsqueeze(1)).transpose(1, 2))
+
+
+def test_memory_budget_predicts_batches_that_run_within_a_simulated_gpu() -> None:
+    torch.manual_seed(0)
+    rate = 1000  # samples per second: small tensors, the same shape of cost
+    with vramctl.simulate("64MiB") as gpu, torch.inference_mode():
+        model = Conv().eval()
+
+        def make(n: int, seconds: float) -> torch.Tensor:
+            return torch.zeros(n, max(1, round(seconds * rate)))
+
+        mb = MemoryBudget.for_model(model, make, max_duration=30.0, device=gpu, target=0.9)
+        assert mb.max_count(31.0) == 0
+        counts = mb.table([1.0, 4.0, 8.0, 15.0, 30.0])
+        assert [n for _, n in counts] == sorted((n for _, n in counts), reverse=True)
+        assert counts[-1][1] >= 1
+        for seconds, n in counts:  # the predicted batch runs, and is not far below the edge
+            gpu.reset_peak()
+            model(make(n, seconds))
+            assert gpu.memory().peak_allocated <= mb.budget_bytes + 1
+            if seconds >= mb.anchors[0].seconds:  # below the first anchor: its count (safe)
+                assert gpu.memory().peak_allocated > 0.8 * mb.budget_bytes
+
+
+# -- the sampler ---------------------------------------------------------------------
+
+
+def test_edges_split_the_total_duration_evenly() -> None:
+    lengths = _lengths(5000)
+    edges = duration_edges(lengths, 10)
+    assert len(edges) == 9 and edges == sorted(edges)
+    totals = [0.0] * 10
+    import bisect
+
+    for d in lengths:
+        totals[bisect.bisect_right(edges, d)] += d
+    assert max(totals) < 1.3 * sum(lengths) / 10
+    with pytest.raises(BatchingError):
+        duration_edges(lengths, 0)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_no_batch_is_over_budget_and_every_item_comes_out_once(shuffle: bool) -> None:
+    items = _items(3000)
+    budget = PaddedDuration(120.0)
+    s = BucketingSampler(items, budget, shuffle=shuffle, buffer_size=500)
+    seen: list[str] = []
+    for batch in s:
+        assert batch.padded_duration <= 120.0 + 1e-9
+        assert batch.longest == max(i.duration for i in batch.items)
+        seen.extend(i.id for i in batch.items)
+    assert sorted(seen) == sorted(i.id for i in items) and len(seen) == len(set(seen))
+    assert s.stats.overruns == 0 and s.stats.worst_ratio <= 1.0
+    assert s.stats.padding < 0.03  # buckets keep padding low on LibriSpeech-like lengths
+    if shuffle:
+        assert seen != sorted(seen, key=lambda x: int(x[1:]))
+
+
+def test_the_long_item_that_arrives_last_closes_the_batch_first() -> None:
+    items = [Item(f"s{i}", 9.0, index=i) for i in range(6)] + [Item("long", 9.9, index=6)]
+    s = BucketingSampler(items, PaddedDuration(60.0), edges=[])
+    sizes = [(len(b), b.longest) for b in s]
+    # 6 x 9.0 = 54 fits; with the long one it would be 7 x 9.9 = 69.3: it starts a new batch.
+    assert sizes == [(6, 9.0), (1, 9.9)]
+    assert s.stats.worst_ratio <= 1.0
+
+
+def test_an_item_over_the_budget_alone_is_emitted_alone_and_counted() -> None:
+    items = [Item("a", 5.0, index=0), Item("huge", 700.0, index=1), Item("b", 5.0, index=2)]
+    s = BucketingSampler(items, PaddedDuration(600.0), edges=[])
+    batches = list(s)
+    assert [(b.oversize, [i.id for i in b.items]) for b in batches] == [
+        (True, ["huge"]),
+        (False, ["a", "b"]),
+    ]
+    assert s.stats.oversize == 1 and s.stats.overruns == 0
+
+
+def test_a_resumed_pass_continues_exactly_where_it_stopped() -> None:
+    items = _items(2000, seed=3)
+
+    def make() -> BucketingSampler:
+        return BucketingSampler(
+            items, PaddedDuration(90.0), num_buckets=12, shuffle=True, buffer_size=300, seed=7
+        )
+
+    whole = [[i.id for i in b.items] for b in make()]
+    first = make()
+    it = iter(first)
+    head = [[i.id for i in next(it).items] for _ in range(25)]
+    state = json.loads(json.dumps(first.state_dict()))  # it survives JSON
+    second = make()
+    second.load_state_dict(state)
+    tail = [[i.id for i in b.items] for b in second]
+    assert head + tail == whole
+    assert second.stats.items == len(items)
+
+
+def test_bad_sampler_input_is_a_clear_error() -> None:
+    with pytest.raises(BatchingError, match="budget must have"):
+        BucketingSampler([], 600)  # type: ignore[arg-type]
+    with pytest.raises(BatchingError, match="edges must increase"):
+        BucketingSampler([], PaddedDuration(10), edges=[3.0, 2.0])
+    s = BucketingSampler(_items(10), PaddedDuration(10), num_buckets=3)
+    with pytest.raises(BatchingError, match="not a BucketingSampler state"):
+        s.load_state_dict({"version": 99})
