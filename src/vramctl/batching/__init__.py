@@ -5,8 +5,8 @@ from __future__ import annotations
 from vramctl.batching._adaptive import AdaptiveBatcher, BatchingError, MapDataset
 from vramctl.batching._audio import AudioBatches, AudioError, load_audio, synthesize
 from vramctl.batching._budget import Budget, MemoryBudget, PaddedDuration, QuadraticDuration
-from vramctl.batching._manifest import Item, Manifest, ManifestError, ManifestProblem, items_from
 from vramctl.batching._chunk import Stitcher, chunk_count, chunk_items
+from vramctl.batching._manifest import Item, Manifest, ManifestError, ManifestProblem, items_from
 from vramctl.batching._sampler import Batch, BucketingSampler, SamplerStats, duration_edges
 
 __all__ = [
