@@ -82,7 +82,7 @@ def cpu_output_bytes(
     if hit is not None and len(hit) == len(outs):
         return hit
     sizes = [_span_bytes(t) for t in outs]
-    if _train_flag(args, kwargs):
+    if _train_flag(args, kwargs) and torch.is_grad_enabled():
         x, hidden = outs[0], outs[1]
         steps_and_samples = x.numel() // max(1, x.shape[-1])
         sizes[3] = RNN_WORKSPACE_BYTES * steps_and_samples * hidden.shape[-1]
@@ -143,7 +143,8 @@ def _signature(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
         return repr(x)
 
     flat, _ = tree_flatten((args, kwargs))
-    return (func, torch.get_num_threads(), *(describe(x) for x in flat))
+    grad = func in SIZED_OUTPUTS and torch.is_grad_enabled()
+    return (func, torch.get_num_threads(), grad, *(describe(x) for x in flat))
 
 
 def _span_bytes(t: torch.Tensor) -> int:
@@ -174,7 +175,8 @@ def _measure(
             # The legacy (non-Kineto) profiler starts in milliseconds; it still reports
             # every allocation of the CPU allocator, in order.
             # Grad mode as the step has it: an LSTM layer keeps its workspace only with grad.
-            quiet, grad = _quiet_stderr(), torch.set_grad_enabled(func in SIZED_OUTPUTS)
+            quiet = _quiet_stderr()
+            grad = torch.set_grad_enabled(func in SIZED_OUTPUTS and torch.is_grad_enabled())
             with quiet, grad, profile(profile_memory=True, use_kineto=False) as prof:
                 out = func(*ra, **rk)
         except Exception:
