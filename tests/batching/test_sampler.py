@@ -162,6 +162,29 @@ def test_memory_budget_predicts_batches_that_run_within_a_simulated_gpu() -> Non
                 assert gpu.memory().peak_allocated > 0.8 * mb.budget_bytes
 
 
+def test_memory_budget_leaves_a_simulated_gpu_untouched_and_counts_only_what_it_holds() -> None:
+    rate = 1000
+    host_model = Conv().eval()  # made outside the simulation: host memory, not the GPU's
+
+    def make(n: int, seconds: float) -> torch.Tensor:
+        return torch.zeros(n, max(1, round(seconds * rate)))
+
+    with vramctl.simulate("64MiB") as gpu, torch.inference_mode():
+        gpu.reset_peak()
+        before = gpu.memory().allocated
+        mb = MemoryBudget.for_model(host_model, make, max_duration=30.0, device=gpu, target=0.5)
+        # The estimator's probes are not the batch's memory: nothing was counted meanwhile.
+        assert gpu.memory().peak_allocated == before
+        assert gpu.holds(host_model) == 0
+        assert mb.budget_bytes == int(0.5 * gpu.total_bytes) - before
+        inside = gpu.adopt(Conv().eval())
+        weights = gpu.holds(inside)
+        assert weights == sum(p.numel() * 4 for p in inside.parameters())
+        mb2 = MemoryBudget.for_model(inside, make, max_duration=30.0, device=gpu, target=0.5)
+        # The adopted model's weights stay in the budget (the estimate counts them itself).
+        assert mb2.budget_bytes == mb.budget_bytes
+
+
 # -- the sampler ---------------------------------------------------------------------
 
 

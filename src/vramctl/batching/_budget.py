@@ -25,6 +25,7 @@ that would take a batch over closes the batch first.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -280,29 +281,32 @@ class MemoryBudget:
         lengths = _anchor_lengths(lo, max_duration, anchors)
         rows: list[tuple[float, float, float]] = []
         notes: list[str] = []
-        for seconds in lengths:
+        # The estimator's own probes (CPU kernels on real tensors) are host memory, not a
+        # batch's: on an active simulated GPU they would count against it.
+        with _host_of(device):
+            for seconds in lengths:
 
-            def peak(n: int, seconds: float = seconds) -> float:
-                est = estimate_step(
-                    model,
-                    lambda b, s=seconds: make_batch(b, s),
-                    batch_size=n,
-                    device=where,
-                    mode=mode,
-                    **estimate_options,
-                )
-                return float(est.peak_reserved)
+                def peak(n: int, seconds: float = seconds) -> float:
+                    est = estimate_step(
+                        model,
+                        lambda b, s=seconds: make_batch(b, s),
+                        batch_size=n,
+                        device=where,
+                        mode=mode,
+                        **estimate_options,
+                    )
+                    return float(est.peak_reserved)
 
-            one, four = peak(1), peak(4)
-            per = max((four - one) / 3, 1.0)
-            n = 1 + int((budget_bytes - one) // per) if one <= budget_bytes else 0
-            if n > 4:  # the line through 1 and 4 misses the allocator's rounding at n: refit
-                at_n = peak(n)
-                if at_n > budget_bytes:
-                    per = (at_n - one) / (n - 1) * (1 + 1e-9)
-            rows.append((seconds, one, per))
-            if one > budget_bytes:
-                notes.append(f"one item of {seconds:g} s alone is over the budget")
+                one, four = peak(1), peak(4)
+                per = max((four - one) / 3, 1.0)
+                n = 1 + int((budget_bytes - one) // per) if one <= budget_bytes else 0
+                if n > 4:  # the line through 1 and 4 misses the allocator's rounding at n: refit
+                    at_n = peak(n)
+                    if at_n > budget_bytes:
+                        per = (at_n - one) / (n - 1) * (1 + 1e-9)
+                rows.append((seconds, one, per))
+                if one > budget_bytes:
+                    notes.append(f"one item of {seconds:g} s alone is over the budget")
         return cls(int(budget_bytes), rows, max_items=max_items, notes=notes)
 
 
@@ -321,6 +325,13 @@ def _device(device: Device | str | None) -> Device:
     return get_device(device) if isinstance(device, str) else device
 
 
+def _host_of(device: Device | str | None) -> contextlib.AbstractContextManager[None]:
+    from vramctl.device._simulate import SimulatedDevice, active_simulation
+
+    sim = device if isinstance(device, SimulatedDevice) else active_simulation()
+    return sim.host() if sim is not None else contextlib.nullcontext()
+
+
 def _target_of(dev: Device) -> Target | Device:
     """What the estimator is handed for ``dev`` (a simulated GPU counts live storages)."""
     from vramctl.device._simulate import SimulatedDevice
@@ -331,14 +342,20 @@ def _target_of(dev: Device) -> Target | Device:
 
 
 def _room(dev: Device, target: float, model: torch.nn.Module) -> int:
+    from vramctl.device._simulate import SimulatedDevice
+
     if not 0 < target <= 1:
         raise BatchingError(f"target must be in (0, 1], got {target!r}")
     total = total_bytes(dev)
     used = total - available_bytes(dev)
-    held = sum(
-        t.untyped_storage().nbytes()
-        for t in (*model.parameters(), *model.buffers())
-        if t.device.type == dev.torch_device.type
-    )
+    if isinstance(dev, SimulatedDevice):
+        # Only what the simulated GPU counts is on it (a model made outside is host memory).
+        held = dev.holds(model)
+    else:
+        held = sum(
+            t.untyped_storage().nbytes()
+            for t in (*model.parameters(), *model.buffers())
+            if t.device.type == dev.torch_device.type
+        )
     # The estimate counts the model's own weights: leave them in the budget.
     return int(target * total) - (used - held)

@@ -293,6 +293,23 @@ class SimulatedDevice(Device):
         self._account(found)
         return obj
 
+    def holds(self, obj: Any) -> int:
+        """Bytes of ``obj``'s tensors (a module, tensor, or container of them) counted here."""
+        leaves = (
+            [*obj.parameters(), *obj.buffers()]
+            if isinstance(obj, torch.nn.Module)
+            else list(tensors(obj))
+        )
+        seen: set[int] = set()
+        held = 0
+        with self._lock:
+            for leaf in leaves:
+                st = storage(leaf) if isinstance(leaf, torch.Tensor) else None
+                if st is not None and id(st) not in seen and self._tracks(st):
+                    seen.add(id(st))
+                    held += self._live[id(st)]
+        return held
+
     @contextlib.contextmanager
     def host(self) -> Iterator[None]:
         """Allocations made inside are host memory, not the simulated GPU's.
