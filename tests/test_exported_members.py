@@ -73,6 +73,11 @@ def test_public_objects_say_they_are_from_vramctl() -> None:
 
 BATCHING = {
     "AdaptiveBatcher",
+    "ProcessResult",
+    "ProcessStatus",
+    "ProgressStore",
+    "process",
+    "progress_path",
     "AudioBatches",
     "AudioError",
     "Batch",

@@ -7,6 +7,8 @@ from vramctl.batching._audio import AudioBatches, AudioError, load_audio, synthe
 from vramctl.batching._budget import Budget, MemoryBudget, PaddedDuration, QuadraticDuration
 from vramctl.batching._chunk import Stitcher, chunk_count, chunk_items
 from vramctl.batching._manifest import Item, Manifest, ManifestError, ManifestProblem, items_from
+from vramctl.batching._process import ProcessResult, ProcessStatus, process, progress_path
+from vramctl.batching._progress import ProgressStore
 from vramctl.batching._sampler import Batch, BucketingSampler, SamplerStats, duration_edges
 
 __all__ = [
@@ -24,6 +26,9 @@ __all__ = [
     "MapDataset",
     "MemoryBudget",
     "PaddedDuration",
+    "ProcessResult",
+    "ProcessStatus",
+    "ProgressStore",
     "QuadraticDuration",
     "SamplerStats",
     "Stitcher",
@@ -32,5 +37,7 @@ __all__ = [
     "duration_edges",
     "items_from",
     "load_audio",
+    "process",
+    "progress_path",
     "synthesize",
 ]

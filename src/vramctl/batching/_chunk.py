@@ -193,6 +193,10 @@ class Stitcher:
         """How many recordings have some of their chunks in but not all."""
         return len(self._pending)
 
+    def discard(self, recording: str) -> bool:
+        """Drop the chunks held for ``recording`` (it failed); True if any were held."""
+        return self._pending.pop(recording, None) is not None
+
     def add(self, item: Item, output: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Take one item's output; return the recordings it completes as ``(id, output)``.
 

@@ -1,0 +1,929 @@
+"""``process``: run a model over every item of an audio manifest, durably, under a hard budget.
+
+The processing run puts the batching pieces together::
+
+    manifest ─► skip what the progress store holds ─► chunk long recordings
+      ─► BucketingSampler (per-bucket batch sizes from the estimator)
+      ─► audio loaded by a thread pool, in order ─► one worker per device,
+         each step under a Guard (split on OOM; the CPU when one item does not fit)
+      ─► stitch chunk outputs per recording ─► postprocess
+      ─► commit to the progress store (one transaction per batch) ─► export
+
+A killed run loses and repeats nothing: a recording's output is committed
+once, in the same transaction as the rest of its batch, and a restarted run
+skips every recording the store holds (done or failed). Chunks of a recording
+that was not finished are run again.
+
+>>> import os, tempfile, torch, vramctl
+>>> from vramctl.batching import process
+>>> d = tempfile.mkdtemp()
+>>> manifest = os.path.join(d, "clips.jsonl")
+>>> with open(manifest, "w") as f:
+...     for i, seconds in enumerate([1.0, 2.5, 0.5, 4.0]):
+...         _ = f.write(f'{{"id": "c{i}", "duration": {seconds}}}\\n')
+>>> frames = lambda: torch.nn.Conv1d(1, 4, 320, stride=320)   # 50 frames/s, 4 features
+>>> result = process(frames, manifest, os.path.join(d, "out.jsonl"),
+...                  forward=lambda m, wav, lengths: m(wav.unsqueeze(1)).transpose(1, 2),
+...                  loader="synthetic", budget=vramctl.batching.PaddedDuration(5.0),
+...                  devices=["cpu"])
+>>> result.done, result.failed, result.lost
+(4, 0, 0)
+>>> import json
+>>> [json.loads(line)["output"]["frames"] for line in open(result.output)]
+[50, 125, 25, 200]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from vramctl._units import format_bytes
+from vramctl.batching._adaptive import BatchingError
+from vramctl.batching._audio import AudioBatches, load_audio, synthesize
+from vramctl.batching._budget import Budget, MemoryBudget
+from vramctl.batching._chunk import Stitcher, chunk_items
+from vramctl.batching._manifest import Item, Manifest
+from vramctl.batching._progress import (
+    ProgressStore,
+    check_writable,
+    failures_path,
+)
+from vramctl.batching._sampler import BucketingSampler
+from vramctl.device import Device, get_device, gpus
+from vramctl.device._simulate import SimulatedDevice, active_simulation
+from vramctl.guard import Guard, StepDoesNotFitError
+
+__all__ = ["ProcessResult", "ProcessStatus", "process", "progress_path"]
+
+log = logging.getLogger("vramctl.batching")
+
+ModelFactory = Callable[[], nn.Module]
+Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], Any]
+Postprocess = Callable[[torch.Tensor, Item], Any]
+
+#: Seconds between two memory readings for the progress callback.
+_MEMORY_EVERY = 0.5
+#: On the CPU the batch memory is capped here: larger batches buy nothing there.
+_CPU_BUDGET = 2 * 2**30
+
+
+def progress_path(output: str | os.PathLike[str]) -> str:
+    """The default progress store next to ``output``: ``out.jsonl`` → ``out.progress.db``.
+
+    >>> progress_path("runs/out.jsonl")
+    'runs/out.progress.db'
+    """
+    out = os.fspath(output)
+    root, ext = os.path.splitext(out)
+    return (root if ext in (".jsonl", ".json", ".ndjson") else out) + ".progress.db"
+
+
+@dataclass
+class ProcessStatus:
+    """A snapshot of a run, handed to ``on_progress`` after each batch."""
+
+    #: Recordings done, failed, and skipped because an earlier run did them.
+    done: int
+    failed: int
+    skipped: int
+    #: Recordings in the manifest when known (a line count), else None.
+    total: int | None
+    #: Seconds of audio done in this run, and wall seconds since the start.
+    seconds: float
+    elapsed: float
+    batches: int
+    #: Padding of the batches so far (a fraction of the padded audio).
+    padding: float
+    #: Out-of-memory errors met and recovered by the guards, and batches sent to the CPU.
+    ooms: int
+    cpu_fallbacks: int
+    #: Per device: (id, bytes in use, total bytes), read at most every half second.
+    memory: list[tuple[str, int, int]] = field(default_factory=list)
+
+    @property
+    def items_per_s(self) -> float:
+        return self.done / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def audio_hours_per_hour(self) -> float:
+        """Hours of audio processed per hour of wall time."""
+        return self.seconds / self.elapsed if self.elapsed > 0 else 0.0
+
+
+@dataclass
+class ProcessResult:
+    """What a run did (this run's figures; ``store_*`` count earlier runs too)."""
+
+    output: str
+    failed_path: str
+    progress_path: str
+    done: int
+    failed: int
+    skipped: int
+    #: Recordings neither done nor failed at the end (0 unless the run was cut short).
+    lost: int
+    seconds: float
+    wall_s: float
+    batches: int
+    padding: float
+    ooms: int
+    ooms_recovered: int
+    cpu_fallbacks: int
+    store_done: int
+    store_failed: int
+    #: Bad manifest records (skipped, reported): how many, and the first ones.
+    manifest_problems: int
+    problems: list[str]
+    devices: list[dict[str, Any]]
+    budget: dict[str, Any]
+
+    @property
+    def items_per_s(self) -> float:
+        return self.done / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def audio_hours_per_hour(self) -> float:
+        return self.seconds / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["items_per_s"] = round(self.items_per_s, 3)
+        d["audio_hours_per_hour"] = round(self.audio_hours_per_hour, 3)
+        return d
+
+
+# -- forward and postprocess ----------------------------------------------------------
+
+
+def default_forward(model: nn.Module, waveforms: torch.Tensor, lengths: torch.Tensor) -> Any:
+    """``model(waveforms)``; a Hugging Face output gives its ``last_hidden_state``."""
+    return model(waveforms)
+
+
+def _hidden(out: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(time-major output [B, T', ...], frames per item or None) from a forward's result."""
+    frames = None
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor):
+        out, frames = out
+    if not isinstance(out, torch.Tensor):
+        last = getattr(out, "last_hidden_state", None)
+        if isinstance(last, torch.Tensor):
+            out = last
+        elif isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
+            out = out[0]
+    if not isinstance(out, torch.Tensor) or out.dim() < 2:
+        raise BatchingError(
+            "the forward must return a tensor [batch, time, ...] (or a model output with"
+            f" last_hidden_state, or (output, frames)); got {type(out).__name__}"
+            + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else "")
+        )
+    return out, frames
+
+
+def _frames(model: nn.Module, lengths: torch.Tensor, padded: int, out_len: int) -> torch.Tensor:
+    """Valid output frames per item: the model's own rule when it has one, else in proportion."""
+    rule = getattr(model, "_get_feat_extract_output_lengths", None)
+    if callable(rule):
+        try:
+            return torch.as_tensor(rule(lengths)).to(torch.int64).clamp(0, out_len)
+        except Exception:
+            log.debug("the model's _get_feat_extract_output_lengths failed", exc_info=True)
+    return ((lengths * out_len + padded - 1) // max(padded, 1)).clamp(0, out_len)
+
+
+def _frame_rate(model: nn.Module, padded: int, out_len: int, sample_rate: int) -> float:
+    """Output frames per second: the slope of the model's own rule, else the batch's ratio."""
+    rule = getattr(model, "_get_feat_extract_output_lengths", None)
+    if callable(rule):
+        try:
+            a, b = (int(rule(torch.tensor([n * sample_rate]))[0]) for n in (10, 110))
+            if b > a:
+                return (b - a) / 100.0
+        except Exception:
+            log.debug("the model's _get_feat_extract_output_lengths failed", exc_info=True)
+    return out_len * sample_rate / max(padded, 1)
+
+
+def summarize(output: torch.Tensor, item: Item) -> dict[str, Any]:
+    """The default postprocess: the output's frames, feature size, mean and spread."""
+    x = output.detach().float()
+    return {
+        "frames": int(x.shape[0]),
+        "dim": int(x[0].numel()) if x.shape[0] else 0,
+        "mean": round(float(x.mean()), 6) if x.numel() else 0.0,
+        "std": round(float(x.std()), 6) if x.numel() > 1 else 0.0,
+    }
+
+
+def embed(output: torch.Tensor, item: Item) -> dict[str, Any]:
+    """Postprocess ``"embedding"``: the output averaged over time, as a list."""
+    x = output.detach().float().flatten(1)
+    vec = x.mean(0) if x.shape[0] else torch.zeros(x.shape[1])
+    return {"frames": int(x.shape[0]), "embedding": [round(v, 6) for v in vec.tolist()]}
+
+
+_POSTPROCESS: dict[str, Postprocess] = {"summary": summarize, "embedding": embed}
+_LOADERS: dict[str, Callable[[Item, int], torch.Tensor]] = {
+    "audio": load_audio,
+    "synthetic": synthesize,
+}
+
+
+# -- devices and workers -----------------------------------------------------------------
+
+
+def _pick_devices(
+    devices: Sequence[Device | str | int] | None, max_devices: int | None
+) -> list[Device]:
+    """The devices to run on: as given, or an active simulation, or usable GPUs, or the CPU."""
+    if devices is not None:
+        found = [get_device(d) for d in devices]
+        if not found:
+            raise BatchingError("devices is empty: name at least one, or leave it out")
+    else:
+        sim = active_simulation()
+        if sim is not None:
+            found = [sim]
+        else:
+            usable = [g for g in gpus() if g.health.state.usable]
+            found = sorted(usable, key=_load) or [get_device("cpu")]
+    if max_devices is not None:
+        if max_devices < 1:
+            raise BatchingError(f"max_devices must be at least 1, got {max_devices}")
+        found = found[:max_devices]
+    sims = [d for d in found if isinstance(d, SimulatedDevice)]
+    if sims and len(found) > 1:
+        raise BatchingError("a simulated GPU runs alone: give it as the only device")
+    if len({d.id for d in found}) != len(found):
+        raise BatchingError(f"a device is named twice: {[d.id for d in found]}")
+    return found
+
+
+def _load(dev: Device) -> tuple[float, float]:
+    """Least loaded first: compute use, then the share of memory in use."""
+    mem = dev.memory()
+    util = mem.compute_utilization
+    frac = mem.utilization
+    return (
+        101.0 if not isinstance(util, int | float) else float(util),
+        1.0 if not isinstance(frac, int | float) else float(frac),
+    )
+
+
+def _memory_of(dev: Device) -> tuple[str, int, int]:
+    mem = dev.memory()
+    used = mem.used if isinstance(mem.used, int) else 0
+    total = mem.total if isinstance(mem.total, int) else 0
+    return (dev.id, used, total)
+
+
+class _Rows:
+    """Per-item outputs of one piece; the guard hands back a list of them for a split batch."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: list[torch.Tensor]) -> None:
+        self.rows = rows
+
+    @staticmethod
+    def join(result: _Rows | list[_Rows]) -> list[torch.Tensor]:
+        parts = result if isinstance(result, list) else [result]
+        return [row for part in parts for row in part.rows]
+
+
+@dataclass
+class _Done:
+    """One batch's outcome: per-item outputs (host tensors) and per-item failures."""
+
+    outputs: list[tuple[Item, torch.Tensor]]
+    failures: list[tuple[Item, str]]
+    device: str
+    padded_seconds: float
+    seconds: float
+    frame_rate: float | None = None
+
+
+class _Worker:
+    """One device: its model, its guard, and a CPU copy made when one item does not fit."""
+
+    def __init__(
+        self,
+        make_model: Callable[[], nn.Module],
+        dev: Device,
+        forward: Forward,
+        sample_rate: int,
+    ) -> None:
+        self.dev = dev
+        self.sample_rate = sample_rate
+        self.user_forward = forward
+        self._make_model = make_model
+        self.sim = dev if isinstance(dev, SimulatedDevice) else None
+        self.model = _place(make_model(), dev)
+        self.guard = Guard(self.model, device=dev, forward=self._forward)
+        self._cpu: Guard | None = None
+        self.cpu_fallbacks = 0
+        self.batches = 0
+        self.items = 0
+        self.peak = 0
+        #: Output frames per second of audio, measured on the first batch.
+        self.frame_rate: float | None = None
+
+    def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> _Rows:
+        waveforms, lengths = batch["waveforms"], batch["lengths"]
+        on_cpu = next(model.parameters(), torch.empty(0)).device.type == "cpu"
+        if self.sim is not None and model is self.model:
+            waveforms = waveforms.clone()  # the simulated copy to the GPU: counted
+        elif not on_cpu:
+            waveforms = waveforms.to(self.dev.torch_device, non_blocking=True)
+        out, frames = _hidden(self.user_forward(model, waveforms, lengths))
+        del waveforms
+        padded, out_len = int(batch["waveforms"].shape[1]), int(out.shape[1])
+        if frames is None:
+            frames = _frames(model, lengths, padded, out_len)
+        if self.frame_rate is None:
+            self.frame_rate = _frame_rate(model, padded, out_len, self.sample_rate)
+        frames = frames.to("cpu")
+        host = self.sim.host() if self.sim is not None else contextlib.nullcontext()
+        with host:  # outputs leave the device at once: the next piece has the room
+            rows = [out[i, : int(frames[i])].detach().to("cpu").clone() for i in range(len(out))]
+        return _Rows(rows)
+
+    def run(self, loaded: dict[str, Any]) -> _Done:
+        items: list[Item] = loaded["items"]
+        failures = [(item, message) for item, message in loaded["errors"]]
+        outputs: list[tuple[Item, torch.Tensor]] = []
+        if items:
+            batch = {"waveforms": loaded["waveforms"], "lengths": loaded["lengths"]}
+            try:
+                rows = _Rows.join(self.guard.infer(batch))
+            except StepDoesNotFitError as exc:
+                log.warning("%s: %s; running this batch on the CPU", self.dev.id, exc)
+                rows = self._on_cpu(batch)
+            outputs = list(zip(items, rows, strict=True))
+            self.batches += 1
+            self.items += len(items)
+        self.peak = max(self.peak, _peak(self.dev))
+        durations = [i.duration for i in items]
+        return _Done(
+            outputs,
+            failures,
+            self.dev.id,
+            len(durations) * max(durations, default=0.0),
+            sum(durations),
+            self.frame_rate,
+        )
+
+    def _on_cpu(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        self.cpu_fallbacks += 1
+        host = self.sim.host() if self.sim is not None else contextlib.nullcontext()
+        with host:
+            if self._cpu is None:
+                cpu = get_device("cpu")
+                model = self._make_model().to("cpu").eval()
+                self._cpu = Guard(model, device=cpu, forward=self._forward)
+            return _Rows.join(self._cpu.infer(batch))
+
+    def summary(self) -> dict[str, Any]:
+        mem = self.dev.memory()
+        total = mem.total if isinstance(mem.total, int) else None
+        return {
+            "device": self.dev.id,
+            "batches": self.batches,
+            "items": self.items,
+            "peak_bytes": self.peak,
+            "total_bytes": total,
+            "ooms": self.guard.ooms,
+            "ooms_recovered": self.guard.recovered,
+            "cpu_fallbacks": self.cpu_fallbacks,
+        }
+
+
+def _place(model: nn.Module, dev: Device) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise BatchingError(f"the model factory must return an nn.Module, got {type(model)}")
+    if isinstance(dev, SimulatedDevice):
+        dev.adopt(model)  # the simulated model.to("cuda")
+    else:
+        model = model.to(dev.torch_device)
+    return model.eval()
+
+
+def _peak(dev: Device) -> int:
+    mem = dev.memory()
+    for value in (mem.peak_reserved, mem.peak_allocated, mem.used):
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+# -- the item stream ---------------------------------------------------------------------
+
+
+class _Remaining:
+    """The manifest's items that the store does not hold, long ones chunked; re-iterable."""
+
+    def __init__(
+        self,
+        source: Manifest | Iterable[Item],
+        completed: Any,
+        chunk: float,
+        overlap: float,
+    ) -> None:
+        self.source = source
+        self.completed = completed
+        self.chunk = chunk
+        self.overlap = overlap
+        self.skipped = 0
+        self.fresh = 0
+
+    def __iter__(self) -> Iterator[Item]:
+        self.skipped = 0
+        self.fresh = 0
+        return chunk_items(self._fresh(), max_duration=self.chunk, overlap=self.overlap)
+
+    def _fresh(self) -> Iterator[Item]:
+        completed = self.completed
+        for item in self.source:
+            if item.index in completed:
+                self.skipped += 1
+                continue
+            self.fresh += 1
+            yield item
+
+
+def _count_records(path: str) -> int | None:
+    """Non-blank lines of a JSON Lines or CSV manifest (less a CSV header), read fast."""
+    if not os.path.isfile(path) or path.endswith(".gz"):
+        return None
+    lines = 0
+    blank = 0
+    last = b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            lines += block.count(b"\n")
+            blank += block.count(b"\n\n")
+            last = block[-1:]
+    lines += last != b"\n"
+    if path.lower().endswith(".csv"):
+        lines -= 1
+    return max(lines - blank, 0)
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+def process(
+    model: nn.Module | ModelFactory,
+    manifest: str | os.PathLike[str] | Manifest,
+    output: str | os.PathLike[str],
+    *,
+    forward: Forward | None = None,
+    postprocess: Postprocess | Literal["summary", "embedding"] = "summary",
+    devices: Sequence[Device | str | int] | None = None,
+    max_devices: int | None = None,
+    budget: Budget | None = None,
+    target: float = 0.9,
+    chunk_duration: float = 30.0,
+    overlap: float = 1.0,
+    num_buckets: int = 50,
+    sample_rate: int = 16000,
+    loader: Callable[[Item, int], torch.Tensor] | Literal["audio", "synthetic"] = "audio",
+    num_workers: int | None = None,
+    order: Literal["manifest", "id"] = "manifest",
+    progress: str | os.PathLike[str] | None = None,
+    resume: bool = True,
+    frame_rate: float | None = None,
+    config: dict[str, Any] | None = None,
+    on_progress: Callable[[ProcessStatus], None] | None = None,
+) -> ProcessResult:
+    """Run ``model`` over every item of ``manifest``; write one output per recording.
+
+    ``model`` is a zero-argument factory (called once per device) or a module
+    (copied for each further device). ``forward(model, waveforms [B, T],
+    lengths [B]) -> output`` runs one batch (default: ``model(waveforms)``);
+    the output has time on dim 1 (``[B, T', ...]``; a model output's
+    ``last_hidden_state`` is taken), optionally with the valid frames per item
+    as ``(output, frames)``. Each recording's frames are stitched across its
+    chunks, handed to ``postprocess(tensor [T', ...], item)`` (or
+    ``"summary"``, ``"embedding"``) and the JSON value it returns is recorded.
+
+    Devices: ``devices`` as given; else the active :func:`vramctl.simulate`
+    GPU; else every usable GPU, least loaded first (``max_devices`` of them);
+    else the CPU. One worker per device takes the next batch when it is free.
+    Each step runs under a :class:`~vramctl.guard.Guard`: a batch that runs out
+    of memory finishes in pieces, and one whose single items do not fit runs on
+    the CPU.
+
+    Batches: recordings longer than ``chunk_duration`` seconds are cut into
+    chunks overlapping by ``overlap`` seconds; a :class:`BucketingSampler` with
+    ``num_buckets`` buckets fills batches up to ``budget`` (default:
+    :meth:`MemoryBudget.for_model` at ``target`` of the smallest device's free
+    memory, predicted without a trial step; 2 GiB at most on the CPU). Audio is
+    read by ``loader`` (``"audio"``: files; ``"synthetic"``: deterministic noise
+    of each item's length) in ``num_workers`` threads (default: up to 4).
+
+    Durability: every batch's outputs and failures are committed to a
+    :class:`ProgressStore` at ``progress`` (default :func:`progress_path`) in
+    one transaction; ``resume=True`` continues a store left by a killed run
+    with the same manifest and settings, skipping what it holds. At the end the
+    outputs are exported to ``output`` as JSON Lines (``order``: manifest order
+    or by id) and the failures (missing or unreadable audio) next to it.
+    """
+    t0 = time.perf_counter()
+    post = _postprocess(postprocess)
+    load = _LOADERS[loader] if isinstance(loader, str) and loader in _LOADERS else loader
+    if isinstance(load, str) or not callable(load):
+        raise BatchingError(f"loader must be 'audio', 'synthetic' or a callable, got {loader!r}")
+    if order not in ("manifest", "id"):
+        raise BatchingError(f"order must be 'manifest' or 'id', got {order!r}")
+    if not (math.isfinite(chunk_duration) and chunk_duration > 0):
+        raise BatchingError(f"chunk_duration must be positive, got {chunk_duration!r}")
+    fwd = forward or default_forward
+    source = (
+        manifest if isinstance(manifest, Manifest) else Manifest(manifest, sample_rate=sample_rate)
+    )
+    out = check_writable(output)
+    check_writable(failures_path(out))
+    store_path = os.fspath(progress) if progress is not None else progress_path(out)
+    run_config = {
+        "chunk_duration": float(chunk_duration),
+        "overlap": float(overlap),
+        "sample_rate": int(sample_rate),
+        "postprocess": getattr(post, "__name__", type(post).__name__),
+        **(config or {}),
+    }
+    devs = _pick_devices(devices, max_devices)
+    store = ProgressStore(store_path, manifest=source.path, config=run_config, resume=resume)
+    try:
+        return _run(
+            model, source, store, out, devs, fwd, post, load,
+            budget=budget, target=target, chunk=float(chunk_duration), overlap=float(overlap),
+            num_buckets=num_buckets, sample_rate=sample_rate, num_workers=num_workers,
+            order=order, frame_rate=frame_rate, on_progress=on_progress, t0=t0,
+        )  # fmt: skip
+    finally:
+        store.close()
+
+
+def _postprocess(value: Postprocess | str) -> Postprocess:
+    if isinstance(value, str):
+        if value not in _POSTPROCESS:
+            raise BatchingError(
+                f"postprocess must be {' or '.join(map(repr, _POSTPROCESS))} or a callable,"
+                f" got {value!r}"
+            )
+        return _POSTPROCESS[value]
+    if not callable(value):
+        raise BatchingError(f"postprocess must be a callable, got {value!r}")
+    return value
+
+
+def _factory(model: nn.Module | ModelFactory, devices: int) -> Callable[[int], nn.Module]:
+    """Model for the k-th device: a given module is used on the first, copies on the rest."""
+    if isinstance(model, nn.Module):
+        module = model
+        copies = [copy.deepcopy(model) for _ in range(devices - 1)]  # before it moves
+        return lambda k: module if k == 0 else copies[k - 1]
+    if not callable(model):
+        raise BatchingError(f"model must be an nn.Module or a factory, got {type(model)}")
+    factory = model
+    return lambda k: factory()
+
+
+class _Forwarding(nn.Module):
+    """``forward(model, waveforms, lengths)`` as a module, for the estimator."""
+
+    def __init__(self, model: nn.Module, forward: Forward) -> None:
+        super().__init__()
+        self.inner = model
+        self._fn = forward
+
+    def forward(self, waveforms: torch.Tensor, lengths: torch.Tensor) -> Any:
+        return self._fn(self.inner, waveforms, lengths)
+
+
+def _default_budget(
+    workers: list[_Worker], forward: Forward, chunk: float, target: float, sample_rate: int
+) -> MemoryBudget:
+    def make(n: int, seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
+        size = max(1, round(seconds * sample_rate))
+        return torch.zeros(n, size), torch.full((n,), size, dtype=torch.int64)
+
+    budgets = []
+    for w in workers:
+        cap = _CPU_BUDGET if w.dev.kind == "cpu" else None
+        mb = MemoryBudget.for_model(
+            _Forwarding(w.model, forward),
+            make,
+            max_duration=chunk,
+            device=w.dev,
+            target=target,
+            budget_bytes=cap,
+        )
+        budgets.append(mb)
+    return min(budgets, key=lambda b: b.budget_bytes)
+
+
+def _budget_info(budget: Budget, chunk: float) -> dict[str, Any]:
+    info: dict[str, Any] = {"kind": type(budget).__name__, "limit": budget.limit}
+    if isinstance(budget, MemoryBudget):
+        info["budget_bytes"] = budget.budget_bytes
+        info["limit_text"] = format_bytes(budget.budget_bytes)
+        info["notes"] = list(budget.notes)
+    lengths = sorted({round(chunk * f, 2) for f in (0.125, 0.25, 0.5, 0.75, 1.0)})
+    info["max_count"] = {f"{s:g}s": budget.max_count(s) for s in lengths}
+    return info
+
+
+def _run(
+    model: nn.Module | ModelFactory,
+    source: Manifest,
+    store: ProgressStore,
+    out: str,
+    devs: list[Device],
+    fwd: Forward,
+    post: Postprocess,
+    load: Callable[[Item, int], torch.Tensor],
+    *,
+    budget: Budget | None,
+    target: float,
+    chunk: float,
+    overlap: float,
+    num_buckets: int,
+    sample_rate: int,
+    num_workers: int | None,
+    order: Literal["manifest", "id"],
+    frame_rate: float | None,
+    on_progress: Callable[[ProcessStatus], None] | None,
+    t0: float,
+) -> ProcessResult:
+    make = _factory(model, len(devs))
+    workers = [_Worker(partial(make, k), dev, fwd, sample_rate) for k, dev in enumerate(devs)]
+    if budget is None:
+        budget = _default_budget(workers, fwd, chunk, target, sample_rate)
+    if budget.max_count(chunk) < 1:
+        log.warning(
+            "the budget holds no item of %g s: such items run alone, split by the guard", chunk
+        )
+    completed = store.completed()
+    remaining = _Remaining(source, completed, chunk, overlap)
+    sampler = BucketingSampler(remaining, budget, num_buckets=num_buckets)
+    total = _count_records(source.path)
+    audio = AudioBatches([], sample_rate=sample_rate, loader=load)
+    threads = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
+    collector = _Collector(store, post, frame_rate, sample_rate)
+    status = ProcessStatus(0, 0, 0, total, 0.0, 0.0, 0, 0.0, 0, 0)
+    last_memory = 0.0
+
+    def report() -> None:
+        nonlocal last_memory
+        now = time.perf_counter()
+        status.done, status.failed = collector.done, collector.failed
+        status.skipped = remaining.skipped
+        status.seconds = collector.seconds
+        status.elapsed = now - t0
+        status.batches = collector.batches
+        status.padding = collector.padding
+        status.ooms = sum(w.guard.ooms for w in workers)
+        status.cpu_fallbacks = sum(w.cpu_fallbacks for w in workers)
+        if now - last_memory >= _MEMORY_EVERY:
+            status.memory = [_memory_of(w.dev) for w in workers]
+            last_memory = now
+        if on_progress is not None:
+            on_progress(status)
+
+    report()
+    loaded = _loaded_batches(sampler, audio, threads)
+    try:
+        if len(workers) == 1:
+            for batch in loaded:
+                collector.take(workers[0].run(batch))
+                report()
+        else:
+            _run_parallel(workers, loaded, collector, report)
+    finally:
+        loaded.close()
+    if collector.pending():
+        raise BatchingError(
+            f"{collector.pending()} recording(s) have chunks missing at the end of the run:"
+            " nothing of them was recorded; run again to redo them"
+        )
+    status.memory = [_memory_of(w.dev) for w in workers]
+    report()
+    exported = store.export(out, order=order)
+    stats = store.stats()
+    summaries = [w.summary() for w in workers]
+    # Every recording this run drew from the manifest is now done or failed, or lost.
+    lost = remaining.fresh - collector.done - collector.failed
+    return ProcessResult(
+        output=exported.path,
+        failed_path=exported.failed_path,
+        progress_path=store.path,
+        done=collector.done,
+        failed=collector.failed,
+        skipped=remaining.skipped,
+        lost=lost,
+        seconds=collector.seconds,
+        wall_s=time.perf_counter() - t0,
+        batches=collector.batches,
+        padding=collector.padding,
+        ooms=sum(s["ooms"] for s in summaries),
+        ooms_recovered=sum(s["ooms_recovered"] for s in summaries),
+        cpu_fallbacks=sum(s["cpu_fallbacks"] for s in summaries),
+        store_done=stats.done,
+        store_failed=stats.failed,
+        manifest_problems=source.skipped,
+        problems=[str(p) for p in source.problems[:20]],
+        devices=summaries,
+        budget=_budget_info(budget, chunk),
+    )
+
+
+class _Loaded:
+    """Batches loaded ahead by a thread pool, handed out in the sampler's order."""
+
+    def __init__(self, sampler: BucketingSampler, audio: AudioBatches, threads: int) -> None:
+        self._batches = iter(sampler)
+        self._audio = audio
+        self._pool = ThreadPoolExecutor(threads, "vramctl-load") if threads > 0 else None
+        self._ahead: deque[Future[dict[str, Any]]] = deque()
+        self._depth = 2 * threads + 2
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        with self._lock:
+            if self._pool is None:
+                batch = next(self._batches)
+                return self._audio.collate(batch.items)
+            while len(self._ahead) < self._depth:
+                nxt = next(self._batches, None)
+                if nxt is None:
+                    break
+                self._ahead.append(self._pool.submit(self._audio.collate, nxt.items))
+            if not self._ahead:
+                raise StopIteration
+            future = self._ahead.popleft()
+        return future.result()
+
+    def close(self) -> None:
+        for f in self._ahead:
+            f.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _loaded_batches(sampler: BucketingSampler, audio: AudioBatches, threads: int) -> _Loaded:
+    return _Loaded(sampler, audio, threads)
+
+
+def _run_parallel(
+    workers: list[_Worker],
+    loaded: _Loaded,
+    collector: _Collector,
+    report: Callable[[], None],
+) -> None:
+    """One thread per device takes the next loaded batch; this thread records the results."""
+    results: queue.Queue[tuple[str, Any]] = queue.Queue()
+    stop = threading.Event()
+
+    def work(w: _Worker) -> None:
+        try:
+            with (
+                torch.cuda.device(w.dev.index)
+                if w.dev.kind in ("cuda", "mig")
+                else contextlib.nullcontext()
+            ):
+                while not stop.is_set():
+                    try:
+                        batch = next(loaded)
+                    except StopIteration:
+                        break
+                    results.put(("done", w.run(batch)))
+        except BaseException as exc:
+            results.put(("error", exc))
+        finally:
+            results.put(("end", w.dev.id))
+
+    threads = [
+        threading.Thread(target=work, args=(w,), name=f"vramctl-{w.dev.id}", daemon=True)
+        for w in workers
+    ]
+    for t in threads:
+        t.start()
+    running = len(threads)
+    error: BaseException | None = None
+    try:
+        while running:
+            kind, value = results.get()
+            if kind == "end":
+                running -= 1
+            elif kind == "error":
+                stop.set()
+                error = error or value
+            elif error is None:
+                collector.take(value)
+                report()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    if error is not None:
+        raise error
+
+
+class _Collector:
+    """Stitches chunk outputs, postprocesses whole recordings and commits each batch."""
+
+    def __init__(
+        self,
+        store: ProgressStore,
+        post: Postprocess,
+        frame_rate: float | None,
+        sample_rate: int,
+    ) -> None:
+        self.store = store
+        self.post = post
+        self.sample_rate = sample_rate
+        self.stitcher: Stitcher | None = Stitcher(frame_rate) if frame_rate else None
+        self.failed_parents: set[str] = set()
+        self.done = 0
+        self.failed = 0
+        self.seconds = 0.0
+        self.batches = 0
+        self._padded = 0.0
+        self._real = 0.0
+
+    @property
+    def padding(self) -> float:
+        return 1.0 - self._real / self._padded if self._padded > 0 else 0.0
+
+    def pending(self) -> int:
+        return self.stitcher.pending() if self.stitcher is not None else 0
+
+    def _stitcher_for(self, rate: float | None) -> Stitcher:
+        if self.stitcher is None:
+            self.stitcher = Stitcher(rate or 1.0)
+        return self.stitcher
+
+    def take(self, batch: _Done) -> None:
+        results: list[tuple[int, str, Any, float]] = []
+        failures: list[tuple[int, str, str]] = []
+        for item, reason in batch.failures:
+            name = item.parent or item.id
+            if item.parent is not None:
+                if name in self.failed_parents:
+                    continue
+                self.failed_parents.add(name)
+                if self.stitcher is not None:
+                    self.stitcher.discard(name)
+            failures.append((item.index, name, reason))
+        for item, output in batch.outputs:
+            if item.parent is not None and item.parent in self.failed_parents:
+                continue
+            for rec_id, whole in self._stitcher_for(batch.frame_rate).add(item, output):
+                rec = _recording(item, rec_id)
+                try:
+                    value = self.post(whole, rec)
+                except Exception as exc:
+                    failures.append((rec.index, rec.id, f"postprocess failed: {exc!r}"))
+                    continue
+                results.append((rec.index, rec.id, value, rec.duration))
+        self.store.commit(results, failures)
+        self.done += len(results)
+        self.failed += len(failures)
+        self.seconds += sum(r[3] for r in results)
+        self.batches += 1
+        self._padded += batch.padded_seconds
+        self._real += batch.seconds
+
+
+def _recording(item: Item, rec_id: str) -> Item:
+    """The whole recording a (possibly chunk) item belongs to."""
+    if item.parent is None:
+        return item
+    extra = dict(item.extra or {})
+    duration = float(extra.pop("parent_duration", item.duration))
+    offset = float(extra.pop("parent_offset", 0.0))
+    extra.pop("chunks", None)
+    return replace(
+        item, id=rec_id, duration=duration, offset=offset, parent=None, chunk=0, extra=extra or None
+    )

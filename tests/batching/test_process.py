@@ -1,0 +1,299 @@
+"""The processing run: outputs per recording, chunk stitching, failures, resume after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import vramctl
+from vramctl.batching import (
+    BatchingError,
+    Item,
+    PaddedDuration,
+    ProcessStatus,
+    ProgressStore,
+    process,
+    progress_path,
+    synthesize,
+)
+
+RATE = 16000
+
+
+class Frames(nn.Module):
+    """A frame-wise model: one output frame per 320 samples (50 frames/s), 8 features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(1, 8, 320, stride=320)
+
+    def forward(self, waveforms: torch.Tensor) -> torch.Tensor:
+        return self.conv(waveforms.unsqueeze(1)).transpose(1, 2)
+
+
+def write_manifest(path: Path, durations: list[float], paths: dict[int, str] | None = None) -> str:
+    with open(path, "w") as f:
+        for i, d in enumerate(durations):
+            record: dict[str, Any] = {"id": f"r{i}", "duration": d}
+            if paths and i in paths:
+                record["path"] = paths[i]
+            f.write(json.dumps(record) + "\n")
+    return str(path)
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def full_output(item: Item) -> torch.Tensor:
+    with torch.no_grad():
+        return Frames()(synthesize(item, RATE)[None])[0]
+
+
+def keep(output: torch.Tensor, item: Item) -> dict[str, Any]:
+    return {"frames": int(output.shape[0]), "sum": round(float(output.double().sum()), 3)}
+
+
+def test_each_recording_is_output_once_in_manifest_order_and_chunks_are_stitched(
+    tmp_path: Path,
+) -> None:
+    durations = [2.0, 25.0, 0.7, 9.3, 14.0, 3.1]  # 25 s and 14 s are cut into 10 s chunks
+    manifest = write_manifest(tmp_path / "m.jsonl", durations)
+    statuses: list[ProcessStatus] = []
+    result = process(
+        Frames,
+        manifest,
+        tmp_path / "out.jsonl",
+        postprocess=keep,
+        loader="synthetic",
+        budget=PaddedDuration(24.0),
+        chunk_duration=10.0,
+        overlap=1.0,
+        devices=["cpu"],
+        num_buckets=3,
+        on_progress=statuses.append,
+    )
+    assert (result.done, result.failed, result.lost, result.skipped) == (6, 0, 0, 0)
+    lines = read_jsonl(result.output)
+    assert [line["id"] for line in lines] == [f"r{i}" for i in range(6)]
+    assert [line["index"] for line in lines] == list(range(6))
+    for line, seconds in zip(lines, durations, strict=True):
+        whole = full_output(Item(line["id"], seconds))
+        # Stitched chunks give the frames of the whole recording (a frame-wise model).
+        assert line["output"]["frames"] == whole.shape[0]
+        assert line["output"]["sum"] == pytest.approx(float(whole.double().sum()), abs=0.05)
+    assert read_jsonl(result.failed_path) == []
+    assert result.seconds == pytest.approx(sum(durations))
+    assert statuses and statuses[-1].done == 6 and statuses[-1].memory
+    assert result.batches >= 3 and 0 <= result.padding < 0.5
+    assert os.path.exists(progress_path(tmp_path / "out.jsonl"))
+
+
+def test_missing_audio_is_recorded_as_failed_and_the_rest_goes_on(tmp_path: Path) -> None:
+    good = tmp_path / "good.npy"
+    import numpy as np
+
+    np.save(good, np.zeros(RATE, dtype=np.float32))
+    manifest = tmp_path / "m.jsonl"
+    with open(manifest, "w") as f:
+        f.write(json.dumps({"id": "ok", "path": str(good), "duration": 1.0}) + "\n")
+        f.write(json.dumps({"id": "gone", "path": str(tmp_path / "nope.wav"), "duration": 1.0}))
+        f.write("\n{not json\n")
+        f.write(json.dumps({"id": "neg", "path": str(good), "duration": -2}) + "\n")
+    result = process(Frames, manifest, tmp_path / "out.jsonl", devices=["cpu"], num_workers=2)
+    assert (result.done, result.failed, result.lost) == (1, 1, 0)
+    assert [line["id"] for line in read_jsonl(result.output)] == ["ok"]
+    (failed,) = read_jsonl(result.failed_path)
+    assert failed["id"] == "gone" and "nope.wav" in failed["reason"]
+    # The bad lines are reported with the file, the line and the field.
+    assert result.manifest_problems == 2
+    assert any(":3:" in p for p in result.problems)
+    assert any(":4: duration" in p for p in result.problems)
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "m.jsonl", [1.0])
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(BatchingError, match="file"):
+        process(Frames, manifest, blocker / "out.jsonl", loader="synthetic", devices=["cpu"])
+    assert not (blocker.parent / "out.progress.db").exists()
+
+
+def test_bad_arguments_name_the_argument(tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "m.jsonl", [1.0])
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(BatchingError, match="postprocess"):
+        process(Frames, manifest, out, postprocess="words", devices=["cpu"])  # type: ignore[arg-type]
+    with pytest.raises(BatchingError, match="loader"):
+        process(Frames, manifest, out, loader="mp3", devices=["cpu"])  # type: ignore[arg-type]
+    with pytest.raises(BatchingError, match="chunk_duration"):
+        process(Frames, manifest, out, chunk_duration=0, devices=["cpu"])
+    with pytest.raises(vramctl.UnknownDeviceError):
+        process(Frames, manifest, out, devices=["cuda:7"])
+
+
+def test_a_second_run_skips_everything_and_another_config_is_refused(tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "m.jsonl", [1.0, 2.0, 3.0])
+    out = tmp_path / "out.jsonl"
+    first = process(Frames, manifest, out, loader="synthetic", devices=["cpu"])
+    again = process(Frames, manifest, out, loader="synthetic", devices=["cpu"])
+    assert (again.done, again.skipped, again.store_done) == (0, 3, 3)
+    assert read_jsonl(again.output) == read_jsonl(first.output)
+    with pytest.raises(BatchingError, match="chunk_duration"):
+        process(Frames, manifest, out, loader="synthetic", devices=["cpu"], chunk_duration=5.0)
+
+
+KILLED_RUN = """
+import os, signal, sys, torch
+from torch import nn
+from vramctl.batching import PaddedDuration, process
+
+class Frames(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(1, 8, 320, stride=320)
+    def forward(self, w):
+        return self.conv(w.unsqueeze(1)).transpose(1, 2)
+
+kill_after = int(sys.argv[3])
+def on_progress(status):
+    if kill_after and status.batches >= kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)   # no clean-up of any kind
+
+r = process(Frames, sys.argv[1], sys.argv[2], loader="synthetic", budget=PaddedDuration(12.0),
+            chunk_duration=6.0, devices=["cpu"], num_buckets=4, on_progress=on_progress)
+print(r.done, r.skipped, r.lost)
+"""
+
+
+def test_a_killed_run_resumes_losing_and_repeating_nothing(tmp_path: Path) -> None:
+    durations = [1.0 + (i * 7.3) % 14.0 for i in range(40)]  # some over 6 s: chunked
+    manifest = write_manifest(tmp_path / "m.jsonl", durations)
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(KILLED_RUN))
+    out = tmp_path / "out.jsonl"
+
+    def run(kill_after: int, output: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(script), manifest, str(output), str(kill_after)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+
+    killed = run(5, out)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    with ProgressStore.reader(progress_path(out)) as store:
+        committed = store.stats().done
+    assert 0 < committed < 40
+    resumed = run(0, out)
+    assert resumed.returncode == 0, resumed.stderr
+    done, skipped, lost = map(int, resumed.stdout.split())
+    assert (done + skipped, lost) == (40, 0) and skipped == committed
+    clean = run(0, tmp_path / "clean.jsonl")
+    assert clean.returncode == 0, clean.stderr
+    resumed_lines, clean_lines = read_jsonl(str(out)), read_jsonl(str(tmp_path / "clean.jsonl"))
+    assert [line["id"] for line in resumed_lines] == [f"r{i}" for i in range(40)]
+    assert resumed_lines == clean_lines  # the same outputs as a run never killed
+
+
+def test_on_a_simulated_gpu_a_squeeze_is_recovered_by_the_guard(tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "m.jsonl", [4.0 + (i % 5) for i in range(80)])
+    ballast: list[torch.Tensor] = []
+
+    with vramctl.simulate("6MiB") as gpu:
+
+        def squeeze(status: ProcessStatus) -> None:
+            if status.batches == 2 and not ballast:  # take most of what is free
+                ballast.append(torch.empty(int(gpu.free_bytes * 0.8) // 4))
+            if status.batches == 5 and ballast:
+                ballast.clear()
+
+        result = process(
+            Frames,
+            manifest,
+            tmp_path / "out.jsonl",
+            loader="synthetic",
+            on_progress=squeeze,
+            num_buckets=2,
+        )
+    assert result.devices[0]["device"] == gpu.id
+    assert (result.done, result.failed, result.lost) == (80, 0, 0)
+    assert result.batches >= 6
+    assert result.ooms >= 1 and result.ooms_recovered == result.ooms
+    assert result.budget["kind"] == "MemoryBudget"
+    assert result.devices[0]["peak_bytes"] <= gpu.total_bytes
+
+
+def test_one_item_that_fits_nowhere_on_the_gpu_runs_on_the_cpu(tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "m.jsonl", [1.0, 8.0])
+    with vramctl.simulate("300KiB"):
+        result = process(
+            Frames,
+            manifest,
+            tmp_path / "out.jsonl",
+            loader="synthetic",
+            budget=PaddedDuration(10.0),
+        )
+    assert (result.done, result.lost) == (2, 0) and result.cpu_fallbacks >= 1
+
+
+def test_workers_on_several_devices_share_the_batches(tmp_path: Path) -> None:
+    from vramctl.batching import _process as proc
+
+    manifest = write_manifest(tmp_path / "m.jsonl", [1.0 + i % 4 for i in range(24)])
+    cpu = vramctl.get_device("cpu")
+    workers = [proc._Worker(Frames, cpu, proc.default_forward, RATE) for _ in range(3)]
+    with ProgressStore(tmp_path / "p.db") as store:
+        collector = proc._Collector(store, proc.summarize, None, RATE)
+        source = proc._Remaining(vramctl.batching.Manifest(manifest), store.completed(), 30.0, 1.0)
+        sampler = vramctl.batching.BucketingSampler(source, PaddedDuration(6.0), num_buckets=2)
+        audio = vramctl.batching.AudioBatches([], loader=synthesize)
+        loaded = proc._Loaded(sampler, audio, 2)
+        proc._run_parallel(workers, loaded, collector, lambda: None)
+        loaded.close()
+        assert collector.done == 24 and store.stats().done == 24
+    assert sum(w.batches for w in workers) == collector.batches
+    assert sum(w.items for w in workers) == 24
+
+
+def test_an_error_in_the_model_stops_the_run_and_keeps_what_was_committed(tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "m.jsonl", [1.0] * 12)
+    calls = 0
+
+    def forward(model: nn.Module, waveforms: torch.Tensor, lengths: torch.Tensor) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("a bug in the model")
+        return model(waveforms)
+
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(RuntimeError, match="a bug"):
+        process(
+            Frames,
+            manifest,
+            out,
+            forward=forward,
+            loader="synthetic",
+            budget=PaddedDuration(2.0),
+            devices=["cpu"],
+        )
+    with ProgressStore.reader(progress_path(out)) as store:
+        assert store.stats().done == 4  # two batches of two, committed before the error
+    resumed = process(Frames, manifest, out, loader="synthetic", devices=["cpu"])
+    assert (resumed.skipped, resumed.done, resumed.lost) == (4, 8, 0)
