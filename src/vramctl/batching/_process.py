@@ -44,7 +44,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
@@ -172,7 +172,7 @@ class ProcessResult:
 
 
 def default_forward(model: nn.Module, waveforms: torch.Tensor, lengths: torch.Tensor) -> Any:
-    """``model(waveforms)``; a Hugging Face output gives its ``last_hidden_state``."""
+    """``model(waveforms)``; of a Hugging Face output, ``last_hidden_state`` or ``logits``."""
     return model(waveforms)
 
 
@@ -182,11 +182,18 @@ def _hidden(out: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor):
         out, frames = out
     if not isinstance(out, torch.Tensor):
-        last = getattr(out, "last_hidden_state", None)
-        if isinstance(last, torch.Tensor):
-            out = last
-        elif isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
-            out = out[0]
+        for name in ("last_hidden_state", "logits"):
+            value = out.get(name) if isinstance(out, Mapping) else getattr(out, name, None)
+            if isinstance(value, torch.Tensor):
+                out = value
+                break
+        else:
+            if hasattr(out, "to_tuple"):  # a transformers ModelOutput
+                out = out.to_tuple()
+            elif isinstance(out, Mapping):
+                out = tuple(out.values())
+            if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
+                out = out[0]
     if not isinstance(out, torch.Tensor) or out.dim() < 2:
         raise BatchingError(
             "the forward must return a tensor [batch, time, ...] (or a model output with"

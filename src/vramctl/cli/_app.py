@@ -411,3 +411,7 @@ def _list_zoo(zoo: Any, as_json: bool) -> None:
     for m in models:
         table.add_row(m.name, m.inputs, m.description)
     console.print(table)
+
+
+# The batching commands register themselves on ``app``.
+from vramctl.cli import _batch  # noqa: E402, F401

@@ -1,0 +1,367 @@
+"""``vramctl process`` and ``vramctl demo``: runs over audio manifests, with a live progress bar."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any
+
+import typer
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from vramctl import VramctlError, format_bytes
+from vramctl.cli._app import _emit_json, app, console, err, user_errors
+
+
+def _stats_text(status: Any) -> str:
+    mem = " ".join(f"{100 * used / total:.0f}%" for _, used, total in status.memory if total)
+    return (
+        f"{status.items_per_s:.1f} it/s {status.audio_hours_per_hour:.0f} audio h/h "
+        f"pad {100 * status.padding:.1f}% OOM {status.ooms} mem {mem}"
+    )
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool) -> Iterator[Callable[[Any], None]]:
+    """A rich progress bar fed by :class:`vramctl.batching.ProcessStatus` snapshots."""
+    if not enabled:
+        yield lambda status: None
+        return
+    bar = Progress(
+        SpinnerColumn(),
+        BarColumn(bar_width=24),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[stats]}"),
+        console=err,
+        transient=False,
+    )
+    task = bar.add_task("process", total=None, stats="")
+
+    def update(status: Any) -> None:
+        finished = status.done + status.failed + status.skipped
+        bar.update(task, completed=finished, total=status.total, stats=_stats_text(status))
+
+    with bar:
+        yield update
+
+
+@contextlib.contextmanager
+def _quiet_library_log() -> Iterator[None]:
+    """Send the library's warnings through rich's console (not through the progress bar)."""
+    from rich.logging import RichHandler
+
+    logger = logging.getLogger("vramctl")
+    handler = RichHandler(console=err, show_time=False, show_path=False)
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+def _load_model(spec: str) -> Callable[[], Any]:
+    from vramctl.batching._demo import MODELS, build_model
+    from vramctl.estimator import zoo
+    from vramctl.estimator._estimate import load_model_source
+
+    if spec in MODELS:
+        return lambda: build_model(spec)
+    if ":" not in spec:
+        entry = zoo.get(spec)
+        if entry.inputs != "audio":
+            audio = [n for n in zoo.names() if zoo.get(n).inputs == "audio"]
+            raise VramctlError(
+                f"{spec} takes {entry.inputs}, not audio: use {', '.join([*audio, *MODELS])},"
+                " or 'package.module:factory'"
+            )
+        return entry.build
+    _, source = load_model_source(spec)
+    if callable(source) and not hasattr(source, "parameters"):
+        return source  # a factory
+    return lambda: source
+
+
+def _budget(text: str | None) -> Any:
+    from vramctl.batching import PaddedDuration
+
+    if text is None:
+        return None
+    number = text[:-1] if text.endswith("s") else text
+    try:
+        seconds = float(number)
+    except ValueError:
+        raise VramctlError(
+            f"--budget {text!r}: give seconds of padded audio per batch, like 600s"
+        ) from None
+    return PaddedDuration(seconds)
+
+
+@contextlib.contextmanager
+def _devices(names: list[str] | None) -> Iterator[list[Any] | None]:
+    """The devices named; a simulated one ('sim:SIZE') is entered for the run."""
+    from vramctl.device import get_device
+
+    if not names:
+        yield None
+        return
+    devs = [get_device(n) for n in names]
+    with contextlib.ExitStack() as stack:
+        for dev in devs:
+            if dev.kind == "sim":
+                stack.enter_context(dev)  # type: ignore[arg-type]
+        yield devs
+
+
+@app.command("process")
+@user_errors
+def process_cmd(
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="wav2vec2-base, hubert-base, wav2vec2-mini (random weights), or "
+            "'package.module:factory' returning an nn.Module that takes waveforms [B, T].",
+            show_default=False,
+        ),
+    ],
+    manifest: Annotated[
+        str,
+        typer.Argument(
+            help="JSON Lines, CSV or Lhotse CutSet manifest: id, path, duration (or num_samples).",
+            show_default=False,
+        ),
+    ],
+    output: Annotated[
+        str,
+        typer.Argument(
+            help="Where the outputs go (JSON Lines); failures go to OUT.failed.jsonl.",
+            show_default=False,
+        ),
+    ],
+    device: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--device",
+            "-d",
+            help="A device to use (repeat for several; 'sim:16GiB' simulates one). "
+            "Default: every usable GPU, least loaded first, else the CPU.",
+        ),
+    ] = None,
+    max_devices: Annotated[
+        int | None, typer.Option(help="Use at most this many GPUs.", min=1)
+    ] = None,
+    target: Annotated[
+        float, typer.Option(help="Share of the smallest device's free memory for a batch.")
+    ] = 0.9,
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            help="Padded seconds of audio per batch (like 600s) instead of the memory budget "
+            "the estimator predicts for the model."
+        ),
+    ] = None,
+    chunk: Annotated[
+        float, typer.Option(help="Recordings longer than this (s) are processed in chunks.")
+    ] = 30.0,
+    overlap: Annotated[float, typer.Option(help="Seconds of overlap between chunks.")] = 1.0,
+    buckets: Annotated[int, typer.Option(help="Duration buckets.", min=1)] = 50,
+    workers: Annotated[
+        int | None, typer.Option(help="Audio loading threads (default: up to 4).", min=0)
+    ] = None,
+    order: Annotated[str, typer.Option(help="Output order: manifest or id.")] = "manifest",
+    postprocess: Annotated[
+        str,
+        typer.Option(help="What to keep per recording: summary (frames, mean, std) or embedding."),
+    ] = "summary",
+    loader: Annotated[
+        str, typer.Option(help="audio (read the files) or synthetic (noise of each length).")
+    ] = "audio",
+    sample_rate: Annotated[int, typer.Option(help="Sample rate the model takes.", min=1)] = 16000,
+    progress_db: Annotated[
+        str | None,
+        typer.Option("--progress", help="The progress store (default: OUT.progress.db)."),
+    ] = None,
+    restart: Annotated[
+        bool,
+        typer.Option(help="Refuse to continue an existing progress store (default: resume)."),
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """Run a model over every recording of a manifest, durably, under a hard memory budget.
+
+    Long recordings are chunked and stitched back; recordings are batched by duration,
+    each bucket's batch size predicted by the estimator for the model and device; every
+    step runs under the guard (a batch that runs out of memory finishes in pieces; one
+    item that fits nowhere runs on the CPU). Each batch is committed to a progress store,
+    so a killed run started again with the same command resumes, losing and repeating
+    nothing. Example:
+
+        vramctl process wav2vec2-base clips.jsonl out.jsonl --device cuda:0 --device cuda:1
+    """
+    from vramctl.batching import process
+
+    factory = _load_model(model)
+    bar = progress_bar(not quiet and not as_json)
+    with _devices(device) as devs, _quiet_library_log(), bar as update:
+        result = process(
+            factory,
+            manifest,
+            output,
+            devices=devs,
+            max_devices=max_devices,
+            budget=_budget(budget),
+            target=target,
+            chunk_duration=chunk,
+            overlap=overlap,
+            num_buckets=buckets,
+            sample_rate=sample_rate,
+            loader=loader,  # type: ignore[arg-type]
+            num_workers=workers,
+            order=order,  # type: ignore[arg-type]
+            postprocess=postprocess,  # type: ignore[arg-type]
+            progress=progress_db,
+            resume=not restart,
+            on_progress=update,
+        )
+    if as_json:
+        _emit_json({"schema": "vramctl.process/1", **result.to_dict()}, indent=True)
+        return
+    console.print(
+        f"[bold]{result.done}[/] recordings done, {result.failed} failed, "
+        f"{result.skipped} done before; lost {result.lost}",
+        highlight=False,
+    )
+    console.print(
+        f"{result.items_per_s:.1f} items/s, {result.audio_hours_per_hour:.1f} h of audio per "
+        f"hour, padding {100 * result.padding:.1f}%, {result.ooms} OOMs recovered, "
+        f"{result.cpu_fallbacks} batches on the CPU",
+        highlight=False,
+    )
+    console.print(f"outputs: {result.output}\nfailures: {result.failed_path}", highlight=False)
+    for p in result.problems[:10]:
+        console.print(f"[yellow]skipped:[/] {p}", highlight=False, soft_wrap=True)
+    if result.manifest_problems > 10:
+        console.print(f"... {result.manifest_problems - 10} more bad manifest records")
+
+
+@app.command("demo")
+@user_errors
+def demo_cmd(
+    clips: Annotated[int, typer.Option(help="How many clips to process.", min=1)] = 300,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="wav2vec2-base (95M; the default on a GPU) or wav2vec2-mini (4 layers of 256;"
+            " the default on a CPU)."
+        ),
+    ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="A GPU, cpu, or sim:SIZE for a simulated GPU. Default: the first usable GPU, "
+            "else a simulated 256 MiB GPU on the CPU."
+        ),
+    ] = None,
+    output: Annotated[
+        str | None,
+        typer.Option(help="Keep the manifest, outputs and progress store in this folder."),
+    ] = None,
+    squeeze: Annotated[
+        bool, typer.Option(help="Take memory away part way, as another job would.")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Estimate, fit and process LibriSpeech-length clips with a wav2vec 2.0 model.
+
+    The model is built from its transformers config with random weights; the clip
+    lengths come from a sample of LibriSpeech train-clean-100 shipped with vramctl and the
+    waveforms are synthesized. Part way, a ballast takes half of the device's memory (the
+    squeeze) and is given back later: the guard recovers every batch that no longer fits.
+    Takes about a minute on a CPU with the defaults.
+    """
+    from vramctl.batching._demo import demo
+
+    def stage(text: str) -> None:
+        if not as_json:
+            err.print(f"[cyan]•[/] {text}", highlight=False)
+
+    with _quiet_library_log(), progress_bar(not as_json) as update:
+        report = demo(
+            clips,
+            model=model,
+            device=device,
+            output=output,
+            squeeze=squeeze,
+            on_stage=stage,
+            on_progress=update,
+        )
+    doc = report.to_dict()
+    if output is None:
+        doc["output"] = None  # a temporary folder, removed
+    if as_json:
+        _emit_json({"schema": "vramctl.demo/1", **doc}, indent=True)
+        return
+    _print_demo(doc)
+
+
+def _print_demo(doc: dict[str, Any]) -> None:
+    cap = doc["capacity_bytes"]
+    kind = "simulated GPU" if doc["simulated"] else "device"
+    console.print(
+        f"[bold]{doc['model']}[/] ({doc['parameters'] / 1e6:.1f}M parameters) on "
+        f"{doc['device']} ({kind}, {format_bytes(cap)})",
+        highlight=False,
+    )
+    sizes = Table(title="estimated batch size per bucket (no step run)", title_justify="left")
+    for length in doc["batch_sizes"]:
+        sizes.add_column(f"≤ {length}", justify="right")
+    sizes.add_row(*(str(n) for n in doc["batch_sizes"].values()))
+    console.print(sizes)
+    fit = Table(title="fit: one real step per bucket", title_justify="left")
+    for col in ("longest", "batch", "predicted peak", "measured peak", "of capacity"):
+        fit.add_column(col, justify="right")
+    for f in doc["fit"]:
+        fit.add_row(
+            f"{f['seconds']:g} s",
+            str(f["count"]),
+            format_bytes(f["predicted_bytes"]),
+            format_bytes(f["measured_bytes"]),
+            f"{f['measured_bytes'] / cap:.0%}",
+        )
+    console.print(fit)
+    report = Table(title="processing", title_justify="left", show_header=False)
+    report.add_column("what")
+    report.add_column("value", justify="right")
+    rows = [
+        ("clips", f"{doc['clips']} ({doc['audio_seconds'] / 3600:.2f} h of audio)"),
+        ("throughput", f"{doc['clips_per_s']:.1f} clips/s, {doc['audio_hours_per_hour']:.0f} h/h"),
+        (
+            "peak memory",
+            f"{format_bytes(doc['peak_bytes'])} of {format_bytes(cap)}"
+            f" ({doc['peak_of_capacity']:.0%})",
+        ),
+        ("squeeze", format_bytes(doc["squeeze_bytes"]) if doc["squeeze_bytes"] else "off"),
+        ("OOMs recovered", f"{doc['ooms_recovered']} of {doc['ooms']}"),
+        ("padding", f"{doc['padding_pct']:.1f}% ({doc['batches']} batches)"),
+        ("done / failed", f"{doc['done']} / {doc['failed']}"),
+        ("lost", f"[bold green]{doc['lost']}[/]" if doc["lost"] == 0 else f"[red]{doc['lost']}[/]"),
+    ]
+    for what, value in rows:
+        report.add_row(what, value)
+    console.print(report)
+    for note in doc["notes"]:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    if doc["output"]:
+        console.print(f"outputs: {doc['output']}", highlight=False)
