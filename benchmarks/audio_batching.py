@@ -15,7 +15,7 @@ Three parts:
 
 1. Samplers alone, on all clips, under a budget of 600 s of padded audio per
    batch (``PaddedDuration(600)`` for vramctl; ``max_duration=600`` for
-   Lhotse; ``600 // longest`` clips for fixed), 30 buckets, shuffled, seed 0.
+   Lhotse; ``600 // longest`` clips for fixed), 50 buckets, shuffled, seed 0.
    Measured from the batches, the same way for all three: padding (1 - audio
    seconds / padded seconds, a batch being padded to its longest clip), budget
    overruns (batches whose ``count * longest`` passes 600 s) and the worst ratio
@@ -46,7 +46,7 @@ Three parts:
 3. Streaming: a synthetic JSON Lines manifest of 10M records (1M with
    ``--quick``; durations drawn from the LibriSpeech lengths) is written to a
    temporary folder, and a fresh Python process streams it through
-   ``BucketingSampler(Manifest(path), PaddedDuration(600), num_buckets=30)``.
+   ``BucketingSampler(Manifest(path), PaddedDuration(600), num_buckets=50)``.
    Reported: its peak RSS (``VmHWM``; ``ru_maxrss`` where there is no
    ``/proc``), the peak RSS after importing vramctl (which imports torch), and
    microseconds per item of the streaming alone.
@@ -92,7 +92,7 @@ SAMPLE_RATE = 16_000
 SEED = 0
 #: Part 1: the padded-duration budget per batch, and the buckets.
 BUDGET_S = 600.0
-BUCKETS = 30
+BUCKETS = 50
 #: Part 2: vramctl's share of the device (MemoryBudget.for_model's ``target``).
 TARGET = 0.9
 MiB = 2**20
