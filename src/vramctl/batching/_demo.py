@@ -37,7 +37,7 @@ from torch import nn
 from vramctl._units import format_bytes
 from vramctl.batching._adaptive import BatchingError
 from vramctl.batching._budget import MemoryBudget
-from vramctl.batching._process import ProcessResult, ProcessStatus, process
+from vramctl.batching._process import ProcessResult, ProcessStatus, _budget_info, process
 from vramctl.device import Device, gpus, simulate
 from vramctl.device._simulate import SimulatedDevice
 from vramctl.guard import PeakMeter, total_bytes
@@ -244,8 +244,8 @@ def _demo(
         budget_bytes=min(capacity, 2 * 2**30) if dev.kind == "cpu" else None,
     )
     estimate_s = time.perf_counter() - t0
-    edges = [round(longest * f, 2) for f in (0.125, 0.25, 0.5, 0.75, 1.0)]
-    sizes = {f"{e:g}s": budget.max_count(e) for e in edges}
+    sizes = _budget_info(budget, longest)["max_count"]
+    edges = [float(k[:-1]) for k in sizes]
 
     stage("fitting: one real step per bucket length, measured")
     fit = []

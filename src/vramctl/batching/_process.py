@@ -66,6 +66,7 @@ from vramctl.batching._progress import (
 )
 from vramctl.batching._sampler import BucketingSampler
 from vramctl.device import Device, get_device, gpus
+from vramctl.device._select import sort_devices
 from vramctl.device._simulate import SimulatedDevice, active_simulation
 from vramctl.guard import Guard, StepDoesNotFitError
 
@@ -269,7 +270,7 @@ def _pick_devices(
             found = [sim]
         else:
             usable = [g for g in gpus() if g.health.state.usable]
-            found = sorted(usable, key=_load) or [get_device("cpu")]
+            found = sort_devices(usable) or [get_device("cpu")]
     if max_devices is not None:
         if max_devices < 1:
             raise BatchingError(f"max_devices must be at least 1, got {max_devices}")
@@ -280,17 +281,6 @@ def _pick_devices(
     if len({d.id for d in found}) != len(found):
         raise BatchingError(f"a device is named twice: {[d.id for d in found]}")
     return found
-
-
-def _load(dev: Device) -> tuple[float, float]:
-    """Least loaded first: compute use, then the share of memory in use."""
-    mem = dev.memory()
-    util = mem.compute_utilization
-    frac = mem.utilization
-    return (
-        101.0 if not isinstance(util, int | float) else float(util),
-        1.0 if not isinstance(frac, int | float) else float(frac),
-    )
 
 
 def _memory_of(dev: Device) -> tuple[str, int, int]:
@@ -320,7 +310,6 @@ class _Done:
 
     outputs: list[tuple[Item, torch.Tensor]]
     failures: list[tuple[Item, str]]
-    device: str
     padded_seconds: float
     seconds: float
     frame_rate: float | None = None
@@ -390,7 +379,6 @@ class _Worker:
         return _Done(
             outputs,
             failures,
-            self.dev.id,
             len(durations) * max(durations, default=0.0),
             sum(durations),
             self.frame_rate,
@@ -716,7 +704,7 @@ def _run(
             on_progress(status)
 
     report()
-    loaded = _loaded_batches(sampler, audio, threads)
+    loaded = _Loaded(sampler, audio, threads)
     try:
         if len(workers) == 1:
             for batch in loaded:
@@ -796,10 +784,6 @@ class _Loaded:
             f.cancel()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _loaded_batches(sampler: BucketingSampler, audio: AudioBatches, threads: int) -> _Loaded:
-    return _Loaded(sampler, audio, threads)
 
 
 def _run_parallel(

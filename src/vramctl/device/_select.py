@@ -20,7 +20,15 @@ from vramctl.device._discover import devices, get_device
 from vramctl.device._memory import MemoryState
 from vramctl.device._simulate import active_simulation
 
-__all__ = ["Policy", "Selection", "current_device", "rank_devices", "select_device", "use_device"]
+__all__ = [
+    "Policy",
+    "Selection",
+    "current_device",
+    "rank_devices",
+    "select_device",
+    "sort_devices",
+    "use_device",
+]
 
 log = logging.getLogger("vramctl.device")
 
@@ -128,6 +136,13 @@ def _order(verdicts: list[Verdict], policy: Policy) -> list[Verdict]:
         return (101.0 if util is NA else util, 1.0 if frac is NA else frac)
 
     return sorted(verdicts, key=load)
+
+
+def sort_devices(
+    devs: Sequence[Device], policy: Policy | str = Policy.LEAST_LOADED
+) -> list[Device]:
+    """``devs`` in ``policy``'s order of preference, with no memory need to meet."""
+    return [v.device for v in _order([_judge(d, 0, 1.0) for d in devs], Policy.parse(policy))]
 
 
 def rank_devices(
