@@ -25,7 +25,11 @@ def python_blocks() -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(("where", "code"), python_blocks(), ids=[w for w, _ in python_blocks()])
-def test_doc_example_runs(where: str, code: str) -> None:
+def test_doc_example_runs(
+    where: str, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Examples that write files (exports, outputs) write them in a scratch directory.
+    monkeypatch.chdir(tmp_path)
     exec(compile(code, where, "exec"), {"__name__": "__doc_example__"})
 
 

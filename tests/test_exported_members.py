@@ -7,6 +7,8 @@ import inspect
 import vramctl
 import vramctl.batching
 import vramctl.device
+import vramctl.monitor
+import vramctl.server
 
 EXPECTED = {
     "FitError",
@@ -32,6 +34,7 @@ EXPECTED = {
     "InvalidSizeError",
     "MaxBatch",
     "MemoryState",
+    "Monitor",
     "NotAvailable",
     "Policy",
     "ProcessMemory",
@@ -121,3 +124,57 @@ def test_device_layer_exports_resolve() -> None:
 def test_devices_function_is_not_shadowed_by_the_package() -> None:
     assert callable(vramctl.devices)
     assert vramctl.devices()[-1].id == "cpu"
+
+
+MONITOR = {
+    "AddressError",
+    "Alert",
+    "AlertEngine",
+    "AlertRuleError",
+    "Event",
+    "ExportError",
+    "Finding",
+    "FragmentationRule",
+    "History",
+    "LeakDetector",
+    "LeakDetectorError",
+    "LeakHook",
+    "LeakReport",
+    "LeakSuspect",
+    "Level",
+    "MetricsServer",
+    "Monitor",
+    "MonitorError",
+    "OomRiskRule",
+    "OpStats",
+    "Peak",
+    "Profiler",
+    "RetriesRule",
+    "Rule",
+    "Sample",
+    "Shrink",
+    "UsageRule",
+    "cleanup",
+    "default_rules",
+    "load_jsonl",
+    "metrics_text",
+    "parse_address",
+    "plot",
+    "profile",
+    "profiler",
+    "serve_prometheus",
+}
+SERVER = {"DashboardServer", "create_app", "dashboard_router", "serve_dashboard"}
+
+
+def test_monitor_and_server_exports_are_the_intended_ones() -> None:
+    assert set(vramctl.monitor.__all__) == MONITOR
+    assert set(vramctl.server.__all__) == SERVER
+    for package, prefix in (
+        (vramctl.monitor, "vramctl.monitor"),
+        (vramctl.server, "vramctl.server"),
+    ):
+        for name in package.__all__:
+            obj = getattr(package, name)
+            if isinstance(obj, type) or inspect.isfunction(obj):
+                assert obj.__module__.startswith(prefix), (name, obj.__module__)

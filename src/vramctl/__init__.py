@@ -46,6 +46,7 @@ from vramctl.guard import (
     guarded,
     is_oom,
 )
+from vramctl.monitor import Monitor
 
 __all__ = [
     "NA",
@@ -65,6 +66,7 @@ __all__ = [
     "MaxBatch",
     "MemoryReport",
     "MemoryState",
+    "Monitor",
     "NotAvailable",
     "Policy",
     "ProcessMemory",

@@ -287,6 +287,20 @@ class AdaptiveBatcher:
         if failed is not None:
             self._size = max(self.min_batch, failed // 2)
 
+    def shrink(self, factor: float = 0.5) -> None:
+        """Draw smaller batches from now on, before an OOM forces it (an alert action).
+
+        Like :meth:`notify_oom` with ``factor`` instead of a half, and not
+        counted as an OOM; sizes grow back by 10% per draw.
+        """
+        if not 0.0 < factor < 1.0:
+            raise ValueError(f"factor must be between 0 and 1, got {factor}")
+        self.correction = max(_MIN_CORRECTION, self.correction * factor)
+        self._oom_since_draw = True
+        self._streak = 0
+        if self._size is not None:
+            self._size = max(self.min_batch, int(self._size * factor))
+
     # -- iteration ---------------------------------------------------------------
 
     def order(self, epoch: int | None = None) -> list[int]:

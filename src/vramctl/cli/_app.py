@@ -413,5 +413,5 @@ def _list_zoo(zoo: Any, as_json: bool) -> None:
     console.print(table)
 
 
-# The batching commands register themselves on ``app``.
-from vramctl.cli import _batch  # noqa: E402, F401
+# The batching, monitor, top and dashboard commands register themselves on ``app``.
+from vramctl.cli import _batch, _dashboard, _monitor, _top  # noqa: E402, F401

@@ -95,7 +95,8 @@ class GuardEvent:
     ``"peer_oom"`` (another rank ran out of memory, so this one ran again too),
     ``"grow"`` (the piece size was probed back up), ``"offload"`` (activations
     moved to host memory), ``"optimizer_oom"`` (the optimizer step ran out of
-    memory: never retried, as it may have updated part of its state) or ``"gave_up"``.
+    memory: never retried, as it may have updated part of its state), ``"shrink"``
+    (asked to run smaller pieces, e.g. by a monitor alert) or ``"gave_up"``.
     """
 
     kind: str
@@ -213,6 +214,7 @@ class Guard:
         self._wait = patience
         self._free_at_oom: int | None = None
         self._grow_from: int | None = None
+        self._last_n: int | None = None
         self.steps = 0
         self.samples = 0
         self.ooms = 0
@@ -245,6 +247,26 @@ class Guard:
 
     def __call__(self, batch: Any) -> Any:
         return self.step(batch) if self.optimizer is not None else self.infer(batch)
+
+    def shrink(self, factor: float = 0.5) -> int | None:
+        """Run smaller pieces from the next step on, before an OOM forces it.
+
+        The piece limit becomes ``factor`` times the current one (or the last
+        batch's size); it grows back after ``patience`` good steps, as after an
+        OOM. An alert action (:class:`vramctl.monitor.Shrink`) calls this.
+        Returns the new limit (None before the first step: nothing to shrink).
+        """
+        if not 0.0 < factor < 1.0:
+            raise ValueError(f"factor must be between 0 and 1, got {factor}")
+        current = self.piece_limit or self._last_n
+        if current is None:
+            return None
+        self.piece_limit = max(1, int(current * factor))
+        self._streak = 0
+        self._free_at_oom = _available(self.device)
+        n = self._last_n or current
+        self._emit("shrink", n, math.ceil(n / self.piece_limit), 0.0, f"from {current}")
+        return self.piece_limit
 
     def summary(self, events: int = 20) -> dict[str, Any]:
         """Counts and the latest ``events`` events, JSON-ready."""
@@ -291,6 +313,7 @@ class Guard:
                 self.steps += 1
                 self.samples += n
                 self._streak += 1
+                self._last_n = n
                 return StepResult(loss.detach(), n, 1)
             loss = None  # the failed attempt's graph goes with it
             _drop_grads(self._params)
@@ -573,6 +596,7 @@ class Guard:
         self._emit("grow", n, math.ceil(n / (self.piece_limit or n)), 0.0, f"from {old}", free)
 
     def _done(self, n: int, limit: int) -> None:
+        self._last_n = n
         self.steps += 1
         self.samples += n
         self._streak += 1

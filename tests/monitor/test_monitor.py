@@ -1,0 +1,298 @@
+"""The sampler: a real daemon thread over real devices (the CPU, simulated GPUs, NVML fakes)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import vramctl
+from tests.fake_nvml import FakeGpu
+from vramctl.monitor import (
+    Event,
+    ExportError,
+    Monitor,
+    MonitorError,
+    Sample,
+    Shrink,
+    UsageRule,
+    load_jsonl,
+)
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize("interval", [0, -1, 0.0])
+def test_interval_must_be_positive(interval: float) -> None:
+    with pytest.raises(MonitorError, match="positive number of seconds"):
+        Monitor(["cpu"], interval=interval)
+
+
+def test_no_devices_is_an_error() -> None:
+    with pytest.raises(MonitorError, match="at least one device"):
+        Monitor([], interval=1)
+
+
+def test_unknown_device_is_a_clear_error() -> None:
+    with pytest.raises(vramctl.UnknownDeviceError, match="cuda:7"):
+        Monitor(["cuda:7"])
+
+
+def test_samples_on_a_daemon_thread_at_the_interval() -> None:
+    mon = Monitor(["cpu"], interval=0.05, rules=[])
+    with mon:
+        assert mon.running
+        assert mon._thread is not None and mon._thread.daemon
+        time.sleep(0.5)
+    assert not mon.running
+    n = mon.samples_taken
+    # About 10 samples in 0.5 s; a loaded 2-core machine may drop a few.
+    assert 5 <= n <= 12, n
+    stamps = [s.timestamp for s in mon.history.samples("cpu")]
+    assert stamps == sorted(stamps)
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    assert 0.03 < sorted(gaps)[len(gaps) // 2] < 0.1
+    # Stopped means stopped.
+    time.sleep(0.15)
+    assert mon.samples_taken == n
+
+
+def test_start_twice_and_stop_without_start_are_harmless() -> None:
+    mon = Monitor(["cpu"], interval=0.05, rules=[])
+    mon.stop()
+    mon.start()
+    first = mon._thread
+    mon.start()
+    assert mon._thread is first
+    mon.stop()
+    assert not mon.running
+
+
+def test_history_is_a_bounded_ring_buffer_and_peaks_outlive_it() -> None:
+    sim = vramctl.simulate("T4-16GB")
+    mon = Monitor([sim], interval=1.0, history=3, rules=[])
+    with sim:
+        big = torch.empty(64 * MiB, dtype=torch.uint8)
+        mon.sample()
+        del big
+        for _ in range(4):
+            mon.sample()
+    kept = mon.history.samples(sim.id)
+    assert len(kept) == 3
+    assert all(s.memory.used == 0 for s in kept)
+    # The 64 MiB moment has left the buffer; the peak keeps it.
+    assert mon.history.peak(sim.id).used == 64 * MiB
+    assert mon.history.peak(sim.id).allocated == 64 * MiB
+
+
+def test_cpu_is_sampled_like_a_gpu() -> None:
+    mon = Monitor(["cpu"], interval=1.0, rules=[], processes=3)
+    (s,) = mon.sample()
+    mem = s.memory
+    assert mem.total > 0 and mem.used > 0 and mem.free > 0
+    assert mem.process_used > 0  # this process's RSS
+    assert 0 < mem.utilization < 1
+    assert len(s.processes) == 3
+    assert s.processes[0].used >= s.processes[-1].used
+
+
+def test_fake_gpus_are_sampled_through_nvml(gpus: list[FakeGpu]) -> None:
+    gpus[1].used = 30 * 2**30
+    mon = Monitor(interval=1.0, rules=[])
+    assert [d.id for d in mon.devices] == ["cuda:0", "cuda:1", "cuda:2", "cpu"]
+    samples = {s.device: s for s in mon.sample()}
+    assert samples["cuda:1"].memory.used == 30 * 2**30
+    assert samples["cuda:1"].memory.total == gpus[1].total
+    assert samples["cuda:0"].memory.temperature_c == 40
+
+
+def test_gpu_alert_fires_from_nvml_readings(gpus: list[FakeGpu]) -> None:
+    got: list[object] = []
+    mon = Monitor(["cuda:0"], interval=1.0, rules=[UsageRule(0.8, 0.95)], on_alert=got.append)
+    gpus[0].used = int(gpus[0].total * 0.5)
+    mon.sample()
+    assert got == []
+    gpus[0].used = int(gpus[0].total * 0.85)
+    mon.sample()
+    gpus[0].used = int(gpus[0].total * 0.97)
+    mon.sample()
+    levels = [a.level.name for a in got]  # type: ignore[attr-defined]
+    assert levels == ["WARNING", "CRITICAL"]
+
+
+def test_subscribers_get_samples_and_a_failing_one_does_not_stop_sampling() -> None:
+    seen: list[Event] = []
+
+    def broken(event: Event) -> None:
+        raise RuntimeError("boom")
+
+    mon = Monitor(["cpu"], interval=0.05, rules=[])
+    mon.subscribe(broken)
+    remove = mon.subscribe(seen.append)
+    with mon:
+        time.sleep(0.3)
+    assert mon.samples_taken >= 3
+    assert [e.kind for e in seen][:3] == ["sample"] * 3
+    assert seen[0].data["samples"][0]["device"] == "cpu"
+    remove()
+    before = len(seen)
+    mon.sample()
+    assert len(seen) == before
+
+
+def test_guard_events_reach_the_monitor_and_an_alert_can_shrink_the_guard() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = vramctl.Guard(
+        model,
+        opt,
+        forward=lambda m, b: m(b[0]),
+        loss_fn=lambda out, b: nn.functional.mse_loss(out, b[1]),
+    )
+    batch = (torch.randn(64, 32), torch.randn(64, 1))
+    guard.step(batch)
+    assert guard.piece_limit is None
+
+    sim = vramctl.simulate("T4-16GB")
+    mon = Monitor([sim], interval=1.0, rules=[UsageRule(0.5, 0.9, kind="gpu")])
+    shrink = Shrink(guard)
+    mon.on_alert(shrink, level="warning")
+    mon.start()
+    try:
+        with sim:
+            ballast = torch.empty(int(sim.total_bytes * 0.6), dtype=torch.uint8)
+            mon.sample()
+            del ballast
+    finally:
+        mon.stop()
+    assert shrink.calls == 1
+    assert guard.piece_limit == 32
+    guard_events = [e for e in mon.events if e.kind == "guard"]
+    assert [e.data["event"] for e in guard_events] == ["shrink"]
+    # The next step runs in two pieces and gives the same update as a whole one would.
+    result = guard.step(batch)
+    assert result.pieces == 2
+
+
+def test_shrink_needs_something_that_shrinks() -> None:
+    with pytest.raises(vramctl.VramctlError, match="no shrink"):
+        Shrink(object())  # type: ignore[arg-type]
+
+
+def test_adaptive_batcher_shrinks_on_request() -> None:
+    data = list(range(1000))
+    batcher = vramctl.AdaptiveBatcher(
+        data, per_sample_bytes=1024, budget=64 * 1024, device="cpu", shuffle=False
+    )
+    it = iter(batcher)
+    first = len(next(it))
+    Shrink(batcher, factor=0.5)(
+        vramctl.monitor.Alert("memory", vramctl.monitor.Level.WARNING, "cpu", "high")
+    )
+    assert len(next(it)) <= first // 2
+
+
+def test_export_jsonl_round_trip_and_html_plot(tmp_path: Path) -> None:
+    sim = vramctl.simulate("T4-16GB")
+    mon = Monitor(["cpu", sim], interval=1.0, rules=[])
+    for _ in range(3):
+        mon.sample()
+    path = mon.export(tmp_path / "mem.jsonl")
+    lines = path.read_text().splitlines()
+    assert len(lines) == 6
+    assert json.loads(lines[0])["schema"] == "vramctl.sample/1"
+    back = load_jsonl(path)
+    assert sorted(back.devices) == ["cpu", "sim:T4-16GB"]
+    orig = mon.history.samples("cpu")[-1]
+    again = back.samples("cpu")[-1]
+    assert again.memory == orig.memory
+    assert again.processes == orig.processes
+
+    page = mon.export(tmp_path / "mem.html").read_text()
+    assert "uPlot" in page and "sim:T4-16GB" in page
+    # Self-contained: no script or stylesheet from elsewhere.
+    assert "<script src" not in page and "<link" not in page
+
+
+def test_export_to_an_unwritable_path_is_a_clear_error(tmp_path: Path) -> None:
+    mon = Monitor(["cpu"], interval=1.0, rules=[])
+    mon.sample()
+    with pytest.raises(ExportError, match="cannot write the history"):
+        mon.export(tmp_path / "missing" / "mem.jsonl")
+    with pytest.raises(ExportError, match="cannot write the plot"):
+        mon.export(tmp_path / "missing" / "mem.html")
+
+
+def test_png_plot_names_its_extra_when_matplotlib_is_missing(tmp_path: Path) -> None:
+    from importlib.util import find_spec
+
+    mon = Monitor(["cpu"], interval=1.0, rules=[])
+    mon.sample()
+    if find_spec("matplotlib") is None:
+        with pytest.raises(ExportError, match=r"vramctl\[plot\]"):
+            mon.export(tmp_path / "mem.png")
+    else:
+        assert mon.export(tmp_path / "mem.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_load_jsonl_names_the_bad_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps(Sample("cpu", vramctl.get_device("cpu").memory()).to_dict()) + "\n{not json\n"
+    )
+    with pytest.raises(ExportError, match=r"bad.jsonl:2"):
+        load_jsonl(bad)
+
+
+def test_sampling_from_several_threads_is_safe() -> None:
+    mon = Monitor(["cpu"], interval=0.02, history=10_000, rules=[])
+    with mon:
+        workers = [
+            threading.Thread(target=lambda: [mon.sample() for _ in range(20)]) for _ in range(3)
+        ]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    assert len(mon.history) == mon.samples_taken
+
+
+def test_step_finds_a_leak_and_raises_an_alert_naming_the_line() -> None:
+    mon = Monitor(["cpu"], rules=[])
+    alerts: list[vramctl.monitor.Alert] = []
+    mon.on_alert(alerts.append, level="error")
+    kept = []
+    report = None
+    for _ in range(50):
+        kept.append(torch.randn(256, 1024))  # the leak: 1 MiB kept every step
+        report = mon.step()
+        if report is not None:
+            break
+    assert report is not None and report.step <= 50
+    assert [a.rule for a in alerts] == ["leak"]
+    assert alerts[0].device == "cpu"
+    assert "test_monitor.py" in alerts[0].suggestion
+    assert [e.kind for e in mon.events].count("leak") == 1
+
+
+def test_step_stays_quiet_on_a_healthy_loop() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = Monitor(["cpu"], rules=[])
+    losses = []
+    for _ in range(80):
+        loss = nn.functional.cross_entropy(model(torch.randn(32, 64)), torch.randint(0, 10, (32,)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        assert mon.step() is None
+    assert not [e for e in mon.events if e.kind == "leak"]

@@ -1,0 +1,176 @@
+"""The dashboard in a real headless Chromium: it loads, its charts move, alerts show up.
+
+Screenshots go to ``test-artifacts/dashboard/``. Without Playwright or Chromium
+the test is skipped, unless ``VRAMCTL_REQUIRE_BROWSER=1`` (set in CI) makes
+that a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+import torch
+
+from vramctl.device import SimulatedDevice
+from vramctl.guard import GuardEvent
+from vramctl.monitor import Monitor, UsageRule
+from vramctl.server import DashboardServer, serve_dashboard
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
+TOKEN = "browser-token"
+SIM = "sim:T4-16GB"
+HOW_TO_INSTALL = (
+    "install the browser test's tools: pip install playwright, and Chromium (apt-get install "
+    "chromium, or `playwright install chromium`; or point VRAMCTL_CHROMIUM at a Chrome or "
+    "Chromium executable)"
+)
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+def _unavailable(reason: str) -> NoReturn:
+    if os.environ.get("VRAMCTL_REQUIRE_BROWSER") == "1":
+        pytest.fail(
+            f"{reason}; VRAMCTL_REQUIRE_BROWSER=1 requires the browser test: {HOW_TO_INSTALL}"
+        )
+    pytest.skip(f"{reason} ({HOW_TO_INSTALL})")
+
+
+def _chromium_path() -> str | None:
+    return (
+        os.environ.get("VRAMCTL_CHROMIUM")
+        or shutil.which("chromium")
+        or shutil.which("chromium-browser")
+    )
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    try:
+        from playwright.sync_api import Error, sync_playwright
+    except ImportError:
+        _unavailable("Playwright is not installed")
+    executable = _chromium_path()
+    with sync_playwright() as p:
+        failed = ""
+        try:  # without a system Chromium, Playwright's own (if it was installed) is tried
+            b = p.chromium.launch(executable_path=executable, args=ARGS)
+        except Error as exc:
+            failed = str(exc).splitlines()[0]
+        if failed:
+            where = executable or "Playwright's own Chromium"
+            _unavailable(f"Chromium could not start ({where}: {failed})")
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Monitor, DashboardServer]]:
+    # Rules that fire on the simulated GPU once it holds 2 GiB (14% of 14.6 GiB).
+    mon = Monitor(["cpu", SIM], interval=0.2, rules=[UsageRule(0.05, 0.1, kind="gpu")])
+    server = serve_dashboard(mon, port=0, token=TOKEN)
+    try:
+        yield mon, server
+    finally:
+        server.close()
+
+
+def points(page: Any) -> dict[str, int]:
+    found: dict[str, int] = page.eval_on_selector_all(
+        ".chart", "els => Object.fromEntries(els.map(e => [e.dataset.device, +e.dataset.points]))"
+    )
+    return found
+
+
+def test_dashboard_loads_updates_and_shows_alerts(
+    browser: Any, served: tuple[Monitor, DashboardServer]
+) -> None:
+    mon, server = served
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    outside: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on(
+        "request",
+        lambda req: None if req.url.startswith((server.url, "data:")) else outside.append(req.url),
+    )
+    page.goto(server.page_url)
+
+    # The page loads its state, draws a chart per device, and goes live.
+    page.wait_for_selector("#status[data-state=live]", timeout=10_000)
+    assert page.text_content("#status") == "live"
+    for dev in ("cpu", SIM):
+        assert page.locator(f'.device[data-device="{dev}"] .chart canvas').count() == 1
+    assert "%" in (page.text_content(f'.device[data-device="{SIM}"] .figure') or "")
+    first = points(page)
+    assert set(first) == {"cpu", SIM}
+
+    # The charts update from the event stream.
+    page.wait_for_function(
+        "n => [...document.querySelectorAll('.chart')].every(e => +e.dataset.points >= n)",
+        arg=max(first.values()) + 5,
+        timeout=10_000,
+    )
+    later = points(page)
+    assert all(later[d] > first[d] for d in first), (first, later)
+    page.screenshot(path=str(ARTIFACTS / "live.png"), full_page=True)
+
+    # Memory taken on the simulated GPU fires an alert, shown in the panel.
+    assert page.locator("#alerts li.alert").count() == 0
+    gpu = mon.devices[1]
+    assert isinstance(gpu, SimulatedDevice)
+    with gpu:
+        held = torch.empty(2 * 2**30, dtype=torch.uint8)
+    alert = page.locator(f'#alerts li.alert.level-critical:has-text("{SIM}")')
+    alert.first.wait_for(timeout=10_000)
+    assert "of memory in use" in alert.first.inner_text()
+    assert "firing" in (page.text_content("#active-count") or "")
+    bar = page.locator(f'.device[data-device="{SIM}"] .bar')
+    assert bar.get_attribute("data-level") == "critical"
+
+    # What vramctl did shows in the activity list: an OOM the guard recovered, a leak.
+    mon._guard_event(GuardEvent("oom", step=3, batch_size=32, pieces=2, piece_limit=16))
+    mon.record("leak", device=SIM, rate_bytes_per_step=2**20, causes=["a list keeps growing"])
+    page.locator('#activity li[data-kind="leak"]').wait_for(timeout=10_000)
+    oom = page.locator('#activity li[data-kind="guard"]').inner_text()
+    assert "OOM recovered" in oom and "batch 32 in 2 pieces" in oom
+    time.sleep(0.5)  # a few more points after the jump, for the screenshot
+    page.screenshot(path=str(ARTIFACTS / "alert.png"), full_page=True)
+
+    # A reload starts again from /api/state, alerts and history included.
+    page.reload()
+    page.wait_for_selector("#status[data-state=live]", timeout=10_000)
+    assert page.locator(f'#alerts li.alert:has-text("{SIM}")').count() >= 1
+    assert points(page)[SIM] >= later[SIM]
+    del held
+
+    assert errors == []
+    assert outside == []
+
+
+def test_dashboard_without_token_says_what_to_do(
+    browser: Any, served: tuple[Monitor, DashboardServer]
+) -> None:
+    _, server = served
+    page = browser.new_page()
+    response = page.goto(server.url)
+    assert response is not None and response.status == 401
+    assert "token" in (page.text_content("body") or "")
