@@ -1,44 +1,77 @@
 """What monitoring costs a training loop: the slowdown at 1 Hz and 10 Hz, and one sample's cost.
 
-A real training loop (a 4-layer MLP, 1024 wide, AdamW, batch 256; about
-25 ms a step on a 2-core CPU) runs in blocks of equal wall time. Each round
-runs three blocks in a rotating order: no monitor, a ``vramctl.monitor.Monitor``
-sampling every device at 1 Hz, and one at 10 Hz (every device: the GPUs and
-the CPU, with the default rules and the 5 largest processes per device). A
-block's figure is its mean step time; a round's slowdown is the monitored
-block's mean over the unmonitored one's, and the result is the median over
-rounds (so a background hiccup in one round does not decide it).
+The loop is a real training step (a 4-layer MLP, 1024 wide, AdamW, batch 64;
+about 20 ms on one CPU thread). The monitor is ``vramctl.monitor.Monitor``
+over every device (the GPUs and the CPU) with the default rules and the 5
+largest processes per device, sampling on its daemon thread.
 
-One sample's cost is timed apart: the median of many ``Monitor.sample()``
-calls. ``sampler_duty_pct_1hz`` is that cost as a share of a second, the
-part of one core the sampler takes at 1 Hz: the floor under any slowdown.
+**Slowdown, attributed (the headline).** The loop runs for a while with the
+monitor at 1 Hz (then at 10 Hz); every step's start and end are recorded, and
+so is every sample's. A step that overlaps a sample is compared with the
+median of the nearby steps that overlap none (up to 10 on each side); what it
+took beyond that median is the time the sample cost the loop (the sampler's
+own work, and the loop waiting for the interpreter lock while it ran). The
+slowdown is that excess, summed, over the steps' time without it. Comparing
+each step with its neighbours cancels the drift of a shared machine, which is
+several percent from one second to the next here.
+
+**Slowdown, block against block (for comparison).** Blocks of equal wall
+time, rotating through no monitor, 1 Hz and 10 Hz; the median over rounds of
+a monitored block's mean step time over the unmonitored block's. On a shared
+2-core VM this moves by several percent either way between runs
+(``ab_noise_pct`` is the spread of the unmonitored blocks), so it can only
+bound the slowdown from above by that much.
+
+**One sample.** The median wall time of ``Monitor.sample()`` called in a
+loop (the CPU's process list is refreshed every 10 s, so most samples reuse
+it), and ``sampler_cpu_pct_1hz``: the CPU time the sampling thread used, as
+a share of the wall time, while the loop ran at 1 Hz.
 
 The last line is one JSON object; ``overhead_pct_1hz`` is the headline (goal:
 at most 0.5).
 
     python benchmarks/monitor_overhead.py --quick    # under a minute on a 2-core CPU
-    python benchmarks/monitor_overhead.py            # longer blocks, more rounds
+    python benchmarks/monitor_overhead.py            # longer runs, more rounds
     python benchmarks/monitor_overhead.py --cuda     # the loop on the GPU, NVML sampled
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 import vramctl
-from vramctl.monitor import Monitor
+from vramctl.monitor import Monitor, Sample
 
 
-def make_loop(device: torch.device, width: int, batch: int) -> Any:
+class TimedMonitor(Monitor):
+    """A monitor that notes when each sample started and ended, and the CPU time it took."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.spans: list[tuple[float, float]] = []
+        self.cpu_s = 0.0
+
+    def sample(self) -> list[Sample]:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return super().sample()
+        finally:
+            self.cpu_s += time.thread_time() - c0
+            self.spans.append((t0, time.perf_counter()))
+
+
+def make_loop(device: torch.device, width: int, batch: int) -> Callable[[], None]:
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(width, width),
@@ -64,9 +97,52 @@ def make_loop(device: torch.device, width: int, batch: int) -> Any:
     return step
 
 
-def run_block(step: Any, seconds: float, hz: float | None) -> tuple[float, int]:
-    """Mean step time over a block of ``seconds``, with a monitor at ``hz`` (None: none)."""
-    mon = Monitor(interval=1.0 / hz) if hz else None
+def attributed(step: Callable[[], None], seconds: float, hz: float) -> dict[str, Any]:
+    """Run the loop with a monitor at ``hz``; attribute each overlapping step's excess."""
+    mon = TimedMonitor(interval=1.0 / hz)
+    mon.sample()  # list the processes once, as a long-running monitor would have
+    mon.spans.clear()
+    mon.cpu_s = 0.0
+    steps: list[tuple[float, float]] = []
+    mon.start()
+    t_end = time.perf_counter() + seconds
+    try:
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= t_end:
+                break
+            step()
+            steps.append((t0, time.perf_counter()))
+    finally:
+        mon.stop()
+    wall = steps[-1][1] - steps[0][0]
+    starts = [s for s, _ in mon.spans]
+    hit = []
+    for a, b in steps:
+        # Any sample span [s0, s1] with s0 < b and s1 > a overlaps the step.
+        i = bisect.bisect_left(starts, b)
+        hit.append(any(mon.spans[j][1] > a for j in range(max(0, i - 3), i)))
+    durations = [b - a for a, b in steps]
+    excess = 0.0
+    for i, (d, h) in enumerate(zip(durations, hit, strict=True)):
+        if not h:
+            continue
+        near = [durations[j] for j in range(max(0, i - 10), min(len(steps), i + 11)) if not hit[j]]
+        if near:
+            excess += d - statistics.median(near)
+    return {
+        "overhead_pct": excess / (wall - excess) * 100.0,
+        "excess_ms_per_sample": excess / max(1, len(mon.spans)) * 1e3,
+        "samples": len(mon.spans),
+        "steps": len(steps),
+        "steps_overlapping": sum(hit),
+        "sampler_cpu_pct": mon.cpu_s / wall * 100.0,
+        "step_ms_median": statistics.median(durations) * 1e3,
+    }
+
+
+def run_block(step: Callable[[], None], seconds: float, mon: Monitor | None) -> float:
+    """Mean step time over a block of ``seconds``, with ``mon`` sampling (None: none)."""
     if mon is not None:
         mon.start()
     try:
@@ -75,16 +151,13 @@ def run_block(step: Any, seconds: float, hz: float | None) -> tuple[float, int]:
         while time.perf_counter() - t0 < seconds:
             step()
             n += 1
-        elapsed = time.perf_counter() - t0
+        return (time.perf_counter() - t0) / n
     finally:
-        samples = 0
         if mon is not None:
             mon.stop()
-            samples = mon.samples_taken
-    return elapsed / n, samples
 
 
-def sample_cost(repeats: int) -> dict[str, float]:
+def sample_cost(repeats: int) -> dict[str, Any]:
     mon = Monitor()
     mon.sample()  # the first sample lists the CPU's processes; later ones reuse the list
     times = []
@@ -94,68 +167,79 @@ def sample_cost(repeats: int) -> dict[str, float]:
         times.append(time.perf_counter() - t0)
     return {
         "sample_us_median": statistics.median(times) * 1e6,
-        "sample_us_mean": statistics.fmean(times) * 1e6,
         "sample_us_p95": sorted(times)[int(0.95 * len(times))] * 1e6,
-        "devices": [d.id for d in mon.devices],  # type: ignore[dict-item]
+        "devices": [d.id for d in mon.devices],
     }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="short blocks, fewer rounds (< 60 s)")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="shorter runs (under a minute)")
     ap.add_argument("--cuda", action="store_true", help="run the loop on the GPU")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--block", type=float, default=None, help="seconds per block")
+    ap.add_argument("--seconds", type=float, default=None, help="loop seconds at 1 Hz")
+    ap.add_argument("--rounds", type=int, default=None, help="block-against-block rounds")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads for the loop (default 1)"
+    )
     args = ap.parse_args()
-    rounds = args.rounds or (4 if args.quick else 12)
-    block = args.block or (3.5 if args.quick else 10.0)
+    seconds = args.seconds or (20.0 if args.quick else 120.0)
+    rounds = args.rounds or (3 if args.quick else 12)
+    block = 2.0
+    torch.set_num_threads(args.threads)
     if args.cuda and not torch.cuda.is_available():
         sys.exit("--cuda: no usable CUDA device here")
     device = torch.device("cuda" if args.cuda else "cpu")
-    width, batch = (4096, 1024) if args.cuda else (1024, 256)
+    width, batch = (4096, 1024) if args.cuda else (1024, 64)
     step = make_loop(device, width, batch)
     for _ in range(10):  # warm up: allocator, kernels, AdamW state
         step()
 
-    cost = sample_cost(200 if args.quick else 1000)
-    configs: list[tuple[str, float | None]] = [("none", None), ("1hz", 1.0), ("10hz", 10.0)]
-    rows: dict[str, list[float]] = {name: [] for name, _ in configs}
-    samples: dict[str, int] = {name: 0 for name, _ in configs}
     t_start = time.perf_counter()
-    for r in range(rounds):
-        order = configs[r % 3 :] + configs[: r % 3]
-        for name, hz in order:
-            mean, n = run_block(step, block, hz)
-            rows[name].append(mean)
-            samples[name] += n
-        print(
-            f"round {r + 1}/{rounds}: "
-            + ", ".join(f"{k} {v[-1] * 1e3:.2f} ms" for k, v in rows.items()),
-            file=sys.stderr,
-        )
+    cost = sample_cost(100 if args.quick else 500)
+    at_1hz = attributed(step, seconds, 1.0)
+    print(f"1 Hz: {json.dumps(at_1hz)}", file=sys.stderr)
+    at_10hz = attributed(step, seconds / 2, 10.0)
+    print(f"10 Hz: {json.dumps(at_10hz)}", file=sys.stderr)
 
-    def slowdown(name: str) -> float:
+    monitors: dict[str, Monitor | None] = {
+        "none": None,
+        "1hz": Monitor(interval=1.0),
+        "10hz": Monitor(interval=0.1),
+    }
+    for m in monitors.values():
+        if m is not None:
+            m.sample()
+    names = list(monitors)
+    rows: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % 3 :] + names[: r % 3]:
+            rows[name].append(run_block(step, block, monitors[name]))
+
+    def ab(name: str) -> float:
         ratios = [m / b for m, b in zip(rows[name], rows["none"], strict=True)]
         return (statistics.median(ratios) - 1.0) * 100.0
 
-    base_spread = (max(rows["none"]) - min(rows["none"])) / statistics.median(rows["none"]) * 100.0
+    base = rows["none"]
     result = {
         "benchmark": "monitor_overhead",
         "quick": args.quick,
         "device": str(device),
-        "overhead_pct_1hz": round(slowdown("1hz"), 3),
-        "overhead_pct_10hz": round(slowdown("10hz"), 3),
-        "sampler_duty_pct_1hz": round(cost["sample_us_median"] / 1e6 * 100.0, 4),
-        "sampler_duty_pct_10hz": round(cost["sample_us_median"] / 1e6 * 10 * 100.0, 4),
+        "overhead_pct_1hz": round(at_1hz["overhead_pct"], 3),
+        "overhead_pct_10hz": round(at_10hz["overhead_pct"], 3),
+        "excess_ms_per_sample_1hz": round(at_1hz["excess_ms_per_sample"], 3),
+        "sampler_cpu_pct_1hz": round(at_1hz["sampler_cpu_pct"], 4),
+        "sampler_cpu_pct_10hz": round(at_10hz["sampler_cpu_pct"], 4),
         "sample_us_median": round(cost["sample_us_median"], 1),
-        "sample_us_mean": round(cost["sample_us_mean"], 1),
         "sample_us_p95": round(cost["sample_us_p95"], 1),
         "monitored_devices": cost["devices"],
-        "step_ms_median": {k: round(statistics.median(v) * 1e3, 3) for k, v in rows.items()},
-        "baseline_spread_pct": round(base_spread, 2),
-        "samples_taken": {"1hz": samples["1hz"], "10hz": samples["10hz"]},
-        "rounds": rounds,
-        "block_s": block,
+        "step_ms_median": round(at_1hz["step_ms_median"], 3),
+        "samples_1hz": at_1hz["samples"],
+        "steps_1hz": at_1hz["steps"],
+        "steps_overlapping_1hz": at_1hz["steps_overlapping"],
+        "ab_slowdown_pct_1hz": round(ab("1hz"), 2),
+        "ab_slowdown_pct_10hz": round(ab("10hz"), 2),
+        "ab_noise_pct": round((max(base) - min(base)) / statistics.median(base) * 100.0, 2),
+        "ab_rounds": rounds,
         "wall_s": round(time.perf_counter() - t_start, 1),
         "torch": torch.__version__,
         "vramctl": vramctl.__version__,

@@ -123,7 +123,9 @@ class Alert:
 class Rule(Protocol):
     """An alert rule: a name, a hold time, and ``evaluate(sample, recent) -> Finding | None``.
 
-    ``recent`` is the device's kept history, oldest first, ending with ``sample``.
+    ``recent`` is the device's samples of the last :attr:`AlertEngine.lookback`
+    seconds (60, or the longest ``window_s`` of the rules; at most 200 samples),
+    oldest first, ending with ``sample``.
     """
 
     name: str
@@ -309,10 +311,14 @@ class OomRiskRule:
         if not recent:
             return None
         end = recent[-1].timestamp
+        since = end - self.window_s
+        window = [s for s in recent if s.memory.timestamp >= since]
+        # A straight line needs few points: at 10 Hz, fit every k-th sample (at most 64).
+        stride = max(1, len(window) // _FIT_POINTS)
         pts = [
-            (s.timestamp - end, float(s.memory.used))
-            for s in recent
-            if s.timestamp >= end - self.window_s and s.memory.used is not NA
+            (s.timestamp - end, float(used))
+            for s in window[::-1][::stride]
+            if (used := s.memory.used) is not NA
         ]
         last = recent[-1].memory
         if len(pts) < self.min_samples or last.total is NA or last.used is NA:
@@ -347,6 +353,10 @@ class OomRiskRule:
             threshold=self.horizon_s,
             suggestion="find what grows (monitor.step() names leaking tensors) or shrink the batch",
         )
+
+
+#: Points the OOM-risk line is fitted to, at most.
+_FIT_POINTS = 64
 
 
 def default_rules() -> list[Rule]:
@@ -429,6 +439,8 @@ class AlertEngine:
         for r in self.rules:
             if not isinstance(r, Rule):
                 raise AlertRuleError(f"{r!r} is not an alert rule (name, for_s, evaluate())")
+        #: Seconds of history the rules see: the longest ``window_s`` of any rule, at least 60.
+        self.lookback = max([60.0] + [float(getattr(r, "window_s", 0.0)) for r in self.rules])
         self._states: dict[tuple[str, str], _State] = {}
         self._callbacks: list[tuple[Callback, Level, str | None]] = []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections import deque
@@ -144,6 +145,22 @@ class History:
             rows = list(track.samples) if track else []
         if since is not None:
             rows = [s for s in rows if s.timestamp > since]
+        return rows
+
+    def recent(self, device: str, seconds: float, limit: int = 200) -> list[Sample]:
+        """The samples of the last ``seconds`` before the newest one (at most ``limit``).
+
+        Oldest first. Walks back from the newest sample only as far as needed, so
+        its cost does not grow with the history's capacity.
+        """
+        with self._lock:
+            track = self._tracks.get(device)
+            if not track or not track.samples:
+                return []
+            since = track.samples[-1].timestamp - seconds
+            newest = itertools.islice(reversed(track.samples), limit)
+            rows = list(itertools.takewhile(lambda s: s.memory.timestamp >= since, newest))
+        rows.reverse()
         return rows
 
     def latest(self, device: str) -> Sample | None:

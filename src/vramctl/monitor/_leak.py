@@ -182,8 +182,9 @@ class LeakDetector:
     last ``window`` readings, significantly at ``confidence`` and up to the
     newest readings; else ``None``. The first ``warmup`` steps are ignored. A
     report goes out once per leak; the detector re-arms once memory stops
-    growing. It is also logged (logger ``vramctl.monitor``, level WARNING) and
-    passed to ``on_leak``; every report is kept in :attr:`reports`.
+    growing. It is also logged (logger ``vramctl.monitor``, level WARNING; not
+    with ``log_reports=False``) and passed to ``on_leak``; every report is kept
+    in :attr:`reports`.
 
     With ``census=True`` (the default) a suspicious trend starts a census of a
     few steps that names the tensors that leak (:class:`LeakSuspect`). It
@@ -220,6 +221,7 @@ class LeakDetector:
         confidence: float = 0.999,
         census: bool = True,
         on_leak: Callable[[LeakReport], None] | None = None,
+        log_reports: bool = True,
     ) -> None:
         try:
             rate = parse_size(min_rate)
@@ -249,6 +251,8 @@ class LeakDetector:
         self.confidence = float(confidence)
         self.census = bool(census)
         self.on_leak = on_leak
+        #: Log each report as a warning (a Monitor turns this off: it raises an alert instead).
+        self.log_reports = log_reports
         self.reports: list[LeakReport] = []
         #: How many censuses have run (each records a few steps).
         self.censuses = 0
@@ -488,7 +492,8 @@ class LeakDetector:
             census=census_note,
         )
         self.reports.append(report)
-        log.warning("%s", report.format())
+        if self.log_reports:
+            log.warning("%s", report.format())
         if self.on_leak is not None:
             self.on_leak(report)
         return report

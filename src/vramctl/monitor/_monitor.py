@@ -190,9 +190,10 @@ class Monitor:
         with self._lock:
             taken = [Sample(d.id, d.memory(), self._processes(d)) for d in self.devices]
             fired: list[Alert] = []
+            lookback = self.alerts.lookback
             for s in taken:
                 self.history.append(s)
-                fired += self.alerts.evaluate(s, self.history.samples(s.device))
+                fired += self.alerts.evaluate(s, self.history.recent(s.device, lookback))
             self.samples_taken += 1
             self.sample_time += time.perf_counter() - t0
         if self._subscribers:
@@ -303,7 +304,7 @@ class Monitor:
     def _make_detector(self) -> LeakDetector:
         from vramctl.monitor._leak import LeakDetector
 
-        return LeakDetector(self._leak_device())
+        return LeakDetector(self._leak_device(), log_reports=False)
 
     # -- summaries and exports ---------------------------------------------------
 
