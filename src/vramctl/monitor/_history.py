@@ -173,13 +173,25 @@ class History:
             track = self._tracks.get(device)
             return Peak(**vars(track.peak)) if track else Peak()
 
-    def series(self, device: str, name: str) -> list[tuple[float, float]]:
-        """``(timestamp, value)`` of one ``MemoryState`` field or property, skipping ``NA``."""
-        out = []
-        for s in self.samples(device):
-            value = getattr(s.memory, name)
-            if value is not NA:
-                out.append((s.timestamp, float(value)))
+    def columns(
+        self, device: str, names: Iterable[str], last: int | None = None
+    ) -> dict[str, list[Any]]:
+        """Columns for a chart: ``"t"`` (timestamps) and each named ``MemoryState`` field.
+
+        ``NA`` readings become ``None``; ``last`` keeps only the newest samples.
+
+        >>> from vramctl import MemoryState
+        >>> h = History()
+        >>> h.append(Sample("cpu", MemoryState("cpu", used=3, timestamp=1.0)))
+        >>> h.columns("cpu", ["used", "allocated"])
+        {'t': [1.0], 'used': [3], 'allocated': [None]}
+        """
+        rows = self.samples(device)
+        if last is not None:
+            rows = rows[-last:]
+        out: dict[str, list[Any]] = {"t": [s.timestamp for s in rows]}
+        for name in names:
+            out[name] = [None if (v := getattr(s.memory, name)) is NA else v for s in rows]
         return out
 
     def __iter__(self) -> Iterator[Sample]:

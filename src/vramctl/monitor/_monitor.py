@@ -99,6 +99,7 @@ class Monitor:
         self.alerts = AlertEngine(rules)
         self.processes = processes
         self.events: deque[Event] = deque(maxlen=events)
+        self._alerts: deque[Alert] = deque(maxlen=events)
         self.samples_taken = 0
         self.sample_time = 0.0
         self._subscribers: list[Callable[[Event], None]] = []
@@ -241,6 +242,7 @@ class Monitor:
                 log.exception("monitor subscriber %r failed", fn)
 
     def _alert_event(self, alert: Alert) -> None:
+        self._alerts.append(alert)
         self.record("alert", **alert.to_dict())
 
     def _guard_event(self, event: GuardEvent) -> None:
@@ -250,21 +252,7 @@ class Monitor:
 
     def recent_alerts(self, limit: int = 50) -> list[Alert]:
         """The newest alerts (resolved ones included), oldest first."""
-        rows = [e for e in self.events if e.kind == "alert"][-limit:]
-        return [
-            Alert(
-                rule=e.data["rule"],
-                level=Level[e.data["level"].upper()],
-                device=e.data["device"],
-                message=e.data["message"],
-                value=e.data["value"],
-                threshold=e.data["threshold"],
-                suggestion=e.data["suggestion"],
-                resolved=e.data["resolved"],
-                timestamp=e.data["timestamp"],
-            )
-            for e in rows
-        ]
+        return list(self._alerts)[-limit:]
 
     # -- leaks -------------------------------------------------------------------
 

@@ -9,7 +9,6 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from vramctl._na import NA
 from vramctl.monitor._history import ExportError, History
 
 __all__ = ["plot", "static_file"]
@@ -29,16 +28,14 @@ def static_file(name: str) -> str:
 
 
 def _device_data(history: History, device: str) -> dict[str, Any]:
-    samples = history.samples(device)
-    xs = [s.timestamp for s in samples]
-    series = []
-    for name, label in SERIES:
-        values = [getattr(s.memory, name) for s in samples]
-        if all(v is NA for v in values):
-            continue
-        series.append({"label": label, "values": [None if v is NA else v for v in values]})
-    total = next((s.memory.total for s in reversed(samples) if s.memory.total is not NA), None)
-    return {"device": device, "x": xs, "series": series, "total": total}
+    cols = history.columns(device, [name for name, _ in SERIES] + ["total"])
+    series = [
+        {"label": label, "values": cols[name]}
+        for name, label in SERIES
+        if any(v is not None for v in cols[name])
+    ]
+    total = next((v for v in reversed(cols["total"]) if v is not None), None)
+    return {"device": device, "x": cols["t"], "series": series, "total": total}
 
 
 _PAGE = """<!doctype html>

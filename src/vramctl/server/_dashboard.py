@@ -40,7 +40,6 @@ from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vramctl._na import NA
-from vramctl.monitor._history import Sample
 from vramctl.monitor._http import AddressError, check_bind, token_ok
 from vramctl.monitor._monitor import Event, Monitor
 from vramctl.monitor._plot import static_file
@@ -188,11 +187,8 @@ def _value(v: object) -> object:
 
 
 def _device_state(monitor: Monitor, dev: Any) -> dict[str, Any]:
-    samples: list[Sample] = monitor.history.samples(dev.id)[-HISTORY_WINDOW:]
-    latest = samples[-1] if samples else None
-    history: dict[str, list[Any]] = {"t": [s.timestamp for s in samples]}
-    for name in SERIES:
-        history[name] = [_value(getattr(s.memory, name)) for s in samples]
+    latest = monitor.history.latest(dev.id)
+    history = monitor.history.columns(dev.id, SERIES, last=HISTORY_WINDOW)
     return {
         "id": dev.id,
         "name": dev.name,
