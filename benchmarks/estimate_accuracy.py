@@ -12,8 +12,13 @@ measures the truth:
   for this machine's memory are estimated (coverage) but not measured.
 - CUDA (``--cuda``, on a machine with a GPU): the step runs on the GPU after a
   warm-up step; the truth is ``torch.cuda.max_memory_allocated`` and
-  ``max_memory_reserved`` and NVML's device-wide use, compared with the
-  predicted allocated, reserved and device peaks for that GPU.
+  ``max_memory_reserved`` and NVML's figure for this process, compared with the
+  predicted allocated, reserved and device peaks for that GPU. Rows predicted
+  not to fit the GPU are estimated but not run. Each row is estimated twice:
+  with the GPU's calibration profile (``--calibrate`` measures one first, in a
+  fresh process, as ``vramctl calibrate`` does; ``--calibration PATH`` names
+  one) and with the built-in CUDA constants, so the error before and after
+  calibration comes from the same measured steps.
 
 Beside each row it prints Accelerate's ``estimate-memory`` figure for the same
 model (weights only; for training the largest of model, gradients, optimizer
@@ -24,6 +29,7 @@ The last line is one JSON object with the summary figures.
     python benchmarks/estimate_accuracy.py --quick
     python benchmarks/estimate_accuracy.py            # the whole zoo
     python benchmarks/estimate_accuracy.py --cuda     # on a GPU machine
+    python benchmarks/estimate_accuracy.py --cuda --calibrate   # calibrate first, compare
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ import psutil
 import torch
 
 from vramctl import format_bytes
-from vramctl.estimator import StepSpec, estimate, zoo
+from vramctl.estimator import Calibration, StepSpec, calibrate, estimate, load_calibration, zoo
 from vramctl.estimator._estimate import prepare_model, run_step, warm_optimizer
 
 #: (model, length keyword, length) for the rows; lengths kept small so real CPU runs are quick.
@@ -87,6 +93,10 @@ class Row:
     measured_reserved: int | None = None
     measured_device: int | None = None
     predicted_device: int | None = None
+    #: The same row estimated with the built-in CUDA constants (when a calibration is used).
+    builtin_allocated: int | None = None
+    builtin_reserved: int | None = None
+    builtin_device: int | None = None
 
     @property
     def error_pct(self) -> float | None:
@@ -133,7 +143,11 @@ def real_setup(
         autocast_device=device,
         foreach=True if device == "cuda" else None,
     )
-    model = zoo.build(name).to(device)
+    if device == "cuda":
+        with torch.device(device):  # built on the GPU: fast even for billions of weights
+            model = zoo.build(name)
+    else:
+        model = zoo.build(name)
     if getattr(getattr(model, "config", None), "layerdrop", 0.0):
         # The estimate describes the step that drops no layer (its worst case, listed in
         # its assumptions); a real step would drop a random few.
@@ -214,13 +228,62 @@ def measure_cuda(
     return allocated, reserved, device
 
 
+def error_stats(pairs: list[tuple[int | None, int | None]]) -> dict[str, float | int | None]:
+    """Median and largest absolute error, and the worst under-estimate, in percent."""
+    errs = [100.0 * (p - m) / m for p, m in pairs if p is not None and m]
+    if not errs:
+        return {"rows": 0, "median_pct": None, "max_pct": None, "worst_under_pct": None}
+    return {
+        "rows": len(errs),
+        "median_pct": round(statistics.median(abs(e) for e in errs), 3),
+        "max_pct": round(max(abs(e) for e in errs), 3),
+        "worst_under_pct": round(max([0.0] + [-e for e in errs]), 3),
+    }
+
+
+def driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlSystemGetDriverVersion())
+    except Exception:
+        return None
+
+
+def pick_calibration(args: argparse.Namespace) -> Calibration | None:
+    if args.calibrate:
+        cal = calibrate(0)
+        print(f"# calibrated: {cal.describe()}; saved to {cal.path}", flush=True)
+        return cal
+    if args.calibration in (None, "auto"):
+        from vramctl.estimator import find_calibration
+
+        return find_calibration(torch.cuda.get_device_name(0), None)
+    if args.calibration == "off":
+        return None
+    return load_calibration(args.calibration)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a subset that runs in under 60 s")
     ap.add_argument("--cuda", action="store_true", help="measure on this machine's GPU")
     ap.add_argument("--models", help="comma-separated model names (default: the zoo)")
     ap.add_argument("--no-real", action="store_true", help="estimate only (coverage check)")
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="with --cuda: measure the GPU's CUDA constants first (as `vramctl calibrate`)",
+    )
+    ap.add_argument(
+        "--calibration",
+        help="with --cuda: a calibration profile, 'off', or 'auto' (the GPU's saved profile)",
+    )
     args = ap.parse_args()
+    if args.cuda and not torch.cuda.is_available():
+        print("--cuda: no usable CUDA device on this machine", file=sys.stderr)
+        return 2
     logging.getLogger("transformers").setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.set_num_threads(max(1, psutil.cpu_count(logical=False) or 1))
@@ -232,9 +295,11 @@ def main() -> int:
     elif args.quick:
         chosen = [z for z in ZOO if z[0] in QUICK]
     batches = QUICK_BATCHES if args.quick else BATCHES
-    cuda = args.cuda and torch.cuda.is_available()
+    cuda = bool(args.cuda)
     device = "cuda:0" if cuda else "cpu"
     host_budget = psutil.virtual_memory().available * 0.5
+    cal = pick_calibration(args) if cuda else None
+    gpu_room = torch.cuda.get_device_properties(0).total_memory * 0.95 if cuda else 0.0
 
     rows: list[Row] = []
     started = time.perf_counter()
@@ -252,8 +317,27 @@ def main() -> int:
                     rows.append(row)
                     try:
                         est = estimate(
-                            name, batch_size=b, mode=mode, precision=precision, device=device, **lk
+                            name,
+                            batch_size=b,
+                            mode=mode,
+                            precision=precision,
+                            device=device,
+                            calibration=cal if cal is not None else False,
+                            **lk,
                         )
+                        if cal is not None:
+                            builtin = estimate(
+                                name,
+                                batch_size=b,
+                                mode=mode,
+                                precision=precision,
+                                device=device,
+                                calibration=False,
+                                **lk,
+                            )
+                            row.builtin_allocated = builtin.peak_allocated
+                            row.builtin_reserved = builtin.peak_reserved
+                            row.builtin_device = builtin.peak_device
                     except Exception as exc:
                         row.error = f"{type(exc).__name__}: {exc}"[:300]
                         print(f"{name:<14}{mode:<6}{precision:<10}{b:>5}  FAILED {row.error}")
@@ -267,6 +351,8 @@ def main() -> int:
                     else:
                         row.predicted = est.logical_peak
                     measure = not args.no_real and est.logical_peak < host_budget
+                    if cuda:
+                        measure = not args.no_real and est.peak_device < gpu_room
                     if args.quick and name not in QUICK_MEASURED:
                         measure = False
                     if measure:
@@ -299,6 +385,30 @@ def main() -> int:
         if r.accelerate and r.measured
     ]
     times = [r.seconds for r in rows if r.seconds is not None]
+    cuda_figures: dict[str, Any] = {}
+    if cuda:
+        cuda_figures = {
+            "gpu": torch.cuda.get_device_name(0),
+            "driver": driver_version(),
+            "cuda": torch.version.cuda,
+            "calibration": cal.describe() if cal is not None else None,
+            "calibrated" if cal is not None else "builtin": {
+                "allocated": error_stats([(r.predicted, r.measured) for r in rows]),
+                "reserved": error_stats(
+                    [(r.predicted_reserved, r.measured_reserved) for r in rows]
+                ),
+                "device": error_stats([(r.predicted_device, r.measured_device) for r in rows]),
+            },
+            "not_run_too_large": sum(
+                1 for r in rows if r.predicted is not None and r.measured is None and not r.error
+            ),
+        }
+        if cal is not None:
+            cuda_figures["builtin"] = {
+                "allocated": error_stats([(r.builtin_allocated, r.measured) for r in rows]),
+                "reserved": error_stats([(r.builtin_reserved, r.measured_reserved) for r in rows]),
+                "device": error_stats([(r.builtin_device, r.measured_device) for r in rows]),
+            }
     summary = {
         "benchmark": "estimate_accuracy",
         "side": "cuda" if cuda else "cpu",
@@ -323,6 +433,7 @@ def main() -> int:
         "max_seconds_per_estimate": round(max(times), 3) if times else None,
         "wall_s": round(time.perf_counter() - started, 1),
         "torch": torch.__version__,
+        **cuda_figures,
     }
     for r in rows:
         if r.error:

@@ -1,11 +1,21 @@
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
 import vramctl.device._discover as discover
 from tests.fake_nvml import FakeGpu, FakeNvml, make_gpus
 from vramctl.device._nvml import reset_nvml
+
+# The dashboard is an optional extra ([server]); where it is not installed its tests are not
+# collected (CI installs it, and with VRAMCTL_REQUIRE_BROWSER=1 it must be there).
+collect_ignore_glob: list[str] = []
+_server_missing = any(importlib.util.find_spec(m) is None for m in ("fastapi", "uvicorn"))
+if _server_missing and os.environ.get("VRAMCTL_REQUIRE_BROWSER") != "1":
+    collect_ignore_glob.append("server/*")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -15,6 +25,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _own_config_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    """No test reads or writes the user's calibration profiles."""
+    monkeypatch.setenv("VRAMCTL_CONFIG_DIR", str(tmp_path_factory.mktemp("config")))
+    monkeypatch.delenv("VRAMCTL_CALIBRATION", raising=False)
 
 
 @pytest.fixture(autouse=True)

@@ -289,6 +289,15 @@ def estimate_cmd(
         bool,
         typer.Option("--max-length", help="Also find the longest input that fits at batch 1."),
     ] = False,
+    calibration: Annotated[
+        str | None,
+        typer.Option(
+            help="CUDA constants: a profile written by 'vramctl calibrate', or 'off' for the "
+            "built-in ones. Default: the profile of this GPU (or one of its compute "
+            "capability) if there is one.",
+            show_default=False,
+        ),
+    ] = None,
     list_models: Annotated[
         bool, typer.Option("--list", help="List the built-in models and exit.")
     ] = False,
@@ -325,6 +334,7 @@ def estimate_cmd(
         "device": device,
         "checkpointing": checkpointing,
         "target_utilization": target_utilization,
+        "calibration": _calibration_arg(calibration),
     }
     results = []
     with err.status("tracing", spinner="dots") as spin:
@@ -391,6 +401,14 @@ def estimate_cmd(
             )
 
 
+def _calibration_arg(text: str | None) -> str | bool | None:
+    if text is None or text.strip().lower() == "auto":
+        return None
+    if text.strip().lower() in ("off", "none", "builtin", "built-in"):
+        return False
+    return text
+
+
 def _list_zoo(zoo: Any, as_json: bool) -> None:
     models = [zoo.get(n) for n in zoo.names()]
     if as_json:
@@ -413,5 +431,5 @@ def _list_zoo(zoo: Any, as_json: bool) -> None:
     console.print(table)
 
 
-# The batching, monitor, top and dashboard commands register themselves on ``app``.
-from vramctl.cli import _batch, _dashboard, _monitor, _top  # noqa: E402, F401
+# The batching, calibrate, monitor, top and dashboard commands register themselves on ``app``.
+from vramctl.cli import _batch, _calibrate, _dashboard, _monitor, _top  # noqa: E402, F401

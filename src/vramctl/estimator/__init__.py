@@ -13,6 +13,15 @@ from vramctl.estimator._allocator import (
     AllocatorOutOfMemory,
     CachingAllocatorModel,
 )
+from vramctl.estimator._calibrate import calibrate
+from vramctl.estimator._calibration import (
+    Calibration,
+    CalibrationError,
+    calibration_dir,
+    find_calibration,
+    list_calibrations,
+    load_calibration,
+)
 from vramctl.estimator._estimate import (
     Estimate,
     EstimateError,
@@ -27,12 +36,19 @@ __all__ = [
     "AllocatorConfig",
     "AllocatorOutOfMemory",
     "CachingAllocatorModel",
+    "Calibration",
+    "CalibrationError",
     "Estimate",
     "EstimateError",
     "MaxBatch",
     "StepSpec",
     "Target",
+    "calibrate",
+    "calibration_dir",
     "estimate",
+    "find_calibration",
+    "list_calibrations",
+    "load_calibration",
     "max_batch_size",
     "resolve_target",
     "zoo",

@@ -20,13 +20,17 @@ A CPU trace counts tensor storages exactly. A CUDA process also holds:
 - the caching allocator's rounding and cached segments, which the allocator
   model (:class:`~vramctl.estimator.CachingAllocatorModel`) replays.
 
-These constants are estimates from public sources, not yet calibrated on a GPU
-by this project; ``docs/estimate.md`` lists them and how to calibrate them.
+The built-in constants below are estimates from public sources. ``vramctl
+calibrate`` measures them on a real GPU and writes a profile
+(:mod:`vramctl.estimator._calibration`); an estimate for that GPU, or for one of
+the same compute capability, uses the profile instead (:func:`constants`).
 """
 
 from __future__ import annotations
 
 from vramctl.device._capability import ComputeCapability
+from vramctl.estimator._allocator import AllocatorConfig
+from vramctl.estimator._calibration import Calibration
 
 MiB = 2**20
 
@@ -37,6 +41,10 @@ CONTEXT_DEFAULT = 520 * MiB
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
 CUBLAS_WORKSPACE_HOPPER_BYTES = 4096 * 1024 * 8 + 16 * 1024 * 8
 CUDNN_WORKSPACE_CAP = 1024 * MiB
+#: A convolution's cuDNN workspace, as a multiple of its largest output.
+CUDNN_WORKSPACE_RATIO = 1.0
+#: cuBLAS handles a training step uses: the forward's thread and autograd's device thread.
+TRAIN_HANDLES = 2
 
 
 def context_bytes(cc: ComputeCapability | None) -> int:
@@ -51,3 +59,25 @@ def cublas_workspace_bytes(cc: ComputeCapability | None) -> int:
     if cc is not None and cc.major >= 9:
         return CUBLAS_WORKSPACE_HOPPER_BYTES
     return CUBLAS_WORKSPACE_BYTES
+
+
+def builtin(device: str, cc: ComputeCapability | None) -> Calibration:
+    """The built-in constants for a device, in the form a measured profile takes."""
+    return Calibration(
+        device=device,
+        capability=cc,
+        context_bytes=context_bytes(cc),
+        cudnn_context_bytes=0,
+        cublas_workspace_bytes=cublas_workspace_bytes(cc),
+        train_handles=TRAIN_HANDLES,
+        cudnn_workspace_ratio=CUDNN_WORKSPACE_RATIO,
+        cudnn_workspace_cap=CUDNN_WORKSPACE_CAP,
+        allocator=AllocatorConfig(),
+    )
+
+
+def constants(
+    device: str, cc: ComputeCapability | None, calibration: Calibration | None
+) -> Calibration:
+    """The constants an estimate uses: the profile's where there is one, else the built-in."""
+    return calibration if calibration is not None else builtin(device, cc)

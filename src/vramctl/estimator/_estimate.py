@@ -30,6 +30,7 @@ from vramctl.estimator._allocator import (
     CachingAllocatorModel,
 )
 from vramctl.estimator._autocast import CudaAutocast
+from vramctl.estimator._calibration import Calibration, CalibrationSource, resolve_calibration
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace
 from vramctl.estimator._trace import DataDependentError, EagerLinear, Trace, Tracer
 
@@ -68,18 +69,44 @@ class Target:
     capability: ComputeCapability | None
     #: Whether CUDA's extras (context, workspaces, caching allocator) are modelled.
     cuda: bool
+    #: The measured CUDA constants used for it (None: the built-in ones).
+    calibration: Calibration | None = field(default=None, compare=False)
+
+    @property
+    def constants(self) -> Calibration:
+        """The CUDA constants estimates for this target use."""
+        return _cuda_model.constants(self.name, self.capability, self.calibration)
 
 
-def resolve_target(device: Target | Device | str | int | None) -> Target:
+def resolve_target(
+    device: Target | Device | str | int | None, calibration: CalibrationSource = None
+) -> Target:
     """A catalog name (``"A10G-24GB"``), a size (``"24GiB"``), ``"cpu"``, a local GPU or a Device.
 
     ``None`` takes this machine's first GPU, or the CPU where there is none; a
-    :class:`Target` is taken as it is.
+    :class:`Target` is taken as it is unless ``calibration`` is given.
+
+    ``calibration`` picks the CUDA constants of a GPU target: None looks up a
+    profile made by ``vramctl calibrate`` for this GPU (or one of the same compute
+    capability), False uses the built-in constants, and a
+    :class:`~vramctl.estimator.Calibration` or a profile's path is used as it is.
     """
+    if isinstance(device, Target):
+        if calibration is None or not device.cuda:
+            return device
+        return dataclasses.replace(
+            device, calibration=resolve_calibration(calibration, device.name, device.capability)
+        )
+    target = _resolve_device(device)
+    if not target.cuda:
+        return target
+    found = resolve_calibration(calibration, target.name, target.capability)
+    return dataclasses.replace(target, calibration=found) if found is not None else target
+
+
+def _resolve_device(device: Device | str | int | None) -> Target:
     from vramctl.device import get_device, gpus
 
-    if isinstance(device, Target):
-        return device
     if device is None:
         found = gpus()
         device = found[0] if found else "cpu"
@@ -390,6 +417,8 @@ class _Traced:
     trace: Trace
     categories: dict[int, str]
     batch_size: int | None
+    #: Whether the step ran convolutions (cuDNN's kernels join the CUDA context).
+    convolutions: bool = False
 
 
 @dataclass
@@ -471,7 +500,9 @@ class Session:
         assert self.model is not None
         model, spec = self.model, self.spec
         tracer = Tracer(self.fake_mode)
-        tracer.workspace = _cudnn_workspace if self.target.cuda else cpu_workspace
+        consts = self.target.constants
+        cudnn = _CudnnWorkspace(consts.cudnn_workspace_ratio, consts.cudnn_workspace_cap)
+        tracer.workspace = cudnn if self.target.cuda else cpu_workspace
         tracer.output_bytes = None if self.target.cuda else cpu_output_bytes
         names = {id(m): n for n, m in model.named_modules()}
         root = type(model).__name__
@@ -511,14 +542,9 @@ class Session:
                 es.enter_context(CudaAutocast())
             es.enter_context(tracer)
             if self.target.cuda:
-                handles = 2 if spec.mode == "train" else 1
+                handles = consts.train_handles if spec.mode == "train" else 1
                 for _ in range(handles):
-                    _pseudo(
-                        tracer,
-                        _cuda_model.cublas_workspace_bytes(self.target.capability),
-                        "cublas workspace",
-                        "workspaces",
-                    )
+                    _pseudo(tracer, consts.cublas_workspace_bytes, "cublas workspace", "workspaces")
             for t in self.state.values():
                 sid = tracer.register(t)
                 if sid is not None:
@@ -558,7 +584,7 @@ class Session:
                 ) from exc
             del fake_batch
         categories = _categorize(tracer.trace, param_ids, grads, states, inputs)
-        return _Traced(tracer.trace, categories, batch_size)
+        return _Traced(tracer.trace, categories, batch_size, cudnn.calls > 0)
 
     def _train(
         self,
@@ -610,13 +636,20 @@ _CONV_OPS = {
 }
 
 
-def _cudnn_workspace(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
-) -> int:
-    if func not in _CONV_OPS or not outs:
-        return 0
-    biggest = max(t.untyped_storage().nbytes() for t in outs)
-    return min(biggest, _cuda_model.CUDNN_WORKSPACE_CAP)
+class _CudnnWorkspace:
+    """A convolution's cuDNN workspace: ``ratio`` times its largest output, at most ``cap``."""
+
+    def __init__(self, ratio: float, cap: int) -> None:
+        self.ratio, self.cap, self.calls = ratio, cap, 0
+
+    def __call__(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
+    ) -> int:
+        if func not in _CONV_OPS or not outs:
+            return 0
+        self.calls += 1
+        biggest = max(t.untyped_storage().nbytes() for t in outs)
+        return min(int(biggest * self.ratio), self.cap)
 
 
 def _claim_nodes(out: Any, module: str, table: dict[int, str]) -> None:
@@ -739,7 +772,10 @@ def build_estimate(
     notes: list[str] = []
     retries = 0
     if target.cuda:
-        context = _cuda_model.context_bytes(target.capability)
+        consts = target.constants
+        context = consts.context_bytes + (consts.cudnn_context_bytes if traced.convolutions else 0)
+        if allocator_config is None and target.calibration is not None:
+            allocator_config = consts.allocator
         alloc = _replay(trace, None, allocator_config)
         allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
         fits = reserved + context <= budget
@@ -757,6 +793,13 @@ def build_estimate(
         by_cat["allocator"] = reserved - logical
         by_cat["context"] = context
         peak_device = reserved + context
+        if target.calibration is not None:
+            notes.append(f"CUDA constants measured on {target.calibration.describe()}")
+        else:
+            notes.append(
+                "CUDA constants: built-in values, not measured on this GPU (`vramctl calibrate` "
+                "measures them)"
+            )
     else:
         allocated = reserved = peak_device = logical
         fits = peak_device <= budget
@@ -805,10 +848,11 @@ def open_session(
     checkpointing: bool,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     allocator_config: AllocatorConfig | None,
+    calibration: CalibrationSource = None,
 ) -> Session:
     """Check the arguments, resolve the device and build the model on fake tensors."""
     _check_utilization(target_utilization)
-    target = resolve_target(device)
+    target = resolve_target(device, calibration)
     spec = StepSpec(
         mode=mode,
         precision=precision,
@@ -890,6 +934,7 @@ def estimate(
     target_utilization: float = 0.9,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     allocator_config: AllocatorConfig | None = None,
+    calibration: CalibrationSource = None,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
 
@@ -904,6 +949,11 @@ def estimate(
     is forward, loss, backward and an optimizer step, with the optimizer's state
     already made (a steady-state step); inference is the forward under
     ``no_grad``.
+
+    For a GPU, the CUDA constants (context, workspaces, allocator) come from a
+    profile made by ``vramctl calibrate`` on that GPU or one of its compute
+    capability, where there is one; ``calibration=False`` uses the built-in ones,
+    and a :class:`~vramctl.estimator.Calibration` or a profile's path picks one.
     """
     t0 = time.perf_counter()
     session = open_session(
@@ -916,6 +966,7 @@ def estimate(
         checkpointing=checkpointing,
         loss_fn=loss_fn,
         allocator_config=allocator_config,
+        calibration=calibration,
     )
     est = session.estimate(model, batch, batch_size, seq_len, seconds)
     return dataclasses.replace(est, elapsed=time.perf_counter() - t0)

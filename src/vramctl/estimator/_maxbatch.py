@@ -19,6 +19,7 @@ import torch
 from vramctl.device._base import Device
 from vramctl.estimator import zoo
 from vramctl.estimator._allocator import AllocatorConfig
+from vramctl.estimator._calibration import CalibrationSource
 from vramctl.estimator._estimate import (
     Estimate,
     EstimateError,
@@ -113,6 +114,7 @@ def max_batch_size(
     limit: int = 1 << 16,
     lengths: bool = False,
     allocator_config: AllocatorConfig | None = None,
+    calibration: CalibrationSource = None,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.
 
@@ -121,7 +123,8 @@ def max_batch_size(
     answer, and traces confirm it: the answer fits and one more sample does
     not (or ``limit`` is reached). With ``lengths=True`` (built-in text and
     speech models) the largest ``seq_len`` or ``seconds`` at batch 1 is found
-    the same way from a quadratic fit.
+    the same way from a quadratic fit. ``calibration`` is as for
+    :func:`~vramctl.estimator.estimate`.
     """
     t0 = time.perf_counter()
     if not probe or any(p < 1 for p in probe) or len(set(probe)) < 2:
@@ -136,6 +139,7 @@ def max_batch_size(
         checkpointing=checkpointing,
         loss_fn=loss_fn,
         allocator_config=allocator_config,
+        calibration=calibration,
     )
     budget = int(session.target.capacity * target_utilization)
     cache: dict[tuple[int, float | None], Estimate] = {}

@@ -1,0 +1,146 @@
+"""``vramctl calibrate``: measure this GPU's CUDA constants for later estimates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from vramctl import format_bytes
+from vramctl.cli._app import _emit_json, app, console, err, user_errors
+from vramctl.estimator import _cuda_model
+from vramctl.estimator._calibration import (
+    Calibration,
+    calibration_dir,
+    constant_rows,
+    list_calibrations,
+)
+
+
+def _value(name: str, v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if "handles" in name:
+        return str(v)
+    return format_bytes(v) if isinstance(v, int) else str(v)
+
+
+def _print_profile(cal: Calibration) -> None:
+    builtin = _cuda_model.builtin(cal.device, cal.capability)
+    table = Table(title=f"CUDA constants of {cal.describe()}", title_justify="left")
+    table.add_column("constant")
+    table.add_column("built-in", justify="right")
+    table.add_column("measured", justify="right")
+    for name, old, new in constant_rows(cal, builtin):
+        style = "" if old == new else "bold"
+        table.add_row(
+            name,
+            _value(name, old),
+            f"[{style}]{_value(name, new)}[/]" if style else _value(name, new),
+        )
+    console.print(table)
+    ctx = cal.measurements.get("context") or {}
+    if ctx.get("method"):
+        console.print(f"context read from: {ctx['method']}", highlight=False)
+    if ctx.get("other_processes"):
+        console.print(
+            f"[yellow]note:[/] {ctx['other_processes']} other process(es) used the GPU during "
+            "the measurement",
+            highlight=False,
+        )
+    for note in cal.measurements.get("notes") or []:
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+
+
+def _list(as_json: bool) -> None:
+    found = list_calibrations()
+    if as_json:
+        _emit_json(
+            {
+                "schema": "vramctl.calibrations/1",
+                "directory": str(calibration_dir()),
+                "profiles": [{**c.to_dict(), "path": str(c.path)} for c in found],
+            },
+            indent=True,
+        )
+        return
+    if not found:
+        console.print(
+            f"no calibration profiles in {calibration_dir()}; run `vramctl calibrate` on a GPU",
+            highlight=False,
+        )
+        return
+    table = Table(title=f"calibration profiles in {calibration_dir()}", title_justify="left")
+    for col in ("device", "sm", "created", "context", "cuBLAS ws", "cuDNN ws", "file"):
+        table.add_column(col)
+    for c in found:
+        cc = f"{c.capability.major}.{c.capability.minor}" if c.capability else "?"
+        table.add_row(
+            c.device,
+            cc,
+            c.created[:19],
+            format_bytes(c.context_bytes),
+            format_bytes(c.cublas_workspace_bytes),
+            f"{c.cudnn_workspace_ratio:g} x output",
+            c.path.name if c.path else "",
+        )
+    console.print(table)
+
+
+@app.command()
+@user_errors
+def calibrate(
+    device: Annotated[
+        str | None,
+        typer.Argument(
+            help="The GPU to measure (cuda:N, an index or a UUID). Default: the first GPU.",
+            show_default=False,
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Write the profile here instead of the calibration directory.",
+            show_default=False,
+        ),
+    ] = None,
+    save: Annotated[
+        bool, typer.Option(help="Save the profile (--no-save only prints the figures).")
+    ] = True,
+    list_profiles: Annotated[
+        bool, typer.Option("--list", help="List the saved profiles and exit.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Measure this GPU's CUDA constants; later estimates for it use them.
+
+    In a fresh process, with the GPU otherwise idle, this reads the CUDA context
+    (through NVML), the cuBLAS workspace per handle and the handles a training
+    step uses, the cuDNN workspace of convolutions like those of ResNet,
+    ConvNeXt and wav2vec2, and the caching allocator's segment sizes. It takes
+    seconds. The profile goes to the calibration directory
+    ($VRAMCTL_CONFIG_DIR, else ~/.config/vramctl, then calibration/); later
+    estimates for this GPU, or another of its compute capability, use it.
+    'vramctl estimate --calibration off' (or VRAMCTL_CALIBRATION=off) uses the
+    built-in constants instead. Example:
+
+        vramctl calibrate                # measure cuda:0 and save its profile
+        vramctl calibrate --list         # the saved profiles
+    """
+    if list_profiles:
+        _list(as_json)
+        return
+    from vramctl.estimator import calibrate as run_calibration
+
+    with err.status("measuring the GPU's CUDA constants in a fresh process", spinner="dots"):
+        cal = run_calibration(device, path=out, save=save)
+    if as_json:
+        _emit_json({**cal.to_dict(), "path": str(cal.path) if cal.path else None}, indent=True)
+        return
+    _print_profile(cal)
+    if cal.path is not None:
+        console.print(f"saved to {cal.path}", highlight=False)

@@ -1,0 +1,477 @@
+"""Calibration profiles: a GPU's CUDA constants, measured on it, for later estimates.
+
+A CPU trace counts tensor bytes exactly; what a CUDA device adds (the context,
+cuBLAS and cuDNN workspaces, the caching allocator's rounding) is modelled with
+constants (:mod:`vramctl.estimator._cuda_model`). ``vramctl calibrate``
+measures them on a real GPU (:mod:`vramctl.estimator._calibrate`) and writes a
+*profile*, a JSON file; later estimates for that GPU, or for one of the same
+compute capability, use it in place of the built-in values.
+
+Where profiles live: ``$VRAMCTL_CONFIG_DIR/calibration/``, else
+``$XDG_CONFIG_HOME/vramctl/calibration/``, else ``~/.config/vramctl/calibration/``.
+``VRAMCTL_CALIBRATION`` names one profile file to use for every CUDA estimate,
+or is ``off`` to use the built-in constants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from vramctl._errors import VramctlError
+from vramctl.device._capability import ComputeCapability
+from vramctl.estimator._allocator import AllocatorConfig
+
+__all__ = [
+    "Calibration",
+    "CalibrationError",
+    "CalibrationSource",
+    "calibration_dir",
+    "find_calibration",
+    "fit_constants",
+    "list_calibrations",
+    "load_calibration",
+    "resolve_calibration",
+]
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "vramctl.calibration/1"
+#: Environment variable naming the configuration directory.
+ENV_CONFIG_DIR = "VRAMCTL_CONFIG_DIR"
+#: Environment variable naming one profile to use, or ``off``.
+ENV_CALIBRATION = "VRAMCTL_CALIBRATION"
+MiB = 2**20
+
+#: The allocator constants a calibration may measure (``AllocatorConfig`` field names).
+ALLOCATOR_FIELDS = (
+    "min_block",
+    "small_size",
+    "small_buffer",
+    "large_buffer",
+    "min_large_alloc",
+    "round_large",
+)
+
+
+class CalibrationError(VramctlError):
+    """A profile that cannot be read or made; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """CUDA constants measured on one GPU with one software stack.
+
+    ``context_bytes`` is the CUDA context of a process that has run matrix
+    multiplies (the driver's state and the kernels it loaded); a step with
+    convolutions adds ``cudnn_context_bytes`` (cuDNN's kernels). Each cuBLAS
+    handle keeps ``cublas_workspace_bytes``; a training step uses
+    ``train_handles`` of them (the backward runs on autograd's device thread).
+    A convolution's cuDNN workspace is modelled as ``cudnn_workspace_ratio``
+    times its largest output, at most ``cudnn_workspace_cap``.
+    """
+
+    device: str
+    capability: ComputeCapability | None
+    context_bytes: int
+    cudnn_context_bytes: int
+    cublas_workspace_bytes: int
+    train_handles: int
+    cudnn_workspace_ratio: float
+    cudnn_workspace_cap: int
+    allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
+    #: Versions the figures were measured with: torch, cuda, cudnn, driver.
+    software: Mapping[str, str] = field(default_factory=dict)
+    #: ISO 8601 time of the measurement.
+    created: str = ""
+    #: The raw readings the constants were fitted from.
+    measurements: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    #: The file it was read from or written to.
+    path: Path | None = field(default=None, compare=False)
+
+    def describe(self) -> str:
+        """One line: which GPU, when, with what."""
+        cc = f" (sm {self.capability.major}.{self.capability.minor})" if self.capability else ""
+        soft = ", ".join(f"{k} {v}" for k, v in self.software.items() if v)
+        when = self.created[:10] or "undated"
+        return f"{self.device}{cc}, {when}" + (f", {soft}" if soft else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        cc = self.capability
+        return {
+            "schema": SCHEMA,
+            "device": self.device,
+            "capability": f"{cc.major}.{cc.minor}" if cc else None,
+            "created": self.created,
+            "software": dict(self.software),
+            "constants": {
+                "context_bytes": self.context_bytes,
+                "cudnn_context_bytes": self.cudnn_context_bytes,
+                "cublas_workspace_bytes": self.cublas_workspace_bytes,
+                "train_handles": self.train_handles,
+                "cudnn_workspace_ratio": self.cudnn_workspace_ratio,
+                "cudnn_workspace_cap": self.cudnn_workspace_cap,
+                "allocator": {k: getattr(self.allocator, k) for k in ALLOCATOR_FIELDS},
+            },
+            "measurements": dict(self.measurements),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Any, source: str = "the profile") -> Calibration:
+        """Read a profile document; a missing or wrong field is a :class:`CalibrationError`."""
+        if not isinstance(doc, dict):
+            raise CalibrationError(f"{source}: expected a JSON object, got {type(doc).__name__}")
+        if doc.get("schema") != SCHEMA:
+            raise CalibrationError(
+                f"{source}: field 'schema' is {doc.get('schema')!r}, expected {SCHEMA!r} "
+                "(run `vramctl calibrate` again to write a current profile)"
+            )
+        device = doc.get("device")
+        if not isinstance(device, str) or not device:
+            raise CalibrationError(f"{source}: field 'device' must be the GPU's name")
+        cc_text = doc.get("capability")
+        cc = None
+        if cc_text is not None:
+            try:
+                cc = ComputeCapability.parse(str(cc_text))
+            except ValueError:
+                raise CalibrationError(
+                    f"{source}: field 'capability' is {cc_text!r}, expected a form like 9.0"
+                ) from None
+        consts = doc.get("constants")
+        if not isinstance(consts, dict):
+            raise CalibrationError(f"{source}: field 'constants' must be an object")
+
+        def size(key: str, lo: int = 0) -> int:
+            v = consts.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise CalibrationError(
+                    f"{source}: field 'constants.{key}' must be an integer of at least {lo}, "
+                    f"got {v!r}"
+                )
+            return v
+
+        ratio = consts.get("cudnn_workspace_ratio")
+        if (
+            isinstance(ratio, bool)
+            or not isinstance(ratio, (int, float))
+            or not math.isfinite(ratio)
+            or ratio < 0
+        ):
+            raise CalibrationError(
+                f"{source}: field 'constants.cudnn_workspace_ratio' must be a number of at "
+                f"least 0, got {ratio!r}"
+            )
+        alloc_doc = consts.get("allocator", {})
+        if not isinstance(alloc_doc, dict):
+            raise CalibrationError(f"{source}: field 'constants.allocator' must be an object")
+        alloc_kw: dict[str, int] = {}
+        for k in ALLOCATOR_FIELDS:
+            if k in alloc_doc:
+                v = alloc_doc[k]
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise CalibrationError(
+                        f"{source}: field 'constants.allocator.{k}' must be a positive "
+                        f"integer, got {v!r}"
+                    )
+                alloc_kw[k] = v
+        software = doc.get("software", {})
+        if not isinstance(software, dict):
+            raise CalibrationError(f"{source}: field 'software' must be an object")
+        measurements = doc.get("measurements", {})
+        return cls(
+            device=device,
+            capability=cc,
+            context_bytes=size("context_bytes"),
+            cudnn_context_bytes=size("cudnn_context_bytes"),
+            cublas_workspace_bytes=size("cublas_workspace_bytes"),
+            train_handles=size("train_handles", 1),
+            cudnn_workspace_ratio=float(ratio),
+            cudnn_workspace_cap=size("cudnn_workspace_cap"),
+            allocator=AllocatorConfig(**alloc_kw),
+            software={str(k): str(v) for k, v in software.items() if v is not None},
+            created=str(doc.get("created", "")),
+            measurements=measurements if isinstance(measurements, dict) else {},
+        )
+
+    def save(self, path: str | os.PathLike[str] | None = None) -> Calibration:
+        """Write the profile (atomically) to ``path``, else to the default place for its GPU.
+
+        Returns the calibration with ``path`` set.
+        """
+        target = Path(path) if path is not None else default_path(self.device, self.capability)
+        target = target.expanduser()
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".calibration-", dir=target.parent)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.to_dict(), f, indent=2)
+                f.write("\n")
+            os.replace(tmp, target)
+        except OSError as exc:
+            with contextlib.suppress(NameError, OSError):
+                os.unlink(tmp)
+            raise CalibrationError(
+                f"cannot write the calibration profile to {str(target)!r}: "
+                f"{exc.strerror or exc}; pass a writable path"
+            ) from None
+        return replace(self, path=target)
+
+
+def calibration_dir(config_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where profiles are kept: the ``calibration/`` folder of the configuration directory.
+
+    The configuration directory is ``config_dir``, else ``$VRAMCTL_CONFIG_DIR``,
+    else ``$XDG_CONFIG_HOME/vramctl``, else ``~/.config/vramctl``.
+    """
+    if config_dir is not None:
+        base = Path(config_dir)
+    elif os.environ.get(ENV_CONFIG_DIR):
+        base = Path(os.environ[ENV_CONFIG_DIR])
+    elif os.environ.get("XDG_CONFIG_HOME"):
+        base = Path(os.environ["XDG_CONFIG_HOME"]) / "vramctl"
+    else:
+        base = Path.home() / ".config" / "vramctl"
+    return base.expanduser() / "calibration"
+
+
+def _norm(name: str) -> str:
+    return " ".join(name.lower().split())
+
+
+def default_path(
+    device: str,
+    capability: ComputeCapability | None,
+    config_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """The file a profile of ``device`` is saved to by default."""
+    slug = re.sub(r"[^a-z0-9]+", "-", _norm(device)).strip("-") or "gpu"
+    if capability is not None:
+        slug += f"-sm{capability.major}{capability.minor}"
+    return calibration_dir(config_dir) / f"{slug}.json"
+
+
+def load_calibration(path: str | os.PathLike[str]) -> Calibration:
+    """Read one profile file."""
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CalibrationError(
+            f"no calibration profile at {str(p)!r}; run `vramctl calibrate` on the GPU to make one"
+        ) from None
+    except OSError as exc:
+        raise CalibrationError(
+            f"cannot read the calibration profile {str(p)!r}: {exc.strerror or exc}"
+        ) from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(
+            f"{p}: line {exc.lineno}: not valid JSON ({exc.msg}); run `vramctl calibrate` again"
+        ) from None
+    return replace(Calibration.from_dict(doc, str(p)), path=p)
+
+
+def list_calibrations(config_dir: str | os.PathLike[str] | None = None) -> list[Calibration]:
+    """Every readable profile in the calibration directory, newest first.
+
+    A file that cannot be read is skipped with a warning naming it.
+    """
+    folder = calibration_dir(config_dir)
+    found: list[Calibration] = []
+    if not folder.is_dir():
+        return found
+    for p in sorted(folder.glob("*.json")):
+        try:
+            found.append(load_calibration(p))
+        except CalibrationError as exc:
+            log.warning("skipping a calibration profile: %s", exc)
+    found.sort(key=lambda c: c.created, reverse=True)
+    return found
+
+
+def _catalog_name(device: str) -> str | None:
+    from vramctl.device.catalog import gpu_spec, match_gpu_name
+
+    spec = match_gpu_name(device)
+    if spec is None:
+        with contextlib.suppress(VramctlError):
+            spec = gpu_spec(device.removeprefix("sim:"))
+    return spec.name if spec is not None else None
+
+
+def find_calibration(
+    device: str,
+    capability: ComputeCapability | None,
+    config_dir: str | os.PathLike[str] | None = None,
+) -> Calibration | None:
+    """The profile later estimates for ``device`` use, or None for the built-in constants.
+
+    ``$VRAMCTL_CALIBRATION`` decides first: ``off`` gives None, a path gives that
+    file's profile (an error if it cannot be read). Otherwise the newest profile
+    of a GPU with the same name, else of the same catalog model (``NVIDIA A10G``
+    for ``A10G-24GB``), else the newest of the same compute capability.
+    """
+    env = os.environ.get(ENV_CALIBRATION, "").strip()
+    if env.lower() in ("off", "none", "0", "false", "no"):
+        return None
+    if env:
+        return load_calibration(env)
+    profiles = list_calibrations(config_dir)
+    name = _norm(device)
+    for c in profiles:
+        if _norm(c.device) == name:
+            return c
+    model = _catalog_name(device)
+    if model is not None:
+        for c in profiles:
+            if _catalog_name(c.device) == model:
+                return c
+    if capability is not None:
+        for c in profiles:
+            if c.capability == capability:
+                return c
+    return None
+
+
+#: What ``calibration=`` accepts: a profile, a profile's path, True/None (look one up), False.
+CalibrationSource = Calibration | str | os.PathLike[str] | bool | None
+
+
+def resolve_calibration(
+    source: CalibrationSource, device: str, capability: ComputeCapability | None
+) -> Calibration | None:
+    """Turn a ``calibration=`` argument into a profile (None: the built-in constants)."""
+    if source is False:
+        return None
+    if source is None or source is True:
+        return find_calibration(device, capability)
+    if isinstance(source, Calibration):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return load_calibration(source)
+    raise CalibrationError(
+        f"calibration must be a Calibration, a profile's path, True or False; got "
+        f"{type(source).__name__}"
+    )
+
+
+# -- from readings to constants ----------------------------------------------------------
+
+
+def _int(doc: Mapping[str, Any], key: str, where: str) -> int | None:
+    v = doc.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise CalibrationError(f"measurements: '{where}.{key}' must be bytes, got {v!r}")
+    return int(v)
+
+
+def fit_constants(
+    measurements: Mapping[str, Any], defaults: Calibration
+) -> tuple[Calibration, list[str]]:
+    """Set ``defaults``' constants from the readings of :func:`~._calibrate.measure`.
+
+    Returns the calibration and notes on what could not be measured (where
+    the built-in value is kept). The readings are:
+
+    - ``context``: ``after_matmul`` and ``after_conv``, the process's device
+      memory outside the caching allocator after each kind of work;
+    - ``cublas``: ``per_handle``, the allocator bytes a thread's first matrix
+      multiplies kept, and ``backward_extra``, what a first backward kept
+      beyond its gradients (the autograd thread's handles);
+    - ``cudnn``: one row per convolution call, with ``output_bytes`` (its
+      largest output) and ``workspace_bytes`` (its peak beyond inputs and
+      outputs); the ratio kept is the largest, so that no measured call is
+      under-counted;
+    - ``allocator``: the constants read off real segment sizes.
+    """
+    notes: list[str] = []
+    ctx = measurements.get("context") or {}
+    after_mm = _int(ctx, "after_matmul", "context")
+    after_conv = _int(ctx, "after_conv", "context")
+    context = defaults.context_bytes
+    cudnn_context = defaults.cudnn_context_bytes
+    if after_mm is None:
+        notes.append("the CUDA context could not be read (no NVML); kept the built-in value")
+    else:
+        context = after_mm
+        if after_conv is not None:
+            cudnn_context = max(0, after_conv - after_mm)
+
+    cub = measurements.get("cublas") or {}
+    per_handle = _int(cub, "per_handle", "cublas")
+    extra = _int(cub, "backward_extra", "cublas")
+    workspace, handles = defaults.cublas_workspace_bytes, defaults.train_handles
+    if per_handle:
+        workspace = per_handle
+        if extra is not None:
+            handles = 1 + round(extra / per_handle)
+    else:
+        notes.append("no cuBLAS workspace was seen; kept the built-in value")
+
+    ratio, cap = defaults.cudnn_workspace_ratio, defaults.cudnn_workspace_cap
+    rows = [r for r in measurements.get("cudnn") or [] if r.get("output_bytes")]
+    if rows:
+        ratios = [max(0, int(r["workspace_bytes"])) / int(r["output_bytes"]) for r in rows]
+        ratio = math.ceil(max(ratios) * 100) / 100
+        cap = max(cap, *(int(r["workspace_bytes"]) for r in rows))
+    else:
+        notes.append("no convolution was measured; kept the built-in cuDNN workspace rule")
+
+    alloc_doc = measurements.get("allocator") or {}
+    allocator = defaults.allocator
+    if alloc_doc.get("expandable_segments"):
+        notes.append(
+            "expandable_segments is on: the allocator model assumes fixed segments, kept its "
+            "default constants"
+        )
+    else:
+        kw = {k: int(alloc_doc[k]) for k in ALLOCATOR_FIELDS if alloc_doc.get(k)}
+        allocator = replace(allocator, **kw)
+
+    cal = replace(
+        defaults,
+        context_bytes=context,
+        cudnn_context_bytes=cudnn_context,
+        cublas_workspace_bytes=workspace,
+        train_handles=max(1, handles),
+        cudnn_workspace_ratio=ratio,
+        cudnn_workspace_cap=cap,
+        allocator=allocator,
+        measurements=dict(measurements),
+    )
+    return cal, notes
+
+
+def constant_rows(cal: Calibration, builtin: Calibration) -> list[tuple[str, Any, Any]]:
+    """(name, built-in, calibrated) for each constant, for tables."""
+    rows: list[tuple[str, Any, Any]] = [
+        ("CUDA context", builtin.context_bytes, cal.context_bytes),
+        ("cuDNN context (convolutions)", builtin.cudnn_context_bytes, cal.cudnn_context_bytes),
+        ("cuBLAS workspace per handle", builtin.cublas_workspace_bytes, cal.cublas_workspace_bytes),
+        ("cuBLAS handles in training", builtin.train_handles, cal.train_handles),
+        ("cuDNN workspace / output", builtin.cudnn_workspace_ratio, cal.cudnn_workspace_ratio),
+        ("cuDNN workspace cap", builtin.cudnn_workspace_cap, cal.cudnn_workspace_cap),
+    ]
+    for f in fields(AllocatorConfig):
+        if f.name in ALLOCATOR_FIELDS:
+            rows.append(
+                (
+                    f"allocator {f.name}",
+                    getattr(builtin.allocator, f.name),
+                    getattr(cal.allocator, f.name),
+                )
+            )
+    return rows

@@ -1,0 +1,95 @@
+"""``calibrate`` on a real GPU: the measured constants, the profile, and a calibrated estimate."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import vramctl
+from vramctl.estimator import Calibration, StepSpec, calibrate, load_calibration, resolve_target
+from vramctl.estimator._calibrate import CONVOLUTIONS
+from vramctl.estimator._estimate import prepare_model, run_step, warm_optimizer
+
+pytestmark = pytest.mark.cuda
+MiB, GiB = 2**20, 2**30
+
+
+@pytest.fixture(scope="module")
+def cal(tmp_path_factory: pytest.TempPathFactory) -> Calibration:
+    return calibrate(0, path=tmp_path_factory.mktemp("calibration") / "gpu.json")
+
+
+def test_the_allocator_segments_are_pytorchs_defaults(cal: Calibration) -> None:
+    measured = cal.measurements["allocator"]
+    if measured["expandable_segments"]:
+        pytest.skip("expandable segments are on: the segment sizes differ by design")
+    a = cal.allocator
+    assert (a.min_block, a.small_size, a.small_buffer) == (512, MiB, 2 * MiB)
+    assert (a.large_buffer, a.min_large_alloc, a.round_large) == (20 * MiB, 10 * MiB, 2 * MiB)
+
+
+def test_context_and_workspaces_are_measured(cal: Calibration) -> None:
+    ctx = cal.measurements["context"]
+    assert ctx["method"] != "unavailable"
+    assert 64 * MiB <= cal.context_bytes <= 4 * GiB
+    assert 0 <= cal.cudnn_context_bytes <= 2 * GiB
+    assert MiB <= cal.cublas_workspace_bytes <= 256 * MiB
+    assert cal.train_handles in (1, 2, 3)
+    dtypes = 2 if torch.cuda.get_device_capability(0) >= (8, 0) else 1
+    assert len(cal.measurements["cudnn"]) == 2 * len(CONVOLUTIONS) * dtypes
+    assert math.isfinite(cal.cudnn_workspace_ratio) and cal.cudnn_workspace_ratio >= 0
+    assert cal.device == torch.cuda.get_device_name(0)
+    assert cal.software["torch"] == torch.__version__
+
+
+def test_the_profile_is_saved_and_used(cal: Calibration) -> None:
+    assert cal.path is not None and Path(cal.path).is_file()
+    assert load_calibration(cal.path) == cal
+    assert resolve_target("cuda:0", cal.path).calibration == cal
+
+
+class SmallConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(64, 128, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(128, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_a_calibrated_estimate_is_close_to_a_real_step(cal: Calibration) -> None:
+    torch.manual_seed(0)
+    batch = torch.randn(32, 3, 64, 64)
+    model = SmallConvNet().cuda()
+    spec = StepSpec(autocast_device="cuda", foreach=True)
+    prepare_model(model, spec)
+    params = list(model.parameters())
+    opt = spec.make_optimizer(params)
+    assert opt is not None
+    warm_optimizer(opt, params)
+    x = batch.cuda()
+    run_step(model, x, spec, opt)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    run_step(model, x, spec, opt)
+    torch.cuda.synchronize()
+    real_allocated = torch.cuda.max_memory_allocated()
+    real_reserved = torch.cuda.max_memory_reserved()
+    est = vramctl.estimate(SmallConvNet(), batch, device="cuda:0", calibration=cal)
+    assert any("measured on" in n for n in est.notes)
+    # The cuDNN workspace is charged at the largest ratio measured: cautious, never short.
+    assert 0.95 * real_allocated <= est.peak_allocated <= 1.5 * real_allocated
+    assert 0.9 * real_reserved <= est.peak_reserved <= 1.6 * real_reserved

@@ -1,0 +1,248 @@
+"""Calibration profiles: fitting, saving, finding, and what they change in an estimate."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import vramctl
+from vramctl.device.catalog import gpu_spec
+from vramctl.estimator import (
+    Calibration,
+    CalibrationError,
+    _cuda_model,
+    calibrate,
+    calibration_dir,
+    find_calibration,
+    list_calibrations,
+    load_calibration,
+)
+from vramctl.estimator._calibrate import _measure_in_child
+from vramctl.estimator._calibration import ENV_CALIBRATION, fit_constants
+
+MiB = 2**20
+A10G = gpu_spec("A10G-24GB")
+
+
+def readings(**over: Any) -> dict[str, Any]:
+    """Readings shaped like measure()'s, with figures chosen for the test."""
+    doc: dict[str, Any] = {
+        "device": "NVIDIA A10G",
+        "capability": "8.6",
+        "software": {"torch": "2.11.0", "cuda": "13.0"},
+        "context": {"after_init": 300 * MiB, "after_matmul": 410 * MiB, "after_conv": 530 * MiB},
+        "cublas": {"per_handle": 9 * MiB, "other_thread": 9 * MiB, "backward_extra": 9 * MiB},
+        "cudnn": [
+            {"conv": "a", "pass": "forward", "output_bytes": 100 * MiB, "workspace_bytes": 0},
+            {
+                "conv": "a",
+                "pass": "backward",
+                "output_bytes": 10 * MiB,
+                "workspace_bytes": 25 * MiB,
+            },
+        ],
+        "allocator": {
+            "expandable_segments": False,
+            "min_block": 512,
+            "small_size": MiB,
+            "small_buffer": 2 * MiB,
+            "large_buffer": 20 * MiB,
+            "min_large_alloc": 10 * MiB,
+            "round_large": 2 * MiB,
+        },
+    }
+    doc.update(over)
+    return doc
+
+
+def fitted(**over: Any) -> Calibration:
+    cal, _notes = fit_constants(
+        readings(**over), _cuda_model.builtin("NVIDIA A10G", A10G.capability)
+    )
+    return replace(cal, created="2026-11-22T10:00:00+00:00", software={"torch": "2.11.0"})
+
+
+def test_constants_are_fitted_from_the_readings() -> None:
+    cal, notes = fit_constants(readings(), _cuda_model.builtin("NVIDIA A10G", A10G.capability))
+    assert notes == []
+    assert cal.context_bytes == 410 * MiB
+    assert cal.cudnn_context_bytes == 120 * MiB
+    assert cal.cublas_workspace_bytes == 9 * MiB
+    assert cal.train_handles == 2  # the backward's thread kept one more handle's workspace
+    assert cal.cudnn_workspace_ratio == 2.5  # the largest measured ratio, 25 MiB over 10 MiB
+    assert cal.cudnn_workspace_cap == _cuda_model.CUDNN_WORKSPACE_CAP
+    assert cal.allocator.min_large_alloc == 10 * MiB
+
+
+def test_what_was_not_measured_keeps_the_builtin_value_with_a_note() -> None:
+    base = _cuda_model.builtin("NVIDIA A10G", A10G.capability)
+    cal, notes = fit_constants(
+        readings(
+            context={"after_matmul": None},
+            cublas={"per_handle": 0},
+            cudnn=[],
+            allocator={"expandable_segments": True, "small_buffer": 4 * MiB},
+        ),
+        base,
+    )
+    assert cal.context_bytes == base.context_bytes
+    assert cal.cublas_workspace_bytes == base.cublas_workspace_bytes
+    assert cal.cudnn_workspace_ratio == base.cudnn_workspace_ratio
+    assert cal.allocator == base.allocator  # expandable segments: the model's constants stay
+    assert len(notes) == 4
+    assert any("expandable_segments" in n for n in notes)
+
+
+def test_a_saved_profile_reads_back_equal(tmp_path: Path) -> None:
+    cal = fitted().save()
+    assert cal.path is not None
+    assert cal.path.parent == calibration_dir()
+    assert cal.path.name == "nvidia-a10g-sm86.json"
+    back = load_calibration(cal.path)
+    assert back == cal
+    assert back.measurements["cublas"]["per_handle"] == 9 * MiB
+    assert list_calibrations() == [back]
+    other = fitted().save(tmp_path / "elsewhere" / "a10g.json")
+    assert load_calibration(other.path or "") == cal
+
+
+def test_bad_profiles_name_the_file_and_the_field(tmp_path: Path) -> None:
+    good = fitted().to_dict()
+    p = tmp_path / "p.json"
+
+    def error_for(doc: Any) -> str:
+        p.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+        with pytest.raises(CalibrationError) as info:
+            load_calibration(p)
+        return str(info.value)
+
+    assert "line 1" in error_for("{not json")
+    assert "'schema'" in error_for({**good, "schema": "other/9"})
+    consts = dict(good["constants"])
+    consts["context_bytes"] = -1
+    msg = error_for({**good, "constants": consts})
+    assert str(p) in msg and "constants.context_bytes" in msg
+    consts = {**good["constants"], "cudnn_workspace_ratio": "big"}
+    assert "cudnn_workspace_ratio" in error_for({**good, "constants": consts})
+    consts = {**good["constants"], "allocator": {"round_large": 0}}
+    assert "allocator.round_large" in error_for({**good, "constants": consts})
+    with pytest.raises(CalibrationError, match="vramctl calibrate"):
+        load_calibration(tmp_path / "missing.json")
+    with pytest.raises(CalibrationError, match="cannot write"):
+        fitted().save(p / "under-a-file.json")
+
+
+def test_a_broken_file_is_skipped_when_listing(caplog: pytest.LogCaptureFixture) -> None:
+    good = fitted().save()
+    (calibration_dir() / "broken.json").write_text("[]")
+    assert list_calibrations() == [good]
+    assert "broken.json" in caplog.text
+
+
+def test_lookup_prefers_the_same_gpu_then_its_model_then_its_capability(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert find_calibration("NVIDIA A10G", A10G.capability) is None
+    same_cc = replace(fitted(), device="NVIDIA RTX A6000").save()
+    assert find_calibration("NVIDIA A10G", A10G.capability) == same_cc
+    exact = fitted().save()
+    assert find_calibration("NVIDIA A10G", A10G.capability) == exact
+    # A catalog name finds the profile of the real GPU it stands for.
+    assert find_calibration("A10G-24GB", A10G.capability) == exact
+    assert find_calibration("NVIDIA H100 80GB HBM3", vramctl.ComputeCapability(9, 0)) is None
+
+    monkeypatch.setenv(ENV_CALIBRATION, "off")
+    assert find_calibration("NVIDIA A10G", A10G.capability) is None
+    pinned = fitted().save(tmp_path / "pinned.json")
+    monkeypatch.setenv(ENV_CALIBRATION, str(pinned.path))
+    assert find_calibration("NVIDIA H100 80GB HBM3", None) == pinned
+    monkeypatch.setenv(ENV_CALIBRATION, str(tmp_path / "nowhere.json"))
+    with pytest.raises(CalibrationError, match=r"nowhere\.json"):
+        find_calibration("NVIDIA A10G", A10G.capability)
+
+
+def lstm_train(**kw: Any) -> vramctl.Estimate:
+    return vramctl.estimate("lstm", batch_size=2, seq_len=16, device="A10G-24GB", **kw)
+
+
+def test_an_estimate_uses_the_measured_constants() -> None:
+    builtin = lstm_train(calibration=False)
+    cal = replace(
+        fitted(), context_bytes=1000 * MiB, cublas_workspace_bytes=5 * MiB, train_handles=3
+    )
+    measured = lstm_train(calibration=cal)
+    assert builtin.breakdown["context"] == _cuda_model.context_bytes(A10G.capability)
+    assert measured.breakdown["context"] == 1000 * MiB  # no convolution: no cuDNN context
+    assert measured.breakdown["workspaces"] == 3 * 5 * MiB
+    assert builtin.breakdown["workspaces"] == 2 * _cuda_model.cublas_workspace_bytes(
+        A10G.capability
+    )
+    assert any("measured on NVIDIA A10G" in n for n in measured.notes)
+    assert any("built-in values" in n for n in builtin.notes)
+    # The same through the profile's path.
+    saved = cal.save()
+    assert lstm_train(calibration=str(saved.path)).peak_device == measured.peak_device
+
+
+def test_a_saved_profile_is_found_for_its_gpu_without_being_named() -> None:
+    cal = replace(fitted(), context_bytes=777 * MiB).save()
+    est = lstm_train()
+    assert est.breakdown["context"] == 777 * MiB
+    assert vramctl.estimator.resolve_target("A10G-24GB").calibration == cal
+    # The CPU takes no calibration.
+    assert vramctl.estimator.resolve_target("cpu").calibration is None
+    assert lstm_train(calibration=False).breakdown["context"] != 777 * MiB
+
+
+class Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 64, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+def test_convolutions_add_cudnn_context_and_the_measured_workspace() -> None:
+    x = torch.randn(8, 16, 64, 64)
+
+    def run(cal: Calibration) -> vramctl.Estimate:
+        return vramctl.estimate(Conv(), x, mode="infer", device="A10G-24GB", calibration=cal)
+
+    base = replace(fitted(), cudnn_context_bytes=50 * MiB, cudnn_workspace_ratio=0.0)
+    none = run(base)
+    assert none.breakdown["context"] == base.context_bytes + 50 * MiB
+    out_bytes = 8 * 64 * 64 * 64 * 4
+    big = run(replace(base, cudnn_workspace_ratio=3.0))
+    assert big.peak_allocated - none.peak_allocated == 3 * out_bytes
+    capped = run(replace(base, cudnn_workspace_ratio=3.0, cudnn_workspace_cap=MiB))
+    assert capped.peak_allocated - none.peak_allocated == MiB
+
+
+def test_the_measured_allocator_constants_drive_the_replay() -> None:
+    cal = fitted()
+    wide = replace(cal, allocator=replace(cal.allocator, small_buffer=8 * MiB))
+    a, b = lstm_train(calibration=cal), lstm_train(calibration=wide)
+    assert a.peak_allocated == b.peak_allocated
+    assert b.peak_reserved > a.peak_reserved
+
+
+def test_calibrating_without_a_gpu_is_a_clear_error() -> None:
+    with pytest.raises(CalibrationError, match="no CUDA GPU"):
+        calibrate()
+    with pytest.raises(CalibrationError, match="cpu device"):
+        calibrate("cpu")
+
+
+def test_the_fresh_process_reports_its_failure() -> None:
+    """The measuring process is real; on a machine without CUDA it fails with its reason."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the cuda tests measure it")
+    with pytest.raises(CalibrationError, match=r"the calibration process failed: .*CUDA"):
+        _measure_in_child(0, timeout=120)
