@@ -91,6 +91,23 @@ def test_bad_lines_are_reported_with_file_line_and_field_and_reading_goes_on(
     assert str(m.problems[2]).startswith(f"{p}:4: duration: must be positive")
 
 
+def test_blank_lines_crlf_and_bad_bytes_in_json_lines(tmp_path: Path) -> None:
+    p = tmp_path / "m.jsonl"
+    p.write_bytes(
+        b'{"id": "a", "duration": 1.5}\r\n'
+        b"\n"
+        b"   \t\n"
+        b'{"id": "b\xff", "duration": 2.0}\n'
+        b'{"id": "c\xc3\xa9", "duration": 3.0}'  # UTF-8, and no newline at the end
+    )
+    m = Manifest(p)
+    got = list(m)
+    # Blank lines are not records; a line that is not UTF-8 is reported, not fatal.
+    assert [(i.id, i.index, i.duration) for i in got] == [("a", 0, 1.5), ("c\u00e9", 2, 3.0)]
+    assert [(q.line, q.field) for q in m.problems] == [(4, None)]
+    assert "not valid JSON" in m.problems[0].message
+
+
 def test_a_missing_manifest_or_unknown_format_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="no such file"):
         Manifest(tmp_path / "nope.jsonl")

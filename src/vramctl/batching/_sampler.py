@@ -229,13 +229,10 @@ class BucketingSampler:
             self._open = [_Open() for _ in range(len(edges) + 1)]
         if len(self.stats.per_bucket) != len(self._open):
             self.stats.per_bucket = [0] * len(self._open)
-        source = self._shuffled(stream) if self.shuffle else self._counted(stream)
-        yield from self._batches(source, edges)
-
-    def _counted(self, stream: Iterator[Item]) -> Iterator[Item]:
-        for item in stream:
-            self._consumed += 1
-            yield item
+        if self.shuffle:
+            yield from self._batches(self._shuffled(stream), edges, counted=True)
+        else:
+            yield from self._batches(stream, edges, counted=False)
 
     def _shuffled(self, stream: Iterator[Item]) -> Iterator[Item]:
         buf, rng, size = self._buffer, self._rng, self.buffer_size
@@ -251,11 +248,19 @@ class BucketingSampler:
         while buf:
             yield buf.pop()
 
-    def _batches(self, source: Iterator[Item], edges: list[float]) -> Iterator[Batch]:
+    def _batches(
+        self, source: Iterator[Item], edges: list[float], counted: bool
+    ) -> Iterator[Batch]:
+        """Batches from ``source``; unless it counts itself, count what it gives here.
+
+        The count (``_consumed``) is whole at every yield, for :meth:`state_dict`.
+        """
         budget, opened, stats = self.budget, self._open, self.stats
         per_bucket = stats.per_bucket
         find = bisect.bisect_right
+        n = self._consumed
         for item in source:
+            n += 1
             d = item.duration
             b = find(edges, d)
             slot = opened[b]
@@ -264,6 +269,8 @@ class BucketingSampler:
                 cap = budget.max_count(d)
                 if cap < 1:
                     stats.oversize += 1
+                    if not counted:
+                        self._consumed = n
                     yield self._emit([item], d, b, oversize=True)
                     continue
                 if len(slot.items) < cap:
@@ -278,7 +285,11 @@ class BucketingSampler:
             batch = self._close(slot, b)
             slot.items.append(item)
             slot.longest, slot.cap = d, budget.max_count(d)
+            if not counted:
+                self._consumed = n
             yield batch
+        if not counted:
+            self._consumed = n
         for b, slot in enumerate(opened):
             if slot.items:
                 yield self._close(slot, b)
