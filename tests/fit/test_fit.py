@@ -264,3 +264,31 @@ def test_result_to_dict() -> None:
     assert d["probes"][1] == {"batch_size": 48, "peak_used_bytes": 100, "fits": True}
     with pytest.raises(AttributeError):
         fit.batch_size = 1  # type: ignore[misc]
+
+
+def test_the_estimate_for_a_gpu_leaves_out_what_other_processes_hold(
+    gpus: list[Any],
+) -> None:
+    """The seed's budget on a shared GPU: the target share, less other processes' memory."""
+    import os
+
+    from tests.fake_nvml import FakeProcess
+    from vramctl.fit._seed import _estimator_target
+
+    model = nn.Linear(8, 8)
+    busy = vramctl.get_device("cuda:0")  # 20 GiB of 80 held by pid 4242 (and the driver)
+    where = _estimator_target(busy, 0.9, model, None)
+    assert where is not None and where[0] is busy
+    total = gpus[0].total
+    assert where[1] == pytest.approx((0.9 * total - gpus[0].used) / total)
+    # This process's own memory is the step's, not another's.
+    gpus[0].processes.append(FakeProcess(os.getpid(), 4 * 2**30))
+    gpus[0].used += 4 * 2**30
+    again = _estimator_target(busy, 0.9, model, None)
+    assert again is not None and again[1] == pytest.approx(where[1])
+    # A GPU others fill beyond the target leaves no room: the estimate is skipped.
+    gpus[0].used = int(0.95 * total)
+    assert _estimator_target(busy, 0.9, model, None) is None
+    idle = vramctl.get_device("cuda:1")
+    share = _estimator_target(idle, 0.9, model, None)
+    assert share is not None and share[1] == pytest.approx((0.9 * total - gpus[1].used) / total)

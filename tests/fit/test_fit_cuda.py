@@ -84,3 +84,25 @@ def test_an_oom_on_the_gpu_is_recovered(gpu: vramctl.Device) -> None:
     assert fit.probes[0] == (oversize, None, False)
     assert 0 < fit.batch_size < oversize
     assert torch.cuda.memory_allocated(gpu.index) == allocated
+
+
+def test_the_seed_leaves_out_what_this_process_and_others_already_hold(
+    gpu: vramctl.Device,
+) -> None:
+    from vramctl.fit._seed import _estimator_target
+
+    model = Wide().cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    total = gpu.memory().total
+    assert isinstance(total, int)
+    free_share = _estimator_target(gpu, 0.9, model, opt)
+    assert free_share is not None
+    ballast = torch.empty(int(0.5 * total), dtype=torch.uint8, device="cuda")
+    try:
+        shared = _estimator_target(gpu, 0.9, model, opt)
+        assert shared is not None
+        # The ballast is gone from the step's share; the model's own weights are not.
+        assert shared[1] == pytest.approx(free_share[1] - ballast.numel() / total, abs=0.01)
+    finally:
+        del ballast
+        torch.cuda.empty_cache()

@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from vramctl.device._base import Device
+from vramctl.device._capability import ComputeCapability
 from vramctl.device._simulate import SimulatedDevice
 from vramctl.estimator import Target, max_batch_size
+from vramctl.estimator._cuda_model import context_bytes
 from vramctl.estimator._estimate import call_model
 from vramctl.fit._probe import host
 from vramctl.guard import available_bytes, total_bytes
@@ -91,17 +93,54 @@ def _optimizer_factory(opt: torch.optim.Optimizer) -> Callable[..., torch.optim.
     return build
 
 
-def _held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of the weights, buffers and optimizer state (the estimator counts these itself)."""
+def _held_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, on_gpu: bool = False
+) -> int:
+    """Bytes of the weights, buffers and optimizer state (the estimator counts these itself).
+
+    ``on_gpu``: only those on a CUDA device.
+    """
     seen: dict[int, int] = {}
     tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
     if optimizer is not None:
         for state in optimizer.state.values():
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     for t in tensors:
+        if on_gpu and not t.is_cuda:
+            continue
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
+
+
+def _unusable(
+    device: Device, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[int, int] | None:
+    """Bytes of a GPU the step cannot have, and the GPU's total (None where it cannot say).
+
+    That is what other processes hold plus this process's live tensors other than
+    the model and optimizer state (which the estimator counts itself), less this
+    process's CUDA context (the estimator models it) and its cached free blocks
+    (the step reuses them). The total is the one the estimator takes (NVML's).
+    """
+    mem = device.memory()
+    if not isinstance(mem.used, int) or not isinstance(mem.total, int):
+        return None
+    reserved = mem.reserved if isinstance(mem.reserved, int) else 0
+    allocated = mem.allocated if isinstance(mem.allocated, int) else 0
+    if isinstance(mem.process_used, int) and mem.process_used > 0:
+        context = max(0, mem.process_used - reserved)
+    else:
+        # Not listed by NVML (another PID namespace): a modelled context once CUDA started.
+        context = context_bytes(_capability(device)) if reserved else 0
+    held = _held_bytes(model, optimizer, on_gpu=True)
+    unusable = mem.used - context - (reserved - allocated) - held
+    return max(0, unusable), mem.total
+
+
+def _capability(device: Device) -> ComputeCapability | None:
+    cc = device.capability
+    return cc if isinstance(cc, ComputeCapability) else None
 
 
 def _estimator_target(
@@ -112,15 +151,24 @@ def _estimator_target(
 ) -> tuple[Target | Device, float] | None:
     """The device and utilization to hand the estimator.
 
-    A real GPU is estimated as itself. The CPU is estimated with the share of
-    its memory that is left for this step (the host's other users subtracted).
+    A real GPU is estimated as itself (the estimator models this process's CUDA
+    context and caching allocator), with the share of its memory that is left
+    for the step: other processes' memory and this process's other live tensors
+    subtracted (see :func:`_unusable`). The CPU is
+    estimated with the share of its memory that is left for this step (the
+    host's other users subtracted).
     A simulated GPU counts live tensor storages of this host's CPU kernels, with
     no CUDA context, workspaces or caching allocator: it is estimated as such
     (a target without CUDA's extras, whose kernel scratch is measured here),
     with the share of its capacity left for this step.
     """
     if device.kind in ("cuda", "mig"):
-        return device, target
+        reading = _unusable(device, model, optimizer)
+        if reading is None:
+            return device, target
+        unusable, total = reading
+        room = int(target * total) - unusable
+        return (device, room / total) if room > 0 else None
     total = total_bytes(device)
     used = total - available_bytes(device)
     room = int(target * total) - (used - _held_bytes(model, optimizer))
