@@ -11,6 +11,24 @@ shrunk by a ballast tensor to the same room, with ``torch.empty(...,
 device="cuda")`` blocks for the co-tenant. The co-tenant never takes so much
 that a quarter of the batch (and the optimizer step) cannot run.
 
+By default the co-tenant lives in this process (``--cotenant thread``). With
+``--cuda --cotenant process`` it is a second Python process (this file, run with
+``--cotenant-worker``) that takes and frees the same schedule's blocks with its own
+``cudaMalloc``: this process sees them only as a failed allocation, and its caching
+allocator frees its cache, retries and raises ``torch.OutOfMemoryError``. The
+worker starts, and makes its CUDA context, before the ballast is measured. In
+lock-step (``--cotenant-mode lockstep``, the default) every tick is a line down the
+worker's stdin, answered once its grabs and releases are done and synchronised
+(releases go back to the driver with ``torch.cuda.empty_cache()``), so every run
+still sees the same pressure at the same tick; before each tick this process
+synchronises and empties its own cache, so that the schedule, not what this
+process keeps cached, decides whether the co-tenant's grabs find room.
+``--cotenant-mode free`` lets the worker tick on its own clock
+(``--cotenant-period``), and runs no longer see the same pressure. The worker exits
+at the end of its input (when this process ends, however it ends) and is ended in
+a ``finally``. ``--selftest-cotenant`` checks the worker and its protocol (host
+memory; with ``--cuda``, the GPU).
+
 Three runs of each loop, side by side:
 
 - unguarded: an OOM crashes the job; it restarts from its last checkpoint
@@ -35,11 +53,14 @@ the same step unguarded (medians of many repetitions).
 
 The last line is one JSON object; its top-level ``samples_lost``, ``crashes``,
 ``ooms_recovered``, ``weights_match`` and ``guard_overhead_pct`` are vramctl's,
-and ``runs`` holds every run's row.
+and ``runs`` holds every run's row, with the co-tenant it had (``cotenant``) and
+the co-tenant's grabs that were refused (``cotenant_refused``).
 
     python benchmarks/oom_chaos.py --quick     # under a minute on a 2-core CPU
     python benchmarks/oom_chaos.py             # 256 training steps per run
     python benchmarks/oom_chaos.py --cuda      # on a machine with an NVIDIA GPU
+    python benchmarks/oom_chaos.py --cuda --cotenant process   # a second process
+    python benchmarks/oom_chaos.py --selftest-cotenant [--cuda]  # check the worker
 """
 
 from __future__ import annotations
@@ -50,22 +71,27 @@ import gc
 import itertools
 import json
 import math
+import os
 import platform
+import queue
 import random
 import statistics
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
 import vramctl
 from vramctl.device import SimulatedDevice
-from vramctl.guard import Guard, available_bytes
+from vramctl.guard import Guard, available_bytes, is_oom
 
 #: The largest difference ``weights_match`` and ``outputs_match`` accept.
 RTOL, ATOL = 1e-4, 1e-6
@@ -78,6 +104,12 @@ JITTER = 0.08
 #: Chance per quiet tick that a burst starts; a burst holds for 2 to 8 ticks.
 BURST_P = 0.10
 BURST_TICKS = (2, 8)
+#: This file, run again as the co-tenant's own process (``--cotenant process``).
+SCRIPT = os.path.abspath(__file__)
+#: Seconds the co-tenant's process may take to start (Python, torch, the CUDA context),
+#: and to answer a tick.
+WORKER_START_TIMEOUT_S = 120.0
+WORKER_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -398,31 +430,325 @@ def cotenant_schedule(seed: int, ceiling: int) -> Iterator[list[tuple[str, int, 
         yield acts
 
 
-class CoTenant:
-    """Plays the schedule on a session: real blocks of memory, grabbed and released."""
+def held_per_tick(seed: int, ceiling: int) -> Iterator[int]:
+    """The bytes the schedule holds after each tick, when every grab succeeds."""
+    held: dict[int, int] = {}
+    for acts in cotenant_schedule(seed, ceiling):
+        for act, bid, size in acts:
+            if act == "grab":
+                held[bid] = size
+            else:
+                held.pop(bid, None)
+        yield sum(held.values())
 
-    def __init__(self, s: Session, seed: int, ceiling: int) -> None:
-        self.s = s
+
+class SchedulePlayer:
+    """Plays the schedule with a ``grab`` function: the blocks held, and the grabs refused.
+
+    Both co-tenants use it: the thread (``grab`` is the session's) and the co-tenant's
+    own process (``grab`` is ``torch.empty`` on its device, and ``after_release``
+    gives the freed memory back to the driver at once).
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        ceiling: int,
+        grab: Callable[[int], torch.Tensor],
+        after_release: Callable[[], None] | None = None,
+    ) -> None:
         self.schedule = cotenant_schedule(seed, ceiling)
-        self.blocks: dict[int, torch.Tensor] = {}
+        self.grab = grab
+        self.after_release = after_release
+        self.blocks: dict[int, tuple[torch.Tensor, int]] = {}
         self.ticks = 0
         self.refused = 0
+        self.held = 0  # the schedule's bytes of the blocks held now
+        self.peak_held = 0
 
-    def tick(self, n: int = 1) -> None:
+    def play(self, n: int = 1) -> None:
         for _ in range(n):
             for act, bid, size in next(self.schedule):
                 if act == "release":
-                    self.blocks.pop(bid, None)
+                    block = self.blocks.pop(bid, None)
+                    if block is not None:
+                        self.held -= block[1]
+                        del block
+                        if self.after_release is not None:
+                            self.after_release()
                     continue
                 try:
-                    self.blocks[bid] = self.s.grab(size)
-                except torch.OutOfMemoryError as exc:  # only where the device is fragmented
+                    self.blocks[bid] = (self.grab(size), size)
+                except torch.OutOfMemoryError as exc:  # fragmentation, or the other process
                     self.refused += 1
                     free_failed(exc)
+                    continue
+                self.held += size
+                self.peak_held = max(self.peak_held, self.held)
             self.ticks += 1
 
-    def close(self) -> None:
+    def clear(self) -> None:
         self.blocks.clear()
+        self.held = 0
+
+
+class CoTenant:
+    """The co-tenant in this process: real blocks of the session's memory, one tick a call."""
+
+    kind = "thread"
+
+    def __init__(self, s: Session, seed: int, ceiling: int) -> None:
+        self.player = SchedulePlayer(seed, ceiling, s.grab)
+
+    @property
+    def ticks(self) -> int:
+        return self.player.ticks
+
+    @property
+    def refused(self) -> int:
+        return self.player.refused
+
+    def tick(self, n: int = 1) -> None:
+        self.player.play(n)
+
+    def figures(self) -> dict[str, Any]:
+        return {"cotenant": self.kind, "cotenant_refused": self.refused}
+
+    def close(self) -> None:
+        self.player.clear()
+
+
+class CotenantStartError(RuntimeError):
+    """The co-tenant's process did not start: the benchmark stops (every run would fail)."""
+
+
+class ProcessCoTenant:
+    """The co-tenant in a second process (this file run with ``--cotenant-worker``).
+
+    Its grabs are real allocations of another process: on a GPU this process's
+    caching allocator sees them only as a failed ``cudaMalloc``, after which it
+    frees its cache, retries and raises ``torch.OutOfMemoryError``.
+
+    ``lockstep``: each :meth:`tick` sends "tick N" down the worker's stdin and waits
+    for its answer, sent once the worker has played those ticks (its releases given
+    back to the driver, ``torch.cuda.synchronize()`` done), so every run sees the
+    same pressure at the same tick. ``free``: the first tick starts the worker's own
+    clock (a tick every ``period`` seconds); later ticks only count. With
+    ``release_cache`` (on a GPU) every tick first synchronises and empties this
+    process's cache, so that the schedule, not what this process happens to keep
+    cached, decides whether the co-tenant's grabs find room.
+    """
+
+    kind = "process"
+
+    def __init__(
+        self,
+        device: str,
+        seed: int,
+        ceiling: int,
+        *,
+        mode: str = "lockstep",
+        period: float = 0.02,
+        release_cache: bool = False,
+        start_timeout: float = WORKER_START_TIMEOUT_S,
+        timeout: float = WORKER_TIMEOUT_S,
+    ) -> None:
+        self.mode = mode
+        self.release_cache = release_cache
+        self.timeout = timeout
+        self.ticks = 0
+        self.last: dict[str, Any] = {}
+        self.round_trips: list[float] = []
+        self.context_bytes: int | None = None  # set by start_cotenant on a GPU
+        self.error = ""
+        argv = [sys.executable, SCRIPT, "--cotenant-worker", "--worker-device", device]
+        argv += ["--seed", str(seed), "--ceiling", str(ceiling), "--mode", mode]
+        argv += ["--period", repr(period)]
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+        self.pid = self.proc.pid
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        try:
+            self.hello = self._answer("ready", start_timeout)
+        except Exception as exc:
+            self.close()
+            raise CotenantStartError(f"the co-tenant's process did not start: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
+        self.start_s = time.perf_counter() - t0
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with contextlib.suppress(OSError, ValueError):
+            for line in self.proc.stdout:
+                self._lines.put(line)
+        self._lines.put(None)
+
+    def _answer(self, key: str, timeout: float) -> dict[str, Any]:
+        """The worker's next answer that has ``key``; its other lines go to stderr."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"the co-tenant's process (pid {self.pid}) did not answer in {timeout:g} s"
+                )
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                try:
+                    code: int | None = self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise RuntimeError(f"the co-tenant's process (pid {self.pid}) exited ({code})")
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                msg = None
+            if not isinstance(msg, dict):
+                print(f"co-tenant: {line.rstrip()}", file=sys.stderr, flush=True)
+                continue
+            if "error" in msg:
+                raise RuntimeError(f"the co-tenant's process failed: {msg['error']}")
+            if key in msg:
+                return msg
+
+    def _ask(self, command: str) -> dict[str, Any]:
+        stdin = self.proc.stdin
+        assert stdin is not None
+        try:
+            stdin.write(command + "\n")
+            stdin.flush()
+        except (OSError, ValueError) as exc:
+            code = self.proc.poll()
+            raise RuntimeError(
+                f"the co-tenant's process (pid {self.pid}) is gone ({code})"
+            ) from exc
+        self.last = self._answer("ticks", self.timeout)
+        return self.last
+
+    @property
+    def refused(self) -> int:
+        return int(self.last.get("refused", 0))
+
+    def tick(self, n: int = 1) -> None:
+        if self.release_cache:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        if self.mode == "lockstep" or self.ticks == 0:
+            t0 = time.perf_counter()
+            got = self._ask(f"tick {n}")["ticks"]
+            self.round_trips.append(time.perf_counter() - t0)
+            if self.mode == "lockstep" and got != self.ticks + n:
+                raise RuntimeError(f"the co-tenant is at tick {got}, not {self.ticks + n}")
+        self.ticks += n
+
+    def stats(self) -> dict[str, Any]:
+        return self._ask("stats")
+
+    def figures(self) -> dict[str, Any]:
+        try:
+            st = self.stats()
+        except RuntimeError as exc:  # the worker died: report what it said last
+            st, self.error = self.last, str(exc)
+        rt = statistics.median(self.round_trips) if self.round_trips else None
+        out = {
+            "cotenant": self.kind,
+            "cotenant_mode": self.mode,
+            "cotenant_refused": st.get("refused"),
+            "cotenant_worker_ticks": st.get("ticks"),
+            "cotenant_peak_held": st.get("peak_held"),
+            "cotenant_peak_reserved": st.get("peak_reserved"),
+            "cotenant_context_bytes": self.context_bytes,
+            "cotenant_start_s": round(self.start_s, 2),
+            "cotenant_tick_ms": None if rt is None else round(1e3 * rt, 3),
+        }
+        if self.error:
+            out["cotenant_error"] = self.error
+        return out
+
+    def close(self) -> None:
+        """Ask the worker to quit (then EOF on its stdin), and end it if it does not."""
+        proc = self.proc
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                if proc.poll() is None:
+                    proc.stdin.write("quit\n")
+                    proc.stdin.flush()
+            with contextlib.suppress(OSError, ValueError):
+                proc.stdin.close()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._reader.join(timeout=5)
+        if proc.stdout is not None:
+            with contextlib.suppress(OSError, ValueError):
+                proc.stdout.close()
+
+
+Tenant = CoTenant | ProcessCoTenant
+
+
+@dataclass(frozen=True)
+class CotenantSpec:
+    """Which co-tenant a run has: "thread" (this process) or "process" (a second one)."""
+
+    kind: str = "thread"
+    mode: str = "lockstep"
+    period: float = 0.02
+
+
+THREAD = CotenantSpec()
+
+
+def start_cotenant(s: Session, seed: int, ceiling: int, spec: CotenantSpec) -> Tenant:
+    if spec.kind == "thread":
+        return CoTenant(s, seed, ceiling)
+    if not isinstance(s, CudaSession):
+        raise ValueError("a co-tenant in another process needs a real GPU (--cuda)")
+    free0 = int(torch.cuda.mem_get_info()[0])
+    tenant = ProcessCoTenant(
+        f"cuda:{torch.cuda.current_device()}",
+        seed,
+        ceiling,
+        mode=spec.mode,
+        period=spec.period,
+        release_cache=True,
+    )
+    tenant.context_bytes = free0 - int(torch.cuda.mem_get_info()[0])
+    return tenant
+
+
+@contextlib.contextmanager
+def pressured(
+    kind: str, p: Pressure, seed: int, spec: CotenantSpec
+) -> Iterator[tuple[Session, Tenant]]:
+    """A session of ``p.budget`` bytes and its co-tenant, closed (its process ended) at exit.
+
+    The co-tenant starts first: on a GPU, the ballast is measured with a second
+    process's CUDA context already on the device.
+    """
+    with session(kind, p.budget) as s:
+        tenant = start_cotenant(s, seed, p.ceiling, spec)
+        try:
+            if isinstance(s, CudaSession):
+                s.limit(p.budget)
+            yield s, tenant
+        finally:
+            tenant.close()
 
 
 # -- calibration -----------------------------------------------------------------------
@@ -450,16 +776,8 @@ class Pressure:
 def share_over(seed: int, p: Pressure, ticks: int) -> float:
     """Percent of the first ``ticks`` ticks at which the co-tenant holds so much that a
     whole-batch step cannot fit."""
-    schedule = cotenant_schedule(seed, p.ceiling)
-    held: dict[int, int] = {}
-    over = 0
-    for _ in range(ticks):
-        for act, bid, size in next(schedule):
-            if act == "grab":
-                held[bid] = size
-            else:
-                held.pop(bid, None)
-        over += sum(held.values()) > p.full_fails_above
+    held = held_per_tick(seed, p.ceiling)
+    over = sum(next(held) > p.full_fails_above for _ in range(ticks))
     return round(100.0 * over / ticks, 1)
 
 
@@ -582,17 +900,19 @@ def train_reference(kind: str, cfg: Config, data: Data) -> tuple[list[torch.Tens
 
 
 def train_unguarded(
-    kind: str, cfg: Config, data: Data, p: Pressure, ref: list[torch.Tensor]
+    kind: str,
+    cfg: Config,
+    data: Data,
+    p: Pressure,
+    ref: list[torch.Tensor],
+    cot: CotenantSpec = THREAD,
 ) -> Row:
     row = Row("unguarded", "train", batch_size=cfg.batch, final_batch_size=cfg.batch)
     steps = plan(cfg.n_samples, cfg.epochs, cfg.batch)
-    with session(kind, p.budget) as s:
-        if isinstance(s, CudaSession):
-            s.limit(p.budget)
+    with pressured(kind, p, cfg.seed, cot) as (s, tenant):
         model = build_model(cfg)
         s.adopt(model)
         opt = make_optimizer(cfg, model)
-        tenant = CoTenant(s, cfg.seed, p.ceiling)
         ck = checkpoint(s, 0, model, opt)
         since = 0.0  # compute time since the checkpoint
         i = 0
@@ -604,7 +924,9 @@ def train_unguarded(
             err: BaseException | None = None
             try:
                 _load_and_train(s, data, model, opt, e, lo, hi)
-            except torch.OutOfMemoryError as exc:
+            except Exception as exc:  # an OOM crashes the job; any other error is a bug
+                if not is_oom(exc):
+                    raise
                 err = exc
             s.sync()
             dt = time.perf_counter() - t0
@@ -628,30 +950,31 @@ def train_unguarded(
             i, since = ck.step, 0.0
         row.wall_s = time.perf_counter() - t_start
         row.ticks = tenant.ticks
-        row.extra["cotenant_refused"] = tenant.refused
+        row.extra.update(tenant.figures())
         row.samples_redone = row.samples_lost
         with s.host():
             row.match, row.max_abs_diff = compare(weights(model), ref)
         row.extra["checkpoint_every"] = cfg.checkpoint_every
         row.extra["restart_ticks"] = cfg.restart_ticks
-        tenant.close()
     return row
 
 
 def train_accelerate(
-    kind: str, cfg: Config, data: Data, p: Pressure, ref: list[torch.Tensor]
+    kind: str,
+    cfg: Config,
+    data: Data,
+    p: Pressure,
+    ref: list[torch.Tensor],
+    cot: CotenantSpec = THREAD,
 ) -> Row:
     from accelerate.utils import find_executable_batch_size
 
     row = Row("accelerate", "train", batch_size=cfg.batch)
-    with session(kind, p.budget) as s:
-        if isinstance(s, CudaSession):
-            s.limit(p.budget)
+    with pressured(kind, p, cfg.seed, cot) as (s, tenant):
         model = build_model(cfg)
         s.adopt(model)
         opt = make_optimizer(cfg, model)
         initial = checkpoint(s, 0, model, opt)
-        tenant = CoTenant(s, cfg.seed, p.ceiling)
         attempts: list[int] = []
 
         @find_executable_batch_size(starting_batch_size=cfg.batch)
@@ -689,16 +1012,22 @@ def train_accelerate(
         row.wall_s = time.perf_counter() - t_start
         row.ooms = row.ooms_recovered = len(attempts) - 1
         row.ticks = tenant.ticks
-        row.extra["cotenant_refused"] = tenant.refused
+        row.extra.update(tenant.figures())
         row.samples_redone = row.samples_lost
         with s.host():
             row.match, row.max_abs_diff = compare(weights(model), ref)
         row.extra["batch_sizes_tried"] = attempts
-        tenant.close()
     return row
 
 
-def train_vramctl(kind: str, cfg: Config, data: Data, p: Pressure, ref: list[torch.Tensor]) -> Row:
+def train_vramctl(
+    kind: str,
+    cfg: Config,
+    data: Data,
+    p: Pressure,
+    ref: list[torch.Tensor],
+    cot: CotenantSpec = THREAD,
+) -> Row:
     row = Row("vramctl", "train", batch_size=cfg.batch, final_batch_size=cfg.batch)
     steps = plan(cfg.n_samples, cfg.epochs, cfg.batch)
     seen = [0]  # samples through the model's forward, failed attempts included
@@ -708,13 +1037,10 @@ def train_vramctl(kind: str, cfg: Config, data: Data, p: Pressure, ref: list[tor
         out: torch.Tensor = m(b[0])
         return out
 
-    with session(kind, p.budget) as s:
-        if isinstance(s, CudaSession):
-            s.limit(p.budget)
+    with pressured(kind, p, cfg.seed, cot) as (s, tenant):
         model = build_model(cfg)
         s.adopt(model)
         opt = make_optimizer(cfg, model)
-        tenant = CoTenant(s, cfg.seed, p.ceiling)
         guard = Guard(model, opt, loss_fn=ce_loss, forward=forward, device=s.device)
         contributed = 0
         t_start = time.perf_counter()
@@ -741,14 +1067,13 @@ def train_vramctl(kind: str, cfg: Config, data: Data, p: Pressure, ref: list[tor
         row.samples_lost = total - contributed
         row.samples_redone = seen[0] - contributed
         row.ticks = tenant.ticks
-        row.extra["cotenant_refused"] = tenant.refused
+        row.extra.update(tenant.figures())
         row.final_batch_size = cfg.batch
         with s.host():
             row.match, row.max_abs_diff = compare(weights(model), ref)
         row.extra["split_steps"] = summary["split_steps"]
         row.extra["final_piece_limit"] = summary["piece_limit"]
         row.extra["events"] = _event_counts(guard)
-        tenant.close()
     return row
 
 
@@ -788,17 +1113,19 @@ def _host_copy(s: Session, t: torch.Tensor) -> torch.Tensor:
 
 
 def infer_unguarded(
-    kind: str, cfg: Config, data: Data, p: Pressure, ref: list[torch.Tensor]
+    kind: str,
+    cfg: Config,
+    data: Data,
+    p: Pressure,
+    ref: list[torch.Tensor],
+    cot: CotenantSpec = THREAD,
 ) -> Row:
     """Outputs are committed (written out) every ``checkpoint_every`` batches; a crash loses
     the uncommitted ones and the failed batch."""
     row = Row("unguarded", "infer", batch_size=cfg.infer_batch, final_batch_size=cfg.infer_batch)
     steps = infer_plan(cfg, cfg.infer_batch)
-    with session(kind, p.budget) as s:
-        if isinstance(s, CudaSession):
-            s.limit(p.budget)
+    with pressured(kind, p, cfg.seed + 1, cot) as (s, tenant):
         model = infer_model(cfg, s)
-        tenant = CoTenant(s, cfg.seed + 1, p.ceiling)
         committed: list[torch.Tensor] = []
         pending: list[torch.Tensor] = []
         since = 0.0
@@ -814,7 +1141,9 @@ def infer_unguarded(
                     out = model(load_infer(s, data, lo, hi))
                 pending.append(_host_copy(s, out))
                 del out
-            except torch.OutOfMemoryError as exc:
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
                 err = exc
             s.sync()
             dt = time.perf_counter() - t0
@@ -838,25 +1167,26 @@ def infer_unguarded(
         committed += pending
         row.wall_s = time.perf_counter() - t_start
         row.ticks = tenant.ticks
-        row.extra["cotenant_refused"] = tenant.refused
+        row.extra.update(tenant.figures())
         row.samples_redone = row.samples_lost
         with s.host():
             row.match, row.max_abs_diff = compare([torch.cat(committed)], ref)
-        tenant.close()
     return row
 
 
 def infer_accelerate(
-    kind: str, cfg: Config, data: Data, p: Pressure, ref: list[torch.Tensor]
+    kind: str,
+    cfg: Config,
+    data: Data,
+    p: Pressure,
+    ref: list[torch.Tensor],
+    cot: CotenantSpec = THREAD,
 ) -> Row:
     from accelerate.utils import find_executable_batch_size
 
     row = Row("accelerate", "infer", batch_size=cfg.infer_batch)
-    with session(kind, p.budget) as s:
-        if isinstance(s, CudaSession):
-            s.limit(p.budget)
+    with pressured(kind, p, cfg.seed + 1, cot) as (s, tenant):
         model = infer_model(cfg, s)
-        tenant = CoTenant(s, cfg.seed + 1, p.ceiling)
         attempts: list[int] = []
         result: list[torch.Tensor] = []
 
@@ -897,16 +1227,22 @@ def infer_accelerate(
         row.wall_s = time.perf_counter() - t_start
         row.ooms = row.ooms_recovered = len(attempts) - 1
         row.ticks = tenant.ticks
-        row.extra["cotenant_refused"] = tenant.refused
+        row.extra.update(tenant.figures())
         row.samples_redone = row.samples_lost
         with s.host():
             row.match, row.max_abs_diff = compare([torch.cat(result)] if result else [], ref)
         row.extra["batch_sizes_tried"] = attempts
-        tenant.close()
     return row
 
 
-def infer_vramctl(kind: str, cfg: Config, data: Data, p: Pressure, ref: list[torch.Tensor]) -> Row:
+def infer_vramctl(
+    kind: str,
+    cfg: Config,
+    data: Data,
+    p: Pressure,
+    ref: list[torch.Tensor],
+    cot: CotenantSpec = THREAD,
+) -> Row:
     row = Row("vramctl", "infer", batch_size=cfg.infer_batch, final_batch_size=cfg.infer_batch)
     seen = [0]
 
@@ -915,11 +1251,8 @@ def infer_vramctl(kind: str, cfg: Config, data: Data, p: Pressure, ref: list[tor
         out: torch.Tensor = m(x)
         return out
 
-    with session(kind, p.budget) as s:
-        if isinstance(s, CudaSession):
-            s.limit(p.budget)
+    with pressured(kind, p, cfg.seed + 1, cot) as (s, tenant):
         model = infer_model(cfg, s)
-        tenant = CoTenant(s, cfg.seed + 1, p.ceiling)
         guard = Guard(model, forward=forward, device=s.device)
         outs: list[torch.Tensor] = []
         contributed = 0
@@ -948,13 +1281,12 @@ def infer_vramctl(kind: str, cfg: Config, data: Data, p: Pressure, ref: list[tor
         row.samples_lost = cfg.n_samples * cfg.infer_passes - contributed
         row.samples_redone = seen[0] - contributed
         row.ticks = tenant.ticks
-        row.extra["cotenant_refused"] = tenant.refused
+        row.extra.update(tenant.figures())
         with s.host():
             row.match, row.max_abs_diff = compare([torch.cat(outs)] if outs else [], ref)
         row.extra["split_steps"] = summary["split_steps"]
         row.extra["final_piece_limit"] = summary["piece_limit"]
         row.extra["events"] = _event_counts(guard)
-        tenant.close()
     return row
 
 
@@ -1069,6 +1401,285 @@ def measure_overhead(reps: int, target_ms: float = 10.0) -> dict[str, Any]:
     }
 
 
+# -- the co-tenant's own process ---------------------------------------------------------
+
+
+def cotenant_worker(argv: list[str]) -> int:
+    """The co-tenant's process: plays the schedule on its device, as the main process asks.
+
+    In, on stdin, one command a line: "tick N" (lockstep: play N ticks and answer
+    once done; free: start ticking every ``--period`` seconds and answer at once),
+    "stats", "quit". End of input (the main process is gone) ends it too. Out, one
+    JSON object a line: {"ready": ...} once the device is initialised, then one answer
+    per command with the ticks played, the grabs refused and the bytes held.
+    """
+    ap = argparse.ArgumentParser(prog="oom_chaos.py --cotenant-worker")
+    ap.add_argument("--worker-device", default="cuda", help="cuda, cuda:N, or cpu (a check)")
+    ap.add_argument("--seed", type=int, required=True)
+    ap.add_argument("--ceiling", type=int, required=True)
+    ap.add_argument("--mode", choices=("lockstep", "free"), default="lockstep")
+    ap.add_argument("--period", type=float, default=0.02)
+    args = ap.parse_args(argv)
+    out = os.fdopen(os.dup(1), "w", buffering=1)  # the answers; stray prints go to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def say(**msg: Any) -> None:
+        out.write(json.dumps(msg) + "\n")
+        out.flush()
+
+    try:
+        torch.set_num_threads(1)
+        dev = torch.device(args.worker_device)
+        cuda = dev.type == "cuda"
+        if cuda:
+            if not torch.cuda.is_available():
+                raise RuntimeError("no usable CUDA device in the co-tenant's process")
+            torch.cuda.set_device(dev)
+            torch.zeros(1, device=dev)  # the CUDA context and a kernel, before "ready"
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+        player = SchedulePlayer(
+            args.seed,
+            args.ceiling,
+            lambda n: torch.empty(n, dtype=torch.uint8, device=dev),
+            torch.cuda.empty_cache if cuda else None,  # freed memory goes back to the driver
+        )
+        lock = threading.Lock()
+        stop = threading.Event()
+        peak_reserved = 0
+
+        def play(n: int) -> None:
+            nonlocal peak_reserved
+            with lock:
+                player.play(n)
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                peak_reserved = max(peak_reserved, reserved())
+
+        def reserved() -> int:
+            return int(torch.cuda.memory_reserved(dev)) if cuda else player.held
+
+        def stats() -> None:
+            with lock:
+                say(
+                    ticks=player.ticks,
+                    refused=player.refused,
+                    held=player.held,
+                    peak_held=player.peak_held,
+                    reserved=reserved(),
+                    peak_reserved=peak_reserved,
+                )
+
+        def free_running() -> None:
+            try:
+                while not stop.wait(args.period):
+                    play(1)
+            except Exception:  # the answers to "stats" show the clock stopped
+                traceback.print_exc()
+
+        clock: threading.Thread | None = None
+        say(ready=True, pid=os.getpid(), device=str(dev))
+        for line in sys.stdin:
+            cmd, *rest = line.split() or [""]
+            if cmd == "tick" and args.mode == "lockstep":
+                play(int(rest[0]) if rest else 1)
+            elif cmd == "tick" and clock is None:
+                clock = threading.Thread(target=free_running, daemon=True)
+                clock.start()
+            elif cmd == "quit":
+                break
+            elif cmd not in ("tick", "stats"):
+                say(error=f"unknown command {line.strip()!r}")
+                continue
+            stats()
+        stop.set()
+        if clock is not None:
+            clock.join()
+        with lock:
+            player.clear()
+        return 0
+    except Exception as exc:
+        say(error=f"{type(exc).__name__}: {exc}")
+        return 1
+
+
+_ORPHAN_PARENT = """
+import subprocess, sys
+p = subprocess.Popen(sys.argv[1:], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+print(p.pid, p.stdout.readline().strip(), flush=True)
+sys.stdin.read()
+"""
+
+
+def _gone(pid: int, within: float) -> str:
+    """ "exited" or "zombie" (exited, not yet reaped by whoever adopted it) once process
+    ``pid`` has ended; "" when it is still running after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return "zombie"
+        except psutil.NoSuchProcess:
+            return "exited"
+        if time.monotonic() >= deadline:
+            return ""
+        time.sleep(0.05)
+
+
+def selftest_cotenant(cuda: bool) -> int:
+    """Check the co-tenant's process and its protocol; on the CPU, or on the GPU with --cuda.
+
+    Lock-step ticks are answered, in step, with the blocks the schedule holds; the
+    worker exits at end of input and is reaped; free-running ticks on its own; a
+    worker that dies is reported, not waited on; a worker whose parent is killed
+    exits. With ``cuda``, also: its grabs are seen by this process's
+    ``torch.cuda.mem_get_info``, and its grabs are refused, without harm, when
+    this process has taken the memory.
+    """
+    seed = 3
+    ceiling = (1 << 30) if cuda else (64 << 20)
+    device = "cuda:0" if cuda else "cpu"
+    results: dict[str, Any] = {"device": device}
+    failures: list[str] = []
+
+    def check(name: str, ok: bool, detail: Any = None) -> None:
+        print(f"{'ok  ' if ok else 'FAIL'} {name}" + (f": {detail}" if detail is not None else ""))
+        if not ok:
+            failures.append(name)
+
+    free0 = int(torch.cuda.mem_get_info()[0]) if cuda else 0
+    # 1. lock-step: every answer in step, holding what the schedule holds.
+    t = ProcessCoTenant(device, seed, ceiling)
+    try:
+        results["start_s"] = round(t.start_s, 2)
+        if cuda:
+            results["context_bytes"] = free0 - int(torch.cuda.mem_get_info()[0])
+        want = held_per_tick(seed, ceiling)
+        wrong = 0
+        for n in [1] * 40 + [10, 10]:
+            t.tick(n)
+            for _ in range(n):
+                expected = next(want)
+            wrong += t.last["held"] != expected
+        check("lock-step ticks in step", t.last["ticks"] == t.ticks == 60, t.last)
+        check("blocks held as scheduled", wrong == 0, f"{wrong} ticks differ")
+        results["tick_ms"] = round(1e3 * statistics.median(t.round_trips), 3)
+        if cuda:
+            drop = free0 - int(torch.cuda.mem_get_info()[0])
+            seen = drop - results["context_bytes"]
+            check(
+                "its memory is seen here",
+                abs(seen - t.last["reserved"]) <= 64 << 20,
+                f"free fell {vramctl.format_bytes(drop)}: context "
+                f"{vramctl.format_bytes(results['context_bytes'])} + "
+                f"{vramctl.format_bytes(seen)}; it reserves "
+                f"{vramctl.format_bytes(t.last['reserved'])} for "
+                f"{vramctl.format_bytes(t.last['held'])} held",
+            )
+            # Take nearly all the free memory here: a grab larger than what is left and
+            # what it gives back meanwhile must be refused.
+            ballast: torch.Tensor | None = None
+            with contextlib.suppress(torch.OutOfMemoryError):
+                spare = int(torch.cuda.mem_get_info()[0]) - (16 << 20)
+                ballast = torch.empty(spare, dtype=torch.uint8, device="cuda")
+            if ballast is not None:
+                sched = cotenant_schedule(seed, ceiling)
+                for _ in range(t.ticks):
+                    next(sched)
+                biggest = 0
+                for _ in range(60):
+                    biggest = max([biggest] + [n for act, _, n in next(sched) if act == "grab"])
+                room = (16 << 20) + t.last["reserved"] + (2 << 20)
+                before = t.refused
+                t.tick(60)
+                must = biggest > room
+                check(
+                    "grabs refused when the GPU is full",
+                    t.refused > before or not must,
+                    f"{t.refused - before} refused; the largest grab "
+                    f"{vramctl.format_bytes(biggest)}, "
+                    f"{'more' if must else 'no more'} than the "
+                    f"{vramctl.format_bytes(room)} it could find",
+                )
+                del ballast
+                torch.cuda.empty_cache()
+                t.tick(1)
+                check("still answering after refusals", t.last["ticks"] == t.ticks, t.last)
+            else:
+                print("skip the refusal check: no ballast could be allocated here")
+        # 2. end of input: it exits by itself, and is reaped.
+        assert t.proc.stdin is not None
+        t.proc.stdin.close()
+        try:
+            code: int | None = t.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            code = None
+        check("exits at end of input", code == 0, f"exit status {code}")
+        check("reaped (no zombie)", not psutil.pid_exists(t.pid), t.pid)
+    finally:
+        t.close()
+    # 3. free-running: it ticks on its own clock.
+    t = ProcessCoTenant(device, seed, ceiling, mode="free", period=0.01)
+    try:
+        t.tick()
+        time.sleep(0.5)
+        st = t.stats()
+        check("free-running ticks by itself", st["ticks"] >= 10, st)
+    finally:
+        t.close()
+    check("quit ends it", t.proc.returncode == 0, t.proc.returncode)
+    # 4. a worker that dies: the next tick says so at once, and close() is quiet.
+    t = ProcessCoTenant(device, seed, ceiling)
+    try:
+        t.proc.kill()
+        t0 = time.perf_counter()
+        try:
+            t.tick()
+            check("a dead worker is reported", False)
+        except RuntimeError as exc:
+            check("a dead worker is reported", time.perf_counter() - t0 < 10, exc)
+    finally:
+        t.close()
+    # 5. its parent killed: it reads end of input and exits.
+    argv = [sys.executable, SCRIPT, "--cotenant-worker", "--worker-device", device]
+    argv += ["--seed", str(seed), "--ceiling", str(ceiling)]
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_PARENT, *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pid = 0
+    try:
+        assert parent.stdout is not None
+        pid = int(parent.stdout.readline().split()[0])
+        parent.kill()
+        parent.wait()
+        gone = _gone(pid, 30)
+        check("exits when its parent is killed", bool(gone), f"pid {pid}: {gone or 'running'}")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        for pipe in (parent.stdin, parent.stdout):
+            if pipe is not None:
+                pipe.close()
+        if pid and not _gone(pid, 0.1):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+    # 6. on this CPU-only machine, a CUDA worker says why it cannot start.
+    if not torch.cuda.is_available():
+        try:
+            ProcessCoTenant("cuda", seed, ceiling).close()
+            check("a CUDA worker without CUDA fails", False)
+        except RuntimeError as exc:
+            check("a CUDA worker without CUDA fails", "no usable CUDA" in str(exc), exc)
+    results["failures"] = failures
+    print(json.dumps({"selftest": "cotenant", **results}))
+    return 1 if failures else 0
+
+
 # -- main ------------------------------------------------------------------------------
 
 
@@ -1083,7 +1694,23 @@ def _print_row(r: Row) -> None:
     )
 
 
-def main() -> int:
+def _run(fn: Callable[..., Row], *args: Any) -> Row:
+    """One run; an error that is not an OOM ends that run only, reported in its row."""
+    try:
+        return fn(*args)
+    except CotenantStartError:
+        raise
+    except Exception as exc:
+        traceback.print_exc()
+        loop, run = fn.__name__.split("_", 1)
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        return Row(run, loop, finished=False, note=f"error: {type(exc).__name__}: {first}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--cotenant-worker"]:
+        return cotenant_worker(argv[1:])
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="The last line printed is one JSON object with the figures.",
@@ -1118,11 +1745,52 @@ def main() -> int:
         help="interleaved repetitions of the ~10 ms step for the overhead (1500; quick 400)",
     )
     ap.add_argument("--no-overhead", action="store_true", help="skip the overhead timing")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--cotenant",
+        choices=("thread", "process"),
+        default="thread",
+        help="thread: the co-tenant's blocks are this process's (the default); process: a "
+        "second Python process takes and frees GPU memory (needs --cuda)",
+    )
+    ap.add_argument(
+        "--cotenant-mode",
+        choices=("lockstep", "free"),
+        default="lockstep",
+        help="--cotenant process: lockstep (the default) plays one tick of the schedule before "
+        "every step attempt and waits for it; free ticks on the process's own clock, so runs "
+        "no longer see the same pressure",
+    )
+    ap.add_argument(
+        "--cotenant-period",
+        type=float,
+        default=0.02,
+        metavar="SECONDS",
+        help="--cotenant-mode free: seconds between ticks (default 0.02)",
+    )
+    ap.add_argument(
+        "--selftest-cotenant",
+        action="store_true",
+        help="check the co-tenant's process and its protocol, then exit (with --cuda: on the "
+        "GPU; else with host memory)",
+    )
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.cotenant == "process" and not (args.cuda or args.selftest_cotenant):
+        ap.error(
+            "--cotenant process needs --cuda: the second process takes real GPU memory, "
+            "and the simulated GPU counts only this process's tensors"
+        )
+    if args.cotenant_mode != "lockstep" and args.cotenant != "process":
+        ap.error("--cotenant-mode free needs --cotenant process")
+    if args.cotenant_period <= 0:
+        ap.error("--cotenant-period: give a positive number of seconds")
     if args.cuda and not torch.cuda.is_available():
         print("--cuda: no usable CUDA device on this machine", file=sys.stderr)
         return 2
+    if args.selftest_cotenant:
+        return selftest_cotenant(cuda=args.cuda)
+    cot = CotenantSpec(args.cotenant, args.cotenant_mode, args.cotenant_period)
+    cot_text = cot.kind if cot.kind == "thread" else f"{cot.kind} ({cot.mode})"
     kind = "cuda" if args.cuda else "sim"
     configs = {(False, False): FULL, (False, True): QUICK}
     configs.update({(True, False): CUDA_FULL, (True, True): CUDA_QUICK})
@@ -1147,7 +1815,8 @@ def main() -> int:
         )
     print(
         f"# {cfg.train_steps} training steps of {cfg.batch}, {cfg.infer_steps} inference "
-        f"batches of {cfg.infer_batch}; {kind}, {torch.get_num_threads()} thread(s)",
+        f"batches of {cfg.infer_batch}; {kind}, {torch.get_num_threads()} thread(s); "
+        f"co-tenant: {cot_text}",
         flush=True,
     )
     ref_w, ref_s = train_reference(kind, cfg, data)
@@ -1158,10 +1827,10 @@ def main() -> int:
     )
     rows: list[Row] = []
     for fn in (train_unguarded, train_accelerate, train_vramctl):
-        rows.append(fn(kind, cfg, data, pt, ref_w))
+        rows.append(_run(fn, kind, cfg, data, pt, ref_w, cot))
         _print_row(rows[-1])
     for fn in (infer_unguarded, infer_accelerate, infer_vramctl):
-        rows.append(fn(kind, cfg, data, pi, ref_out))
+        rows.append(_run(fn, kind, cfg, data, pi, ref_out, cot))
         _print_row(rows[-1])
 
     overhead: dict[str, Any] = {"guard_overhead_pct": None}
@@ -1194,6 +1863,8 @@ def main() -> int:
         "benchmark": "oom_chaos",
         "side": kind,
         "quick": args.quick,
+        "cotenant": cot.kind,
+        "cotenant_mode": cot.mode if cot.kind == "process" else None,
         "samples_lost": sum(r.samples_lost for r in ours),
         "crashes": sum(r.crashes for r in ours),
         "ooms_recovered": sum(r.ooms_recovered for r in ours),
@@ -1210,6 +1881,7 @@ def main() -> int:
             "infer": {**asdict(pi), "ticks_whole_batch_cannot_fit_pct": held_infer},
         },
         "runs": [r.to_dict() for r in rows],
+        "errors": [f"{r.loop} {r.run}: {r.note}" for r in rows if r.note.startswith("error: ")],
         "reference_train_s": round(ref_s, 3),
         "wall_s": round(time.perf_counter() - started, 1),
         "device": torch.cuda.get_device_name(0) if args.cuda else platform.processor() or "cpu",
@@ -1219,6 +1891,7 @@ def main() -> int:
     }
     print(json.dumps(summary))
     ok = summary["samples_lost"] == 0 and summary["crashes"] == 0 and summary["weights_match"]
+    ok = ok and all(r.finished for r in ours)
     return 0 if ok else 1
 
 
