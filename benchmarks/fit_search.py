@@ -24,18 +24,39 @@ steps (fresh batches each step) on a simulated GPU of 0.9 C.
 ``--quick`` runs the CNN and the LSTM on smaller simulated GPUs and checks only
 vramctl's answers for 200 steps (the others' are reported as not run).
 
-The last line is one JSON object with vramctl's figures
-(``min_fraction_of_true_max``, ``max_probes``, ``survived_200_steps``) and a
-row per model and tool.
+``--cuda`` runs the same models (and the same ``--quick`` subset) on this
+machine's GPU instead: real CUDA allocations, real ``torch.OutOfMemoryError``.
+C is chosen per model for the GPU (256 MiB to 2 GiB: a true largest batch in the
+hundreds to low thousands, steps of milliseconds), and a ballast tensor shrinks
+the GPU so that this process has the room each run is given. The true-max
+search, Lightning, Accelerate (``starting_batch_size=4096``, above every
+expected answer) and the survival check get a room of 0.9 C: what this process
+can allocate, with the CUDA context, the libraries' handles and workspaces
+(loaded by a warm-up before any room is made) and other processes outside it.
+vramctl's ``target`` is a share of the whole GPU, so its ballast leaves 0.9 C
+plus the tenth of the GPU above its budget: the budget then leaves the step the
+same 0.9 C. The ballast is whole 2 MiB pages: the others' room is at least 0.9
+C, vramctl's at most (up to 2 MiB less). Every run gets a fresh ballast after
+``gc.collect()`` and ``torch.cuda.empty_cache()``, so blocks a failed trial left
+cached do not shrink the next. Every tool's answer is checked for 200 steps (50
+with ``--quick``). ``--models`` picks a subset.
 
-    python benchmarks/fit_search.py --quick     # two models, smaller devices, under a minute
-    python benchmarks/fit_search.py             # four models, the larger devices
+The last line is one JSON object with vramctl's figures
+(``min_fraction_of_true_max``, ``max_probes``, ``survived_200_steps``), a row
+per model and tool, and the device (the GPU's name, ``torch.version.cuda`` and
+the driver with ``--cuda``).
+
+    python benchmarks/fit_search.py --quick          # two models, smaller devices, under a minute
+    python benchmarks/fit_search.py                  # four models, the larger devices
+    python benchmarks/fit_search.py --cuda --quick   # on the GPU: two models
+    python benchmarks/fit_search.py --cuda           # on the GPU: four models
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -57,9 +78,13 @@ from vramctl.fit import fit_batch_size
 
 TARGET = 0.9
 SURVIVAL_STEPS = 200
+#: On the GPU, --quick checks every tool's answer for this many steps.
+CUDA_QUICK_STEPS = 50
 #: Accelerate's starting batch size: above every true answer here (its default, 128, in --quick).
 ACCELERATE_START = 1024
 QUICK_ACCELERATE_START = 128
+#: On the GPU: above every true answer expected there (hundreds to about 2,000), quick or not.
+CUDA_ACCELERATE_START = 4096
 #: --quick runs these models, and the survival check for vramctl's answers only.
 QUICK_MODELS = ("cnn", "lstm")
 MiB = 2**20
@@ -137,21 +162,31 @@ class Spec:
     #: Simulated capacity C for the full run and for --quick.
     capacity: int
     quick_capacity: int
+    #: C on the GPU (--cuda) for the full run and for --quick: a true largest batch in the
+    #: hundreds to low thousands, steps of milliseconds on a large GPU.
+    cuda_capacity: int
+    cuda_quick_capacity: int
 
-    def batch(self, b: int) -> torch.Tensor:
+    def room(self, cuda: bool, quick: bool) -> int:
+        """C for this run."""
+        if cuda:
+            return self.cuda_quick_capacity if quick else self.cuda_capacity
+        return self.quick_capacity if quick else self.capacity
+
+    def batch(self, b: int, device: str = "cpu") -> torch.Tensor:
         if self.tokens:
-            return torch.randint(0, 1000, (b, *self.shape))
-        return torch.randn(b, *self.shape)
+            return torch.randint(0, 1000, (b, *self.shape), device=device)
+        return torch.randn(b, *self.shape, device=device)
 
     def sample(self) -> torch.Tensor:
         return self.batch(1)[0]
 
 
 SPECS = [
-    Spec("mlp", Mlp, (16, 64), False, 160 * MiB, 48 * MiB),
-    Spec("cnn", Cnn, (3, 32, 32), False, 96 * MiB, 32 * MiB),
-    Spec("transformer", Transformer, (64,), True, 320 * MiB, 96 * MiB),
-    Spec("lstm", Lstm, (32,), True, 256 * MiB, 64 * MiB),
+    Spec("mlp", Mlp, (16, 64), False, 160 * MiB, 48 * MiB, 512 * MiB, 192 * MiB),
+    Spec("cnn", Cnn, (3, 32, 32), False, 96 * MiB, 32 * MiB, 768 * MiB, 256 * MiB),
+    Spec("transformer", Transformer, (64,), True, 320 * MiB, 96 * MiB, 2048 * MiB, 768 * MiB),
+    Spec("lstm", Lstm, (32,), True, 256 * MiB, 64 * MiB, 1024 * MiB, 384 * MiB),
 ]
 
 
@@ -171,10 +206,145 @@ def make_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.T
     return step
 
 
-def fresh(spec: Spec) -> tuple[nn.Module, torch.optim.Optimizer]:
+def fresh(spec: Spec, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = spec.build()
+    model = spec.build().to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def train(spec: Spec, device: str, b: int, steps: int) -> None:
+    """``steps`` real training steps of a fresh model at batch ``b``, a fresh batch each step."""
+    model, opt = fresh(spec, device)
+    step = make_step(model, opt)
+    for _ in range(steps):
+        step(spec.batch(b, device))
+
+
+def is_oom(exc: BaseException) -> bool:
+    """An allocation failure: PyTorch's OOM error (a simulated GPU raises it too), or one of a
+    CUDA library's that reaches Python as a plain RuntimeError ("CUDA error: out of memory")."""
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or any(
+        m in text for m in ("out of memory", "alloc_failed")
+    )
+
+
+# -- where the steps run ----------------------------------------------------------------
+
+
+class Session:
+    """Simulated GPUs (``vramctl.simulate``): real allocations and OOMs, on this host's CPU.
+
+    Every search, tool and check below runs through one of these; :class:`CudaSession`
+    changes only where tensors live and how a room of a given size is made.
+    """
+
+    kind = "sim"
+    #: Where models and batches are put (a simulated GPU counts this host's tensors).
+    device = "cpu"
+    #: Lightning's ``accelerator``.
+    accelerator = "cpu"
+
+    def room(self, nbytes: int) -> contextlib.AbstractContextManager[Any]:
+        """A device on which this process can allocate ``nbytes``; yields it (a vramctl Device)."""
+        return vramctl.simulate(nbytes)
+
+    def fit_room(self, capacity: int) -> contextlib.AbstractContextManager[Any]:
+        """vramctl's device: ``TARGET`` of it leaves the step ``TARGET * capacity``."""
+        return self.room(capacity)
+
+    def warm(self, spec: Spec) -> None:
+        """Before a model's first measured run (nothing to load on a simulated GPU)."""
+
+    def sync(self) -> None:
+        """Wait for queued work (before a clock is read)."""
+
+    def name(self) -> str:
+        return "simulated (vramctl.simulate)"
+
+
+class CudaSession(Session):
+    """This machine's GPU; a ballast tensor leaves this process the room asked for."""
+
+    kind = "cuda"
+    accelerator = "gpu"
+
+    def __init__(self) -> None:
+        self.index = torch.cuda.current_device()
+        self.device = f"cuda:{self.index}"
+        self.gpu = vramctl.get_device(self.index)
+        self.ballast: torch.Tensor | None = None
+
+    def available(self) -> int:
+        """What this process could allocate now: free memory and the allocator's idle cache."""
+        free = torch.cuda.mem_get_info(self.index)[0]
+        idle = torch.cuda.memory_reserved(self.index) - torch.cuda.memory_allocated(self.index)
+        return int(free + idle)
+
+    @contextlib.contextmanager
+    def room(self, nbytes: int, at_most: bool = False) -> Iterator[Any]:
+        """The ballast is whole 2 MiB pages (what the allocator rounds a large block up to), so
+        the room is ``nbytes`` rounded to them: up, or down with ``at_most``."""
+        # A fresh ballast for every room: what an earlier trial left cached is given back first.
+        self.ballast = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        have = self.available()
+        if have < nbytes:
+            raise RuntimeError(
+                f"a room of {vramctl.format_bytes(nbytes)} was asked for; "
+                f"{vramctl.format_bytes(have)} is free on {self.device}"
+            )
+        page = 2 * MiB
+        spare = (have - nbytes) // page * page
+        if at_most and spare < have - nbytes:
+            spare += page
+        if spare:
+            self.ballast = torch.empty(spare, dtype=torch.uint8, device=self.device)
+        got = self.available()
+        if abs(got - nbytes) >= page:
+            print(f"# room of {got} bytes for {nbytes} asked", file=sys.stderr, flush=True)
+        try:
+            yield self.gpu
+        finally:
+            self.ballast = None
+            torch.cuda.empty_cache()
+
+    def fit_room(self, capacity: int) -> contextlib.AbstractContextManager[Any]:
+        # fit_batch_size's budget is TARGET of the whole GPU: leave the step TARGET * capacity
+        # below it, as on a simulated GPU of that capacity (and never more than the others get).
+        total = int(torch.cuda.mem_get_info(self.index)[1])
+        return self.room(int(TARGET * capacity) + total - int(TARGET * total), at_most=True)
+
+    def warm(self, spec: Spec) -> None:
+        """Load the model's kernels and the CUDA libraries' handles and workspaces while the
+        whole GPU is free: they stay, outside every room measured afterwards."""
+        for b in (8, 64):
+            train(spec, self.device, b, 2)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def sync(self) -> None:
+        torch.cuda.synchronize()
+
+    def name(self) -> str:
+        return torch.cuda.get_device_name(self.index)
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version (NVML), or None when it cannot be read."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+    return version.decode() if isinstance(version, bytes) else str(version)
 
 
 @dataclass
@@ -199,29 +369,29 @@ class Outcome:
         }
 
 
-def runs(spec: Spec, b: int, budget: int, steps: int) -> bool:
-    """``steps`` real training steps at batch ``b`` on a simulated GPU of ``budget`` bytes."""
+def runs(s: Session, spec: Spec, b: int, budget: int, steps: int) -> bool:
+    """``steps`` real training steps at batch ``b`` (a fresh model) in a room of ``budget``."""
     ok = True
-    with vramctl.simulate(budget):
-        model, opt = fresh(spec)
-        step = make_step(model, opt)
+    with s.room(budget):
         try:
-            for _ in range(steps):
-                step(spec.batch(b))
-        except torch.OutOfMemoryError:
+            train(spec, s.device, b, steps)
+            s.sync()
+        except RuntimeError as exc:
+            if not is_oom(exc):
+                raise
             ok = False
-        del model, opt, step
     return ok
 
 
-def true_max(spec: Spec, budget: int) -> tuple[int, int]:
-    """The largest batch whose steps run within ``budget`` (3 steps), and the runs it took."""
+def true_max(s: Session, spec: Spec, budget: int) -> tuple[int, int, bool]:
+    """The largest batch whose steps run within ``budget`` (3 steps), the runs it took, and
+    whether its edge held when run again (the answer runs, one more sample does not)."""
     tried = 0
 
     def ok(b: int) -> bool:
         nonlocal tried
         tried += 1
-        return runs(spec, b, budget, 3)
+        return runs(s, spec, b, budget, 3)
 
     lo, hi = 0, 8
     while ok(hi):
@@ -229,33 +399,40 @@ def true_max(spec: Spec, budget: int) -> tuple[int, int]:
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    if lo and not (ok(lo) and not ok(lo + 1)):  # the edge, checked once more
-        raise RuntimeError(f"{spec.name}: the edge at {lo} did not hold when run again")
-    return lo, tried
+    held = not lo or (ok(lo) and not ok(lo + 1))  # the edge, checked once more
+    if not held:
+        print(f"# {spec.name}: the edge at {lo} did not hold when run again", file=sys.stderr)
+    return lo, tried, held
 
 
 # -- the tools ---------------------------------------------------------------------------
 
 
-def run_vramctl(spec: Spec, capacity: int) -> Outcome:
-    with vramctl.simulate(capacity) as gpu:
-        model, opt = fresh(spec)
+def run_vramctl(s: Session, spec: Spec, capacity: int) -> Outcome:
+    with s.fit_room(capacity) as gpu:
+        model, opt = fresh(spec, s.device)
         t0 = time.perf_counter()
         fit = fit_batch_size(
             make_step(model, opt),
-            spec.batch,
+            functools.partial(spec.batch, device=s.device),
             device=gpu,
             model=model,
             optimizer=opt,
             target=TARGET,
             cache=False,
         )
+        s.sync()
         seconds = time.perf_counter() - t0
+        del model, opt
     return Outcome(
         fit.batch_size,
         len(fit.probes),
         seconds,
-        detail={"predicted": fit.predicted, "tried": [b for b, _, _ in fit.probes]},
+        detail={
+            "predicted": fit.predicted,
+            "tried": [b for b, _, _ in fit.probes],
+            "notes": list(fit.notes),
+        },
     )
 
 
@@ -286,7 +463,7 @@ def quiet() -> Iterator[None]:
                 logging.getLogger(n).setLevel(level)
 
 
-def run_lightning(spec: Spec, budget: int) -> Outcome:
+def run_lightning(s: Session, spec: Spec, budget: int) -> Outcome:
     import lightning as L
     from lightning.pytorch.tuner import Tuner
 
@@ -309,10 +486,10 @@ def run_lightning(spec: Spec, budget: int) -> Outcome:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
-    with tempfile.TemporaryDirectory() as root, quiet(), vramctl.simulate(budget):
-        lit = Lit()
+    with tempfile.TemporaryDirectory() as root, quiet(), s.room(budget):
+        lit = Lit()  # on the host: the trainer moves it to the device
         trainer = L.Trainer(
-            accelerator="cpu",
+            accelerator=s.accelerator,
             devices=1,
             max_epochs=1,
             logger=False,
@@ -323,97 +500,143 @@ def run_lightning(spec: Spec, budget: int) -> Outcome:
         )
         t0 = time.perf_counter()
         found = Tuner(trainer).scale_batch_size(lit, mode="binsearch")
+        s.sync()
         seconds = time.perf_counter() - t0
+        del trainer
     trials = len(lit.trials) - 1 if len(lit.trials) > 1 else len(lit.trials)
     return Outcome(int(found or 0), trials, seconds, detail={"tried": lit.trials[:-1]})
 
 
-def run_accelerate(spec: Spec, budget: int, start: int = ACCELERATE_START) -> Outcome:
+def run_accelerate(s: Session, spec: Spec, budget: int, start: int) -> Outcome:
     from accelerate.utils import find_executable_batch_size
 
     tried: list[int] = []
-    with vramctl.simulate(budget):
-        model, opt = fresh(spec)
+    with s.room(budget):
+        model, opt = fresh(spec, s.device)
         step = make_step(model, opt)
 
         @find_executable_batch_size(starting_batch_size=start)  # type: ignore[misc]
         def trial(batch_size: int) -> int:
             tried.append(batch_size)
             opt.zero_grad(set_to_none=True)
-            x = spec.batch(batch_size)
+            x = spec.batch(batch_size, s.device)
             for _ in range(2):
                 step(x)
             return batch_size
 
         t0 = time.perf_counter()
         found = trial()
+        s.sync()
         seconds = time.perf_counter() - t0
     return Outcome(int(found), len(tried), seconds, detail={"tried": tried})
 
 
-TOOLS: dict[str, Callable[[Spec, int, int, bool], Outcome]] = {
-    "vramctl": lambda spec, capacity, budget, quick: run_vramctl(spec, capacity),
-    "lightning": lambda spec, capacity, budget, quick: run_lightning(spec, budget),
-    "accelerate": lambda spec, capacity, budget, quick: run_accelerate(
-        spec, budget, QUICK_ACCELERATE_START if quick else ACCELERATE_START
+def accelerate_start(s: Session, quick: bool) -> int:
+    if s.kind == "cuda":
+        return CUDA_ACCELERATE_START
+    return QUICK_ACCELERATE_START if quick else ACCELERATE_START
+
+
+#: Each tool, given the session, the model, C, the room of 0.9 C and --quick.
+TOOLS: dict[str, Callable[[Session, Spec, int, int, bool], Outcome]] = {
+    "vramctl": lambda s, spec, capacity, budget, quick: run_vramctl(s, spec, capacity),
+    "lightning": lambda s, spec, capacity, budget, quick: run_lightning(s, spec, budget),
+    "accelerate": lambda s, spec, capacity, budget, quick: run_accelerate(
+        s, spec, budget, accelerate_start(s, quick)
     ),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller simulated GPUs (under a minute)")
+    ap.add_argument("--quick", action="store_true", help="two models, smaller devices")
+    ap.add_argument(
+        "--cuda",
+        action="store_true",
+        help="run on this machine's GPU, shrunk by a ballast tensor, instead of simulated GPUs",
+    )
     ap.add_argument("--models", help="comma-separated subset of " + ",".join(s.name for s in SPECS))
     ap.add_argument(
         "--tools", default=",".join(TOOLS), help="comma-separated subset of " + ",".join(TOOLS)
     )
     ap.add_argument(
-        "--steps", type=int, default=SURVIVAL_STEPS, help="real steps for the survival check"
+        "--steps",
+        type=int,
+        help=f"real steps for the survival check ({SURVIVAL_STEPS}; {CUDA_QUICK_STEPS} with "
+        "--cuda --quick)",
     )
     args = ap.parse_args(argv)
     wanted = args.models.split(",") if args.models else QUICK_MODELS if args.quick else None
+    unknown = sorted(set(wanted or ()) - {s.name for s in SPECS})
+    if unknown:
+        ap.error(f"unknown model(s): {', '.join(unknown)}")
     specs = [s for s in SPECS if wanted is None or s.name in wanted]
     tools = [t for t in TOOLS if t in args.tools.split(",")]
+    if args.cuda and not torch.cuda.is_available():
+        print("--cuda: no usable CUDA device on this machine", file=sys.stderr)
+        return 2
+    if args.steps is None:
+        args.steps = CUDA_QUICK_STEPS if args.cuda and args.quick else SURVIVAL_STEPS
+    session = CudaSession() if args.cuda else Session()
+    driver = driver_version() if args.cuda else None
     started = time.perf_counter()
 
     rows: list[dict[str, Any]] = []
+    if args.cuda:
+        print(
+            f"# {session.name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+            f"driver {driver}; each room made by a ballast tensor",
+            flush=True,
+        )
     print(
-        f"{'model':<12}{'C':>8}{'true max':>9}  {'tool':<11}{'batch':>6}{'of max':>8}"
+        f"{'model':<12}{'C':>11}{'true max':>9}  {'tool':<11}{'batch':>6}{'of max':>8}"
         f"{'probes':>7}{'seconds':>8}  survives {args.steps} steps"
     )
     for spec in specs:
-        capacity = spec.quick_capacity if args.quick else spec.capacity
+        capacity = spec.room(args.cuda, args.quick)
         budget = int(TARGET * capacity)
-        t0 = time.perf_counter()
-        truth, truth_runs = true_max(spec, budget)
-        truth_s = time.perf_counter() - t0
         row: dict[str, Any] = {
             "model": spec.name,
             "capacity_bytes": capacity,
             "budget_bytes": budget,
-            "true_max": truth,
-            "true_max_runs": truth_runs,
-            "true_max_seconds": round(truth_s, 2),
-            "tools": {},
         }
+        rows.append(row)
+        try:
+            session.warm(spec)
+            t0 = time.perf_counter()
+            truth, truth_runs, held = true_max(session, spec, budget)
+        except Exception as exc:  # no truth to compare with: the model's tools are not run
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            c = vramctl.format_bytes(capacity)
+            print(f"{spec.name:<12}{c:>11}  true max: {row['error']}", flush=True)
+            continue
+        row.update(
+            true_max=truth,
+            true_max_runs=truth_runs,
+            true_max_seconds=round(time.perf_counter() - t0, 2),
+            true_max_edge_held=held,
+            tools={},
+        )
         for tool in tools:
             try:
-                out = TOOLS[tool](spec, capacity, budget, args.quick)
+                out = TOOLS[tool](session, spec, capacity, budget, args.quick)
             except Exception as exc:
                 out = Outcome(error=f"{type(exc).__name__}: {exc}"[:300])
             gc.collect()
             if out.batch_size and truth:
                 out.fraction = out.batch_size / truth
-                if tool == "vramctl" or not args.quick:
-                    out.survived = runs(spec, out.batch_size, budget, args.steps)
+                if tool == "vramctl" or not args.quick or args.cuda:
+                    try:
+                        out.survived = runs(session, spec, out.batch_size, budget, args.steps)
+                    except Exception as exc:
+                        out.error = f"survival check: {type(exc).__name__}: {exc}"[:300]
             row["tools"][tool] = out.to_dict()
             print(
-                f"{spec.name:<12}{vramctl.format_bytes(capacity):>8}{truth:>9}  {tool:<11}"
+                f"{spec.name:<12}{vramctl.format_bytes(capacity):>11}{truth:>9}  {tool:<11}"
                 f"{out.batch_size:>6}{out.fraction:>8.1%}{out.probes:>7}{out.seconds:>8.2f}  "
                 f"{out.error or {True: 'yes', False: 'NO', None: 'not run'}[out.survived]}",
                 flush=True,
             )
-        rows.append(row)
 
     mine = [r["tools"]["vramctl"] for r in rows if "vramctl" in r["tools"]]
 
@@ -446,14 +669,19 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "max_probes": max((o["probes"] for o in mine), default=None),
         "survived_200_steps": bool(mine) and all(o["survived_200_steps"] for o in mine),
+        "models_failed": [r["model"] for r in rows if "error" in r],
         "per_tool": {t: per_tool(t) for t in tools},
         "rows": rows,
         "wall_s": round(time.perf_counter() - started, 1),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "side": session.kind,
+        "device": session.name(),
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "driver": driver,
     }
     print(json.dumps(summary))
-    return 0 if summary["survived_200_steps"] else 1
+    return 0 if summary["survived_200_steps"] and not summary["models_failed"] else 1
 
 
 if __name__ == "__main__":
