@@ -147,7 +147,12 @@ class ModelSpec:
 FULL_MODEL = ModelSpec("wav2vec2-256x4", 256, 4, 4, 1024, 64, capacity_mib=256)
 #: --quick: a smaller wav2vec2, so that the end-to-end part takes seconds on a 2-core CPU.
 QUICK_MODEL = ModelSpec("wav2vec2-128x2", 128, 2, 2, 512, 32, capacity_mib=128)
+#: On a GPU: wav2vec2-base itself (95M parameters), in 4 GiB.
+BASE_MODEL = ModelSpec("wav2vec2-base", 768, 12, 12, 3072, 512, capacity_mib=4096)
+MODELS = {"quick": QUICK_MODEL, "small": FULL_MODEL, "base": BASE_MODEL}
 FULL_CLIPS, QUICK_CLIPS = 400, 100
+#: On a GPU (full run) the end-to-end part takes more clips.
+CUDA_CLIPS = 800
 FULL_STREAM, QUICK_STREAM = 10_000_000, 1_000_000
 #: Part 2's buckets (Lhotse and vramctl alike): a few hundred clips fill few of 30 buckets.
 E2E_BUCKETS = 10
@@ -870,6 +875,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--cuda", action="store_true", help="end to end on this machine's GPU")
     ap.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        help="the end-to-end model: quick (2x128), small (4x256) or base (wav2vec2-base). "
+        "Default: base with --cuda, else quick with --quick and small without",
+    )
+    ap.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads, fixed for stable timings"
     )
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: sampler,e2e,stream")
@@ -884,8 +895,12 @@ def main(argv: list[str] | None = None) -> int:
 
         transformers.logging.set_verbosity_error()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    spec = QUICK_MODEL if args.quick else FULL_MODEL
-    n_clips = args.clips or (QUICK_CLIPS if args.quick else FULL_CLIPS)
+    if args.model is not None:
+        spec = MODELS[args.model]
+    else:
+        spec = BASE_MODEL if args.cuda else QUICK_MODEL if args.quick else FULL_MODEL
+    full_clips = CUDA_CLIPS if args.cuda else FULL_CLIPS
+    n_clips = args.clips or (QUICK_CLIPS if args.quick else full_clips)
     capacity = vramctl.parse_size(args.capacity) if args.capacity else spec.capacity_mib * MiB
     n_stream = args.stream_items or (QUICK_STREAM if args.quick else FULL_STREAM)
     started = time.perf_counter()
