@@ -22,9 +22,10 @@ def test_samples_agree_with_torch_and_the_driver() -> None:
     (s,) = mon.sample()
     free, total = torch.cuda.mem_get_info(0)
     mem = s.memory
-    assert mem.total == total
-    # Another process may allocate between the two readings: allow 64 MiB.
-    assert abs(mem.free - free) <= 64 * MiB
+    # NVML's total includes what the driver keeps back; CUDA's does not.
+    assert total <= mem.total <= total + 2048 * MiB
+    # The two free figures differ by that too, and by what others allocate between the readings.
+    assert abs(mem.free - free) <= 256 * MiB
     assert mem.allocated == torch.cuda.memory_allocated(0)
     assert mem.reserved == torch.cuda.memory_reserved(0)
     assert mem.process_used >= mem.reserved
@@ -51,6 +52,11 @@ def test_fragmentation_of_the_real_allocator_is_seen() -> None:
 
 
 def test_profile_uses_the_allocator_peak() -> None:
+    # The first matrix multiply keeps a cuBLAS workspace: let it not be the profiled one.
+    warm = torch.randn(64, 64, device="cuda:0")
+    warm = warm @ warm
+    del warm
+    torch.cuda.synchronize()
     prof = Profiler()
     with prof.profile("matmul", device="cuda:0"):
         a = torch.randn(2048, 2048, device="cuda:0")
