@@ -37,6 +37,8 @@ def test_cuda_fp32_operators_run_in_fp32_and_matmuls_stay_low() -> None:
                 got["autocast off"] = F.layer_norm(h, (8,)).dtype
     assert plain.dtype == torch.bfloat16  # the CPU policy alone keeps the norm low
     low = {"linear", "explicit dtype", "autocast off"}
+    if "rms_norm" not in CUDA_FP32:  # before PyTorch 2.12, CUDA autocast leaves it low too
+        low.add("rms_norm")
     for op, dtype in got.items():
         assert dtype == (torch.bfloat16 if op in low else torch.float32), op
 
@@ -85,6 +87,8 @@ def test_the_lists_match_the_installed_pytorch(macro: str, ours: frozenset[str])
     if names is None:
         pytest.skip("this PyTorch install ships no ATen headers")
     assert names <= ours, f"{macro} has operators vramctl does not list: {names - ours}"
+    # Operators that joined the list in a recent PyTorch follow the installed one.
+    assert ("rms_norm" in names) == ("rms_norm" in ours) or macro != "AT_FORALL_FP32"
 
 
 @pytest.mark.cuda

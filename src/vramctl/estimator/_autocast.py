@@ -14,7 +14,9 @@ low-precision floating inputs cast to fp32, and ``fp32_set_opt_dtype``
 operators (softmax, sum ...) run with ``dtype=torch.float32`` when no dtype is
 given. The operator lists are PyTorch's (``ATen/autocast_mode.h``:
 ``AT_FORALL_FP32`` and ``AT_FORALL_FP32_SET_OPT_DTYPE``); a test checks them
-against the installed headers where they are shipped.
+against the installed headers where they are shipped. Operators that joined the
+lists in a recent PyTorch (``rms_norm``, in 2.12) are applied only where the
+installed PyTorch's CUDA autocast has a kernel for them.
 
 A function mode sees the Python-level call only, not operators a composite
 calls inside C++; ``cross_entropy`` (log-softmax then NLL, both fp32 under CUDA
@@ -31,8 +33,25 @@ from torch.utils._pytree import tree_map
 
 __all__ = ["CUDA_FP32", "CUDA_FP32_SET_OPT_DTYPE", "CudaAutocast"]
 
+
+def _cuda_autocasts(op: str) -> bool:
+    """Whether this PyTorch's CUDA autocast has a kernel (a policy) for ``op``.
+
+    The autocast kernels are registered in CPU-only builds too. Where the
+    dispatcher cannot be asked, the operator is taken to be listed.
+    """
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA"))
+    except (AttributeError, RuntimeError):
+        return True
+
+
+#: Operators in ``AT_FORALL_FP32`` since a recent PyTorch only (``rms_norm``: 2.12); an
+#: older CUDA autocast leaves them to type promotion, as the CPU trace does.
+_RECENT_FP32 = frozenset(n for n in ("rms_norm",) if _cuda_autocasts(f"aten::{n}"))
+
 #: CUDA autocast runs these in fp32 (``AT_FORALL_FP32``), by ATen base name.
-CUDA_FP32 = frozenset(
+CUDA_FP32 = _RECENT_FP32 | frozenset(
     {
         "acos",
         "asin",
@@ -52,7 +71,6 @@ CUDA_FP32 = frozenset(
         "softplus",
         "layer_norm",
         "native_layer_norm",
-        "rms_norm",
         "group_norm",
         "frobenius_norm",
         "nuclear_norm",

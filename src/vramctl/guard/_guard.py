@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import GradScaler
 
 from vramctl.device._base import Device
 from vramctl.device._discover import get_device
@@ -172,7 +173,7 @@ class Guard:
         forward: Callable[[Any, Any], Any] | None = None,
         reduction: str = "mean",
         weight_fn: Callable[[Any], float | torch.Tensor] | None = None,
-        scaler: torch.amp.GradScaler | None = None,
+        scaler: GradScaler | None = None,
         clip_grad_norm: float | None = None,
         device: Device | str | int | None = None,
         piece_limit: int | None = None,
