@@ -46,8 +46,14 @@ def _fresh_devices():
 
 @pytest.fixture
 def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
-    """Three fake GPUs behind the real pynvml API; CUDA_VISIBLE_DEVICES unset."""
+    """Three fake GPUs behind the real pynvml API; CUDA_VISIBLE_DEVICES unset.
+
+    ``torch.cuda`` is kept out of the picture, as on a machine without a CUDA build: on a
+    machine with a real GPU, its allocator would otherwise be read for the fake GPUs.
+    """
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     fake = FakeNvml(make_gpus())
     fake.install(monkeypatch)
     reset_nvml()

@@ -37,9 +37,10 @@ def allocator_stats(index: int) -> dict[str, Any]:
 
     Before this process has initialised CUDA it holds nothing on the device, so
     the figures are true zeros (fragmentation, a ratio over zero, is ``NA``).
-    Without a CUDA build every figure is ``NA``.
+    Without a CUDA build, or for an index ``torch.cuda`` does not number, every
+    figure is ``NA``.
     """
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or not 0 <= index < torch.cuda.device_count():
         return dict.fromkeys(_STATS, NA)
     if not torch.cuda.is_initialized():
         return dict.fromkeys(_STATS, 0)
