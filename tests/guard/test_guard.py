@@ -40,7 +40,7 @@ def _full_grads(model: nn.Module, batch: Any, reduction: str) -> tuple[list[torc
     loss.backward()
     grads = _grads(model)
     model.zero_grad(set_to_none=True)
-    return grads, float(loss)
+    return grads, float(loss.detach())
 
 
 @pytest.mark.parametrize("name", MODELS)
