@@ -272,6 +272,9 @@ def main() -> int:
     ap.add_argument("--models", help="comma-separated model names (default: the zoo)")
     ap.add_argument("--no-real", action="store_true", help="estimate only (coverage check)")
     ap.add_argument(
+        "--batches", help="comma-separated batch sizes (default 1,2,4; 1,4 with --quick)"
+    )
+    ap.add_argument(
         "--calibrate",
         action="store_true",
         help="with --cuda: measure the GPU's CUDA constants first (as `vramctl calibrate`)",
@@ -295,6 +298,12 @@ def main() -> int:
     elif args.quick:
         chosen = [z for z in ZOO if z[0] in QUICK]
     batches = QUICK_BATCHES if args.quick else BATCHES
+    if args.batches:
+        try:
+            batches = tuple(int(b) for b in args.batches.split(","))
+        except ValueError:
+            print(f"--batches: expected sizes like 1,4, got {args.batches!r}", file=sys.stderr)
+            return 2
     cuda = bool(args.cuda)
     device = "cuda:0" if cuda else "cpu"
     host_budget = psutil.virtual_memory().available * 0.5
