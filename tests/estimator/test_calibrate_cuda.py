@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import vramctl
-from vramctl.estimator import Calibration, StepSpec, calibrate, load_calibration, resolve_target
+from tests.estimator.real_steps import cuda_step_peaks
+from vramctl.estimator import Calibration, calibrate, load_calibration, resolve_target
 from vramctl.estimator._calibrate import CONVOLUTIONS
-from vramctl.estimator._estimate import prepare_model, run_step, warm_optimizer
 
 pytestmark = pytest.mark.cuda
 MiB, GiB = 2**20, 2**30
@@ -72,22 +72,7 @@ class SmallConvNet(nn.Module):
 def test_a_calibrated_estimate_is_close_to_a_real_step(cal: Calibration) -> None:
     torch.manual_seed(0)
     batch = torch.randn(32, 3, 64, 64)
-    model = SmallConvNet().cuda()
-    spec = StepSpec(autocast_device="cuda", foreach=True)
-    prepare_model(model, spec)
-    params = list(model.parameters())
-    opt = spec.make_optimizer(params)
-    assert opt is not None
-    warm_optimizer(opt, params)
-    x = batch.cuda()
-    run_step(model, x, spec, opt)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    run_step(model, x, spec, opt)
-    torch.cuda.synchronize()
-    real_allocated = torch.cuda.max_memory_allocated()
-    real_reserved = torch.cuda.max_memory_reserved()
+    real_allocated, real_reserved = cuda_step_peaks(SmallConvNet(), batch, cold_cache=True)
     est = vramctl.estimate(SmallConvNet(), batch, device="cuda:0", calibration=cal)
     assert any("measured on" in n for n in est.notes)
     # The cuDNN workspace is charged at the largest ratio measured: cautious, never short.

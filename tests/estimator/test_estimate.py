@@ -9,6 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action
 
 import vramctl
+from tests.estimator.real_steps import cuda_step_peaks
 from vramctl.estimator import EstimateError, StepSpec
 from vramctl.estimator._estimate import prepare_model, run_step, warm_optimizer
 from vramctl.estimator.zoo import LstmLanguageModel
@@ -192,20 +193,11 @@ def test_model_from_a_factory_path() -> None:
 @pytest.mark.cuda
 def test_estimate_against_a_real_cuda_step() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]).cuda()
-    batch = torch.randn(256, 2048, device="cuda")
-    spec = StepSpec(autocast_device="cuda", foreach=True)
-    prepare_model(model, spec)
-    params = list(model.parameters())
-    opt = spec.make_optimizer(params)
-    assert opt is not None
-    warm_optimizer(opt, params)
-    run_step(model, batch, spec, opt)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    run_step(model, batch, spec, opt)
-    real = torch.cuda.max_memory_allocated()
+    batch = torch.randn(256, 2048)
+    real, _ = cuda_step_peaks(
+        nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]), batch, cold_cache=False
+    )
     est = vramctl.estimate(
-        nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]), batch.cpu(), device="cuda:0"
+        nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]), batch, device="cuda:0"
     )
     assert abs(est.peak_allocated - real) / real < 0.1
