@@ -108,6 +108,14 @@ def test_blank_lines_crlf_and_bad_bytes_in_json_lines(tmp_path: Path) -> None:
     assert "not valid JSON" in m.problems[0].message
 
 
+def test_a_csv_line_that_is_not_utf8_is_reported_and_reading_goes_on(tmp_path: Path) -> None:
+    p = tmp_path / "m.csv"
+    p.write_bytes(b"id,duration\na,1.5\nb\xff,2.0\nc\xc3\xa9,3.0\n")
+    m = Manifest(p)
+    assert [(i.id, i.index) for i in m] == [("a", 0), ("c\u00e9", 2)]
+    assert [(q.line, q.message) for q in m.problems] == [(3, "not valid UTF-8")]
+
+
 def test_a_missing_manifest_or_unknown_format_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="no such file"):
         Manifest(tmp_path / "nope.jsonl")

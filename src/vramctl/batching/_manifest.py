@@ -211,6 +211,11 @@ class Manifest:
                 if not row:
                     continue
                 index += 1
+                try:
+                    "".join(row).encode("utf-8")
+                except UnicodeEncodeError:  # bytes that are not UTF-8, kept as surrogates
+                    self._problem(lineno, None, "not valid UTF-8")
+                    continue
                 if len(row) != width:
                     self._problem(lineno, None, f"{len(row)} columns, the header has {width}")
                     continue
@@ -396,5 +401,6 @@ def _open_text(path: str) -> io.TextIOBase:
     if path.endswith(".gz"):
         import gzip
 
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="", buffering=1 << 20)
+        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape", newline="")
+    # Bytes that are not UTF-8 become surrogates, which the reader reports line by line.
+    return open(path, encoding="utf-8", errors="surrogateescape", newline="", buffering=1 << 20)
