@@ -69,7 +69,13 @@ def steps(out: Path) -> list[Step]:
             (300, 300),
             quick=(),
         ),
-        Step("estimate_accuracy", bench("estimate_accuracy", "--calibration", cal), (1800, 300)),
+        # The whole zoo at one batch size: both precisions and modes, each row estimated twice.
+        Step(
+            "estimate_accuracy",
+            bench("estimate_accuracy", "--calibration", cal),
+            (900, 300),
+            full=("--batches", "4"),
+        ),
         Step("oom_chaos", bench("oom_chaos", "--cotenant", "process"), (900, 300)),
         Step("fit_search", bench("fit_search"), (600, 300)),
         Step("audio_batching", bench("audio_batching"), (900, 300)),
