@@ -73,20 +73,22 @@ def _list(as_json: bool) -> None:
         )
         return
     table = Table(title=f"calibration profiles in {calibration_dir()}", title_justify="left")
-    for col in ("device", "sm", "created", "context", "cuBLAS ws", "cuDNN ws", "file"):
+    for col in ("#", "device", "sm", "created", "context", "cuBLAS", "cuDNN / output"):
         table.add_column(col)
-    for c in found:
+    for n, c in enumerate(found, 1):
         cc = f"{c.capability.major}.{c.capability.minor}" if c.capability else "?"
         table.add_row(
+            str(n),
             c.device,
             cc,
-            c.created[:19],
+            c.created[:10],
             format_bytes(c.context_bytes),
             format_bytes(c.cublas_workspace_bytes),
-            f"{c.cudnn_workspace_ratio:g} x output",
-            c.path.name if c.path else "",
+            f"{c.cudnn_workspace_ratio:g}",
         )
     console.print(table)
+    for n, c in enumerate(found, 1):
+        console.print(f"{n}: {c.path}", highlight=False, soft_wrap=True)
 
 
 @app.command()
