@@ -123,8 +123,8 @@ def calibrate(
     In a fresh process, with the GPU otherwise idle, this reads the CUDA context
     (through NVML), the cuBLAS workspace per handle and the handles a training
     step uses, the cuDNN workspace of convolutions like those of ResNet,
-    ConvNeXt and wav2vec2, and the caching allocator's segment sizes. It takes
-    seconds. The profile goes to the calibration directory
+    ConvNeXt and wav2vec2, and the caching allocator's segment sizes, with a
+    few small workloads (at most 600 s). The profile goes to the calibration directory
     ($VRAMCTL_CONFIG_DIR, else ~/.config/vramctl, then calibration/); later
     estimates for this GPU, or another of its compute capability, use it.
     'vramctl estimate --calibration off' (or VRAMCTL_CALIBRATION=off) uses the
