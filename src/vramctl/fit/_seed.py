@@ -26,7 +26,8 @@ from vramctl.device._base import Device
 from vramctl.device._capability import ComputeCapability
 from vramctl.device._simulate import SimulatedDevice
 from vramctl.estimator import Target, max_batch_size
-from vramctl.estimator._cuda_model import context_bytes
+from vramctl.estimator._calibration import find_calibration
+from vramctl.estimator._cuda_model import constants
 from vramctl.estimator._estimate import call_model
 from vramctl.fit._probe import host
 from vramctl.guard import available_bytes, total_bytes
@@ -131,8 +132,12 @@ def _unusable(
     if isinstance(mem.process_used, int) and mem.process_used > 0:
         context = max(0, mem.process_used - reserved)
     else:
-        # Not listed by NVML (another PID namespace): a modelled context once CUDA started.
-        context = context_bytes(_capability(device)) if reserved else 0
+        # Not listed by NVML (another PID namespace): a modelled context once CUDA started,
+        # from the GPU's calibration profile where there is one.
+        context = 0
+        if reserved:
+            cc = _capability(device)
+            context = constants(device.name, cc, find_calibration(device.name, cc)).context_bytes
     held = _held_bytes(model, optimizer, on_gpu=True)
     unusable = mem.used - context - (reserved - allocated) - held
     return max(0, unusable), mem.total
