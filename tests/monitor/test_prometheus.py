@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import http.client
 import socket
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -12,7 +15,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import vramctl
 from tests.fake_nvml import FakeGpu
-from vramctl.monitor import AddressError, Monitor, UsageRule, metrics_text, serve_prometheus
+from vramctl.monitor import (
+    AddressError,
+    Monitor,
+    UsageRule,
+    _prometheus,
+    metrics_text,
+    serve_prometheus,
+)
 
 MiB = 2**20
 
@@ -115,3 +125,154 @@ def test_bad_addresses(text: str) -> None:
 
     with pytest.raises(AddressError):
         parse_address(text)
+
+
+def _get(url: str, host: str | None = None, headers: dict[str, str] | None = None) -> int:
+    """GET ``url`` (with ``Host: host`` when given); returns the status."""
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.putrequest("GET", parts.path, skip_host=host is not None)
+        if host is not None:
+            conn.putheader("Host", host)
+        for name, value in (headers or {}).items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    finally:
+        conn.close()
+
+
+def test_without_a_token_only_this_machines_names_are_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A web page whose own name resolves to 127.0.0.1 (DNS rebinding) must not read it.
+    monkeypatch.delenv("VRAMCTL_TOKEN", raising=False)
+    mon = Monitor(["cpu"], interval=1.0, rules=[])
+    mon.sample()
+    srv = serve_prometheus(mon, "127.0.0.1", 0)
+    try:
+        for host in ("evil.example", f"evil.example:{srv.port}", f"127.0.0.1.nip.io:{srv.port}"):
+            assert _get(srv.url, host) == 403, host
+        for host in (f"127.0.0.1:{srv.port}", f"localhost:{srv.port}", "localhost", "[::1]:80"):
+            assert _get(srv.url, host) == 200, host
+    finally:
+        srv.close()
+    # Behind a token, any name is answered (a scraper on another machine).
+    srv = serve_prometheus(mon, "127.0.0.1", 0, token="s3cret")
+    try:
+        assert _get(srv.url, "gpu-node-1:9400") == 401
+        auth = {"Authorization": "Bearer s3cret"}
+        assert _get(srv.url, "gpu-node-1:9400", auth) == 200
+    finally:
+        srv.close()
+
+
+def test_a_port_just_freed_can_be_served_again() -> None:
+    # The endpoint closes each connection first, so a stopped one leaves its port in TIME_WAIT
+    # for a minute: served again at once, the port is not "already in use".
+    mon = Monitor(["cpu"], interval=1.0, rules=[])
+    mon.sample()
+    srv = serve_prometheus(mon, "127.0.0.1", 0)
+    port = srv.port
+    try:
+        for _ in range(3):
+            conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+            conn.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            while conn.recv(65536):  # read until the server hangs up
+                pass
+            conn.close()
+    finally:
+        srv.close()
+    again = serve_prometheus(mon, "127.0.0.1", port)
+    again.close()
+
+
+def _ipv6_loopback() -> bool:
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_served_on_ipv6_loopback() -> None:
+    mon = Monitor(["cpu"], interval=1.0, rules=[])
+    mon.sample()
+    srv = serve_prometheus(mon, "::1", 0)
+    try:
+        assert srv.url.startswith("http://[::1]:")
+        assert b"vramctl_" in urllib.request.urlopen(srv.url, timeout=5).read()
+    finally:
+        srv.close()
+
+
+def test_a_silent_client_does_not_hold_a_connection(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Connections that send nothing, or half a request, are closed after a while, quietly.
+    monkeypatch.setattr(_prometheus._QuietHandler, "timeout", 0.5)
+    mon = Monitor(["cpu"], interval=1.0, rules=[])
+    mon.sample()
+    srv = serve_prometheus(mon, "127.0.0.1", 0)
+    try:
+        for start in (b"", b"GET /metrics HTTP/1.1\r\n"):
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as conn:
+                conn.sendall(start)
+                t0 = time.monotonic()
+                assert conn.recv(100) == b""  # hung up on, not left waiting
+                assert time.monotonic() - t0 < 5
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as conn:
+            conn.sendall(b"GET /metrics HTTP/1.1\r\n")  # and a client that goes away
+        assert b"vramctl_" in urllib.request.urlopen(srv.url, timeout=5).read()
+    finally:
+        srv.close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_scrape_for_some_names_returns_them() -> None:
+    # Prometheus's ``?name[]=`` asks for some metrics only.
+    mon = Monitor(["cpu"], interval=1.0, rules=[])
+    mon.sample()
+    srv = serve_prometheus(mon, "127.0.0.1", 0)
+    try:
+        query = "?name[]=vramctl_monitor_samples_total&name[]=vramctl_memory_total_bytes"
+        text = urllib.request.urlopen(srv.url + query, timeout=5).read().decode()
+    finally:
+        srv.close()
+    assert set(families(text)) == {"vramctl_monitor_samples_total", "vramctl_memory_total_bytes"}
+
+
+def test_every_metric_is_described(gpus: list[FakeGpu]) -> None:
+    # What the registry is told a scrape may hold covers every family a scrape gives (the
+    # allocator's fragmentation and retries come from the same table as the others).
+    sim = vramctl.simulate("T4-16GB")
+    mon = Monitor(["cuda:0", sim, "cpu"], interval=1.0, rules=[UsageRule(0.001, 0.002, kind=None)])
+    mon.sample()
+    mon.record("guard", event="oom")
+    collector = _prometheus._Collector(mon)
+    described = {fam.name for fam in collector.describe()}
+    collected = {fam.name for fam in collector.collect()}
+    assert len(collected) >= 15
+    assert collected <= described
+
+
+def test_events_of_any_shape_do_not_break_a_scrape() -> None:
+    # Events recorded by hand may carry anything: the labels become strings, the scrape works.
+    mon = Monitor(["cpu"], interval=1.0, rules=[])
+    mon.sample()
+    mon.record("guard", event="oom")
+    mon.record("guard", event=None)
+    mon.record("guard", event=3)
+    mon.record("alert", level=2, rule=None)
+    fams = families(metrics_text(mon))
+    kinds = {lab["kind"]: v for lab, v in fams["vramctl_guard_events_total"]}
+    assert kinds == {"oom": 1.0, "": 1.0, "3": 1.0}
+    assert ({"level": "2", "rule": ""}, 1.0) in fams["vramctl_alerts_total"]

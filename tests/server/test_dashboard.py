@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -323,3 +325,67 @@ def test_cli_serves_until_interrupted() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- the address: DNS rebinding, restarts -----------------------------------------------------
+
+
+def get_as(url: str, host: str | None, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    """GET ``url`` with the header ``Host: host``, as a browser sends it for another name."""
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        conn.putrequest("GET", path, skip_host=True)
+        if host is not None:
+            conn.putheader("Host", host)
+        for name, value in (headers or {}).items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        resp = conn.getresponse()
+        # An event stream does not end: its first bytes are enough.
+        body = resp.read(200) if resp.status == 200 else resp.read()
+        return resp.status, body.decode()
+    finally:
+        conn.close()
+
+
+def test_without_a_token_only_this_machines_names_are_answered(
+    served: tuple[Monitor, DashboardServer],
+) -> None:
+    # A web page whose own name resolves to 127.0.0.1 (DNS rebinding) must not read the API.
+    _, server = served
+    port = server.port
+    for path in ("", "api/state", "api/stream", "metrics", "healthz", "static/dashboard.js"):
+        url = server.url + path
+        for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.nip.io:{port}"):
+            status, body = get_as(url, host)
+            assert status == 403, (path, host)
+            assert "localhost" in json.loads(body)["detail"]
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost:9000", f"[::1]:{port}"):
+            assert get_as(url, host)[0] == 200, (path, host)
+
+
+def test_with_a_token_any_name_is_answered() -> None:
+    # Behind a token (a reverse proxy, another machine's name), the Host is not checked.
+    mon = Monitor(["cpu"], interval=0.5, rules=[])
+    with serve_dashboard(mon, port=0, token=TOKEN) as server:
+        url = server.url + "api/state"
+        assert get_as(url, "dashboard.example")[0] == 401
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        assert get_as(url, "dashboard.example", auth)[0] == 200
+
+
+def test_a_port_just_freed_can_be_served_again() -> None:
+    # Stopped while a page follows it, a server closes the connection first and leaves it in
+    # TIME_WAIT on its port: the command run again at once may bind it (as uvicorn does), and
+    # the port is not "already in use".
+    mon = Monitor(["cpu"], interval=0.5, rules=[])
+    server = serve_dashboard(mon, port=0)
+    port = server.port
+    with open_stream(server.url + "api/stream") as resp:
+        server.close()
+        resp.read()  # the stream ends: the server hung up first
+    with serve_dashboard(mon, port=port) as again:
+        assert get(again.url + "healthz")[0] == 200

@@ -40,6 +40,8 @@ ARGS = [
     "--disable-component-update",
     "--disable-sync",
     "--no-first-run",
+    # A name of another site's that resolves to this machine, as DNS rebinding makes it.
+    "--host-resolver-rules=MAP rebound.example 127.0.0.1",
 ]
 
 
@@ -174,3 +176,21 @@ def test_dashboard_without_token_says_what_to_do(
     response = page.goto(server.url)
     assert response is not None and response.status == 401
     assert "token" in (page.text_content("body") or "")
+
+
+def test_dashboard_without_token_is_live_on_loopback_only(browser: Any) -> None:
+    # Without a token the page works at 127.0.0.1; a site whose name was made to resolve to
+    # 127.0.0.1 (DNS rebinding) is refused, so its scripts cannot read the API.
+    mon = Monitor(["cpu"], interval=0.2, rules=[])
+    with serve_dashboard(mon, port=0) as server:
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(server.url)
+        page.wait_for_selector("#status[data-state=live]", timeout=10_000)
+        assert page.locator('.device[data-device="cpu"] .chart canvas').count() == 1
+        assert errors == []
+        for path in ("", "api/state"):
+            response = page.goto(f"http://rebound.example:{server.port}/{path}")
+            assert response is not None and response.status == 403
+            assert "localhost" in (page.text_content("body") or "")

@@ -23,6 +23,7 @@ __all__ = [
     "TOKEN_ENV",
     "AddressError",
     "check_bind",
+    "host_allowed",
     "is_loopback",
     "parse_address",
     "token_ok",
@@ -77,6 +78,10 @@ def check_bind(host: str, port: int, token: str | None) -> str | None:
         )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        if os.name == "posix":
+            # As the servers themselves bind: a port whose last connections are in TIME_WAIT
+            # (a server just stopped) is free, while one that something listens on is not.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:
@@ -87,6 +92,33 @@ def check_bind(host: str, port: int, token: str | None) -> str | None:
                 ) from None
             raise AddressError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return token
+
+
+def host_allowed(header: str | None, bound: str = "127.0.0.1") -> bool:
+    """Whether a request's ``Host`` header names this machine's loopback (any port).
+
+    A server on 127.0.0.1 without a token answers only requests addressed to
+    ``localhost``, a loopback address or ``bound``: a web page that points a name
+    of its own at 127.0.0.1 (DNS rebinding) cannot read it. No header (HTTP/1.0)
+    is allowed.
+
+    >>> host_allowed("localhost:8765"), host_allowed("[::1]:80"), host_allowed("evil.test:8765")
+    (True, True, False)
+    """
+    if header is None:
+        return True
+    text = header.strip().lower()
+    if text.startswith("["):
+        name, sep, rest = text[1:].partition("]")
+        if not sep or (rest and not (rest[:1] == ":" and rest[1:].isdigit())):
+            return False
+    else:
+        name, sep, port = text.rpartition(":")
+        if not sep:
+            name = port
+        elif not port.isdigit():
+            return False
+    return name == "localhost" or name == bound.lower() or is_loopback(name)
 
 
 def token_ok(expected: str | None, header: str | None, query: str | None = None) -> bool:

@@ -9,6 +9,8 @@ device calls. Needs ``prometheus-client`` (``pip install 'vramctl[monitor]'``).
 from __future__ import annotations
 
 import os
+import socket
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -19,7 +21,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from vramctl._errors import VramctlError
 from vramctl._na import NA
-from vramctl.monitor._http import check_bind, token_ok
+from vramctl.monitor._http import AddressError, check_bind, host_allowed, token_ok
 
 if TYPE_CHECKING:
     from vramctl.monitor._monitor import Monitor
@@ -56,6 +58,11 @@ _PROCESS_COUNTERS = (
 )
 
 
+def _label(value: object) -> str:
+    """A label value from an event's data: a string, whatever ``Monitor.record`` was given."""
+    return "" if value is None else str(value)
+
+
 def _need_client() -> None:
     if find_spec("prometheus_client") is None:
         raise VramctlError(
@@ -68,7 +75,27 @@ class _Collector:
         self.monitor = monitor
 
     def describe(self) -> Iterable[Any]:
-        return []
+        """The families :meth:`collect` may give, without their samples.
+
+        The registry learns the names from them, so that a scrape of
+        ``/metrics?name[]=NAME`` returns those metrics (and not an empty page).
+        """
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        gauges = [name for name, _, _ in (*_DEVICE_GAUGES, *_PROCESS_GAUGES)]
+        gauges += [
+            "compute_utilization_ratio",
+            "memory_peak_used_bytes",
+            "process_memory_bytes",
+            "alerts_active",
+            "monitor_sample_seconds",
+        ]
+        counters = [name for name, _, _ in _PROCESS_COUNTERS]
+        counters += ["alerts", "guard_events", "monitor_samples"]
+        for name in gauges:
+            yield GaugeMetricFamily(f"vramctl_{name}", "")
+        for name in counters:
+            yield CounterMetricFamily(f"vramctl_{name}", "")
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -143,14 +170,14 @@ class _Collector:
         for (rule, device), level in mon.alerts.active().items():
             active.add_metric([device, rule, level.name.lower()], 1.0)
         counts = Counter(
-            (e.data.get("level", ""), e.data.get("rule", ""))
+            (_label(e.data.get("level")), _label(e.data.get("rule")))
             for e in mon.events
             if e.kind == "alert" and not e.data.get("resolved")
         )
         fired = family(CounterMetricFamily, "alerts", "Alerts fired.", ["level", "rule"])
-        for (level, rule), n in sorted(counts.items()):
-            fired.add_metric([level, rule], float(n))
-        guard = Counter(e.data.get("event", "") for e in mon.events if e.kind == "guard")
+        for (level_name, rule_name), n in sorted(counts.items()):
+            fired.add_metric([level_name, rule_name], float(n))
+        guard = Counter(_label(e.data.get("event")) for e in mon.events if e.kind == "guard")
         gfam = family(
             CounterMetricFamily,
             "guard_events",
@@ -188,8 +215,22 @@ def metrics_text(monitor: Monitor) -> str:
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that stalls (the handler's timeout) or hangs up is no error of the server's.
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handle_error(request, client_address)
+
+
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
 
 class _QuietHandler(WSGIRequestHandler):
+    #: Seconds a connection may wait on the client (its request, reading the answer):
+    #: a client that connects and sends nothing does not keep a thread for ever.
+    timeout = 10.0
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
@@ -221,6 +262,9 @@ def serve_prometheus(
 
     Binds to 127.0.0.1 by default; any other address needs ``token`` (or
     ``$VRAMCTL_TOKEN``), which scrapers send as ``Authorization: Bearer TOKEN``.
+    Without a token it answers only requests addressed to ``localhost`` or a
+    loopback address (``Host``), so that no web site can read it through DNS
+    rebinding.
     """
     _need_client()
     from prometheus_client import make_wsgi_app
@@ -229,6 +273,9 @@ def serve_prometheus(
     metrics_app = make_wsgi_app(registry(monitor))
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if required is None and not host_allowed(environ.get("HTTP_HOST"), host):
+            start_response("403 Forbidden", [("Content-Type", "text/plain")])
+            return [b"this endpoint answers only requests addressed to 127.0.0.1 or localhost\n"]
         if not token_ok(required, environ.get("HTTP_AUTHORIZATION")):
             start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer")])
             return [b"a bearer token is required\n"]
@@ -237,7 +284,11 @@ def serve_prometheus(
             return [b"metrics are at /metrics\n"]
         return metrics_app(environ, start_response)  # type: ignore[no-any-return]
 
-    server = make_server(host, port, app, _ThreadingServer, handler_class=_QuietHandler)
+    server_class = _ThreadingServer6 if ":" in host else _ThreadingServer
+    try:
+        server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+    except OSError as exc:
+        raise AddressError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     thread = threading.Thread(target=server.serve_forever, name="vramctl-metrics", daemon=True)
     thread.start()
     return MetricsServer(server, thread)

@@ -40,7 +40,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vramctl._na import NA
-from vramctl.monitor._http import AddressError, check_bind, token_ok
+from vramctl.monitor._http import AddressError, check_bind, host_allowed, token_ok
 from vramctl.monitor._monitor import Event, Monitor
 from vramctl.monitor._plot import static_file
 
@@ -274,6 +274,38 @@ class _TokenGate:
         await response(scope, receive, send)
 
 
+class _HostGate:
+    """ASGI middleware for a server on loopback without a token: only this machine's names.
+
+    A page on another site that points a name of its own at 127.0.0.1 (DNS rebinding)
+    would otherwise read the API from the user's browser; its requests carry that name
+    as their ``Host``, and are answered 403.
+    """
+
+    def __init__(self, app: ASGIApp, bound: str) -> None:
+        self.app = app
+        self.bound = bound
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        if host_allowed(Headers(scope=scope).get("host"), self.bound):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        response = JSONResponse(
+            {
+                "detail": "this vramctl server answers only requests addressed to 127.0.0.1 or "
+                "localhost; to serve it under another name, give it a token (--token)"
+            },
+            status_code=403,
+        )
+        await response(scope, receive, send)
+
+
 def _page(title: str, token: str | None) -> str:
     query = f"?token={quote(token, safe='')}" if token else ""
     return (
@@ -475,12 +507,16 @@ def serve_dashboard(
     """Serve the dashboard at ``http://HOST:PORT/`` on a daemon thread; returns the server.
 
     Binds to 127.0.0.1 by default; any other address needs ``token`` (or
-    ``$VRAMCTL_TOKEN``). A port in use is an :class:`~vramctl.monitor.AddressError`
+    ``$VRAMCTL_TOKEN``). Without a token it answers only requests addressed to
+    ``localhost`` or a loopback address (``Host``), so that no web site can read it
+    through DNS rebinding. A port in use is an :class:`~vramctl.monitor.AddressError`
     at once. ``port=0`` picks a free port (see :attr:`DashboardServer.port`).
     Starts ``monitor`` if it is not running (and stops it again on close).
     """
     required = check_bind(host, port, token)
     app = create_app(monitor, token=required, title=title, routers=routers)
+    if required is None:  # on loopback: answer this machine's names only (DNS rebinding)
+        app.add_middleware(_HostGate, bound=host)
     sock = _listen(host, port)
     real_port = int(sock.getsockname()[1])
     config = uvicorn.Config(
