@@ -267,6 +267,28 @@ def test_recordings_complete_when_their_last_chunk_arrives() -> None:
     assert stitcher.pending() == 0
 
 
+def test_recordings_that_share_an_id_are_stitched_apart() -> None:
+    # A manifest may repeat an id: its recordings are told apart by their manifest index, and
+    # their chunks, arriving interleaved, are neither mixed nor refused as added twice.
+    items = [Item("x", 25.0, index=0), Item("x", 19.0, index=1)]
+    chunks = list(chunk_items(items, max_duration=10.0, overlap=1.0))
+    order = sorted(chunks, key=lambda c: (c.chunk, c.index))  # x#0, x#0, x#1, x#1, x#2
+    stitcher = Stitcher(10.0)
+    done = []
+    for c in order:
+        frames = torch.arange(round(c.offset * 10), round((c.offset + c.duration) * 10))
+        done += [
+            (rid, len(t), torch.equal(t, torch.arange(len(t))))
+            for rid, t in stitcher.add(c, frames)
+        ]
+    assert sorted(done) == [("x", 190, True), ("x", 250, True)]
+    assert stitcher.pending() == 0
+    stitcher.add(chunks[0], torch.zeros(100))
+    stitcher.add(chunks[3], torch.zeros(100))
+    assert stitcher.discard("x", index=1) and stitcher.pending() == 1
+    assert stitcher.discard("x") and stitcher.pending() == 0
+
+
 def test_stitcher_rejects_bad_input() -> None:
     with pytest.raises(BatchingError, match="frame_rate"):
         Stitcher(0.0)

@@ -297,3 +297,113 @@ def test_an_error_in_the_model_stops_the_run_and_keeps_what_was_committed(tmp_pa
         assert store.stats().done == 4  # two batches of two, committed before the error
     resumed = process(Frames, manifest, out, loader="synthetic", devices=["cpu"])
     assert (resumed.skipped, resumed.done, resumed.lost) == (4, 8, 0)
+
+
+def test_recordings_that_share_an_id_are_each_output_once(tmp_path: Path) -> None:
+    # Long recordings with one id: their chunks, batched together, are stitched per
+    # recording (by manifest index), and one that fails does not take the others with it.
+    import numpy as np
+
+    durations = [14.0, 19.0, 14.0, 2.0] + [1.0 + (i * 0.37) % 5 for i in range(20)]
+    paths = {}
+    for i, seconds in enumerate(durations):
+        if i != 2:  # recording 2 ("x" as well) has no audio file
+            np.save(tmp_path / f"{i}.npy", synthesize(Item(f"r{i}", seconds), RATE).numpy())
+        paths[i] = f"{i}.npy"  # relative to the manifest's folder
+    manifest = tmp_path / "m.jsonl"
+    with open(manifest, "w") as f:
+        for i, seconds in enumerate(durations):
+            rid = "x" if i < 3 else f"r{i}"
+            f.write(json.dumps({"id": rid, "path": paths[i], "duration": seconds}) + "\n")
+    result = process(
+        Frames,
+        manifest,
+        tmp_path / "out.jsonl",
+        postprocess=keep,
+        budget=PaddedDuration(60.0),
+        chunk_duration=6.0,
+        devices=["cpu"],
+        num_buckets=4,
+    )
+    assert (result.done, result.failed, result.lost) == (len(durations) - 1, 1, 0)
+    lines = read_jsonl(result.output)
+    assert [line["index"] for line in lines] == [i for i in range(len(durations)) if i != 2]
+    for line in lines[:2]:
+        i = line["index"]
+        whole = full_output(Item(f"r{i}", durations[i]))
+        assert line["id"] == "x" and line["output"]["frames"] == whole.shape[0]
+        assert line["output"]["sum"] == pytest.approx(float(whole.double().sum()), abs=0.05)
+    (failed,) = read_jsonl(result.failed_path)
+    assert (failed["id"], failed["index"]) == ("x", 2) and "2.npy" in failed["reason"]
+
+
+def test_a_duration_too_long_to_be_real_is_recorded_as_failed_not_run(tmp_path: Path) -> None:
+    # 1e300 s would make 1e299 chunks: the run would never end (or run out of memory making
+    # the chunk list). It is recorded as failed, with the reason, and the rest goes on.
+    manifest = write_manifest(tmp_path / "m.jsonl", [2.0, 1e300, 3.0, 1e12])
+    result = process(
+        Frames,
+        manifest,
+        tmp_path / "out.jsonl",
+        loader="synthetic",
+        budget=PaddedDuration(12.0),
+        chunk_duration=6.0,
+        devices=["cpu"],
+    )
+    assert (result.done, result.failed, result.lost) == (2, 2, 0)
+    assert [line["id"] for line in read_jsonl(result.output)] == ["r0", "r2"]
+    failed = read_jsonl(result.failed_path)
+    assert [f["id"] for f in failed] == ["r1", "r3"]
+    assert all("chunks" in f["reason"] and "duration" in f["reason"] for f in failed)
+    again = process(
+        Frames,
+        manifest,
+        tmp_path / "out.jsonl",
+        loader="synthetic",
+        budget=PaddedDuration(12.0),
+        chunk_duration=6.0,
+        devices=["cpu"],
+    )
+    assert (again.done, again.failed, again.skipped) == (0, 0, 4)
+
+
+def test_an_output_that_is_the_manifest_is_refused(tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "m.jsonl", [1.0, 2.0])
+    before = Path(manifest).read_bytes()
+    for output, progress in ((manifest, None), (tmp_path / "out.jsonl", manifest)):
+        with pytest.raises(BatchingError, match="manifest"):
+            process(
+                Frames,
+                manifest,
+                output,
+                progress=progress,
+                loader="synthetic",
+                devices=["cpu"],
+            )
+    assert Path(manifest).read_bytes() == before
+    assert not (tmp_path / "m.progress.db").exists()
+
+
+def test_a_manifest_with_crlf_and_blank_lines_has_the_total_of_its_records(
+    tmp_path: Path,
+) -> None:
+    # The progress bar's total: CRLF blank lines, runs of blank lines and lines of spaces
+    # are no records (as the reader takes them), so a finished run reaches its total.
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_bytes(
+        b'\xef\xbb\xbf{"id": "a", "duration": 1.0}\r\n\r\n'
+        b'{"id": "b", "duration": 2.0}\r\n\r\n\r\n  \t\r\n'
+        b'{"id": "c", "duration": 1.5}\n\n\n'
+        b'{"id": "d", "duration": 1.0}'
+    )
+    statuses: list[ProcessStatus] = []
+    result = process(
+        Frames,
+        manifest,
+        tmp_path / "out.jsonl",
+        loader="synthetic",
+        devices=["cpu"],
+        on_progress=statuses.append,
+    )
+    assert (result.done, result.manifest_problems) == (4, 0)
+    assert statuses[-1].total == 4 == statuses[-1].done

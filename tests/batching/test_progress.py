@@ -613,3 +613,25 @@ def test_export_replaces_the_old_file_and_leaves_no_temporaries(tmp_path: Path) 
     umask = os.umask(0)
     os.umask(umask)
     assert mode == 0o666 & ~umask  # like any new file, not mkstemp's private 0600
+
+
+def test_an_export_killed_before_its_rename_leaves_nothing_behind_after_the_next(
+    tmp_path: Path,
+) -> None:
+    # A SIGKILL while the export writes leaves its temporary file (as big as the output);
+    # the next export to the same target removes it, but not that of a live process.
+    out = tmp_path / "res.jsonl"
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    dead = int(child.stdout)  # a process that has exited
+    stale = [tmp_path / f".res.jsonl.{dead}.0123abcd.tmp",
+             tmp_path / f".res.failed.jsonl.{dead}.89ef4567.tmp"]  # fmt: skip
+    live = tmp_path / f".res.jsonl.{os.getppid()}.00000000.tmp"
+    other = tmp_path / f".other.jsonl.{dead}.0123abcd.tmp"
+    for path in [*stale, live, other]:
+        path.write_text("half an export\n")
+    with ProgressStore(tmp_path / "p.db") as store:
+        store.commit([(0, "a", "first")])
+        store.export(out)
+    left = sorted(name for name in os.listdir(tmp_path) if not name.startswith("p.db"))
+    assert left == sorted([live.name, other.name, "res.failed.jsonl", "res.jsonl"])

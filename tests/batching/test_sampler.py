@@ -116,6 +116,51 @@ def test_a_csv_line_that_is_not_utf8_is_reported_and_reading_goes_on(tmp_path: P
     assert [(q.line, q.message) for q in m.problems] == [(3, "not valid UTF-8")]
 
 
+def test_a_byte_order_mark_does_not_cost_the_first_record(tmp_path: Path) -> None:
+    # Editors on Windows start UTF-8 files with a BOM: it is not part of the first record
+    # (JSON Lines) or of the first column's name (CSV: else every row lacks its id).
+    jl, cs = tmp_path / "m.jsonl", tmp_path / "m.csv"
+    jl.write_bytes(b'\xef\xbb\xbf{"id": "a", "duration": 1.5}\r\n{"id": "b", "duration": 2}\r\n')
+    cs.write_bytes(b"\xef\xbb\xbfid,duration\r\na,1.5\r\nb,2\r\n")
+    for path in (jl, cs):
+        m = Manifest(path)
+        assert [(i.id, i.index, i.duration) for i in m] == [("a", 0, 1.5), ("b", 1, 2.0)]
+        assert m.problems == [] and m.skipped == 0
+
+
+def test_a_record_with_other_fields_than_the_first_keeps_them(tmp_path: Path) -> None:
+    # The first record teaches the reader a fast path; a later record with as many fields
+    # but other ones (an offset, another alias, its own sample rate, extras) keeps them all.
+    p = tmp_path / "m.jsonl"
+    records = [
+        {"id": "a", "path": "a.wav", "duration": 1.0},
+        {"id": "b", "duration": 2.0, "offset": 5.0},
+        {"id": "c", "duration": 2.0, "audio_filepath": "c.wav"},
+        {"id": "d", "duration": 2.0, "text": "hi"},
+        {"id": "e", "path": "e.wav", "num_samples": 16000},
+    ]
+    p.write_text("".join(json.dumps(r) + "\n" for r in records))
+    q = tmp_path / "n.jsonl"
+    q.write_text(
+        json.dumps({"id": "a", "path": "a.wav", "num_samples": 16000}) + "\n"
+        + json.dumps({"id": "b", "num_samples": 16000, "sample_rate": 8000}) + "\n"
+    )  # fmt: skip
+    got = {i.id: i for i in Manifest(p)}
+    assert got["b"].offset == 5.0
+    assert got["c"].path == str(tmp_path / "c.wav")
+    assert got["d"].extra == {"text": "hi"}
+    assert got["e"].duration == 1.0 and got["e"].path == str(tmp_path / "e.wav")
+    assert [(i.id, i.duration) for i in Manifest(q)] == [("a", 1.0), ("b", 2.0)]
+
+
+def test_csv_problems_name_the_line_a_record_starts_on(tmp_path: Path) -> None:
+    p = tmp_path / "m.csv"
+    p.write_text('id,duration,text\na,1.0,"two\nlines"\nb,x,y\nc,1.0,"and\n\nthree"\nd,2\n')
+    m = Manifest(p)
+    assert [i.id for i in m] == ["a", "c"]
+    assert [(q.line, q.field) for q in m.problems] == [(4, "duration"), (8, None)]
+
+
 def test_a_missing_manifest_or_unknown_format_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="no such file"):
         Manifest(tmp_path / "nope.jsonl")

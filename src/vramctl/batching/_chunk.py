@@ -183,8 +183,9 @@ class Stitcher:
         if not (math.isfinite(frame_rate) and frame_rate > 0):
             raise BatchingError(f"frame_rate must be positive and finite, got {frame_rate!r}")
         self.frame_rate = float(frame_rate)
-        # recording id -> (number of chunks, {chunk position: (item, output)})
-        self._pending: dict[str, tuple[int, dict[int, tuple[Item, torch.Tensor]]]] = {}
+        # (recording id, manifest index) -> (number of chunks, {chunk position: (item, output)}).
+        # The index keeps apart two recordings of a manifest that share an id.
+        self._pending: dict[tuple[str, int], tuple[int, dict[int, tuple[Item, torch.Tensor]]]] = {}
 
     def __repr__(self) -> str:
         return f"Stitcher(frame_rate={self.frame_rate!r}, pending={self.pending()})"
@@ -193,9 +194,16 @@ class Stitcher:
         """How many recordings have some of their chunks in but not all."""
         return len(self._pending)
 
-    def discard(self, recording: str) -> bool:
-        """Drop the chunks held for ``recording`` (it failed); True if any were held."""
-        return self._pending.pop(recording, None) is not None
+    def discard(self, recording: str, index: int | None = None) -> bool:
+        """Drop the chunks held for ``recording`` (it failed); True if any were held.
+
+        ``index`` (the recording's manifest index) names one of several recordings
+        sharing the id; without it, the chunks of all of them are dropped.
+        """
+        keys = [k for k in self._pending if k[0] == recording and index in (None, k[1])]
+        for key in keys:
+            del self._pending[key]
+        return bool(keys)
 
     def add(self, item: Item, output: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Take one item's output; return the recordings it completes as ``(id, output)``.
@@ -218,7 +226,8 @@ class Stitcher:
                 f"chunk {item.id!r} has no extra['chunks'] (its recording's chunk count): "
                 "make chunks with chunk_items"
             )
-        entry = self._pending.setdefault(item.parent, (count, {}))
+        key = (item.parent, item.index)
+        entry = self._pending.setdefault(key, (count, {}))
         total, parts = entry
         if count != total or not 0 <= item.chunk < total:
             raise BatchingError(
@@ -232,7 +241,7 @@ class Stitcher:
         parts[item.chunk] = (item, output)
         if len(parts) < total:
             return []
-        del self._pending[item.parent]
+        del self._pending[key]
         return [(item.parent, self._stitch([parts[k] for k in range(total)]))]
 
     def _stitch(self, parts: list[tuple[Item, torch.Tensor]]) -> torch.Tensor:

@@ -57,6 +57,8 @@ _SAMPLES_FIELDS = ("num_samples", "samples")
 
 #: On POSIX a path is absolute exactly when it starts with "/".
 _POSIX = os.name == "posix"
+#: The UTF-8 byte order mark some editors put at the start of a file.
+_BOM = b"\xef\xbb\xbf"
 _loads: Callable[[str | bytes], Any]
 try:  # orjson parses a line in a fraction of json's time; optional
     from orjson import loads as _loads
@@ -146,8 +148,8 @@ class Manifest:
         self.sample_rate = sample_rate
         self.root = os.path.dirname(os.path.abspath(self.path))
         self._prefix = self.root + os.sep
-        #: (id field, path field, duration field, divisor, field count) of the first record.
-        self._schema: tuple[str, str | None, str, float, int] | None = None
+        #: (id field, path field, duration field, divisor, field names) of the first record.
+        self._schema: tuple[str, str | None, str, float, frozenset[str]] | None = None
         #: The first problems of the latest pass (see :data:`MAX_PROBLEMS`).
         self.problems: list[ManifestProblem] = []
         #: How many records the latest pass skipped.
@@ -182,6 +184,8 @@ class Manifest:
         # bad line), which saves decoding every line twice.
         with _open_bytes(self.path) as f:
             for lineno, line in enumerate(f, 1):
+                if lineno == 1 and line.startswith(_BOM):
+                    line = line[len(_BOM) :]  # a UTF-8 byte order mark (Windows editors)
                 try:
                     record = loads(line)
                 except ValueError as exc:
@@ -207,7 +211,11 @@ class Manifest:
                 return
             names = [h.strip() for h in header]
             width = len(names)
-            for lineno, row in enumerate(reader, 2):
+            end = reader.line_num
+            for row in reader:
+                # The line the record starts on, from the reader's count (a quoted field may
+                # span lines).
+                lineno, end = end + 1, reader.line_num
                 if not row:
                     continue
                 index += 1
@@ -243,8 +251,9 @@ class Manifest:
 
     def _item(self, record: dict[str, Any], lineno: int, index: int) -> Item | None:
         fast = self._schema
-        if fast is not None and len(record) == fast[4]:
-            # The common case: the same fields as the first record (no lookups by alias).
+        if fast is not None and record.keys() == fast[4]:
+            # The common case: the same fields as the first record (no lookups by alias). Any
+            # other field (an offset, another alias, a sample_rate, extras) takes the slow path.
             idk, pathk, durk, scale, _ = fast
             try:
                 rid, path, d = record[idk], record.get(pathk) if pathk else None, record[durk]
@@ -274,7 +283,7 @@ class Manifest:
         known = {idk, pathk, durk}
         if idk is None or any(k not in known for k in record):
             return  # other fields go to extra: the general path keeps them
-        self._schema = (idk, pathk, durk, scale, len(record))
+        self._schema = (idk, pathk, durk, scale, frozenset(record))
 
     def _item_slow(self, record: dict[str, Any], lineno: int, index: int) -> Item | None:
         rid = _first(record, _ID_FIELDS)
@@ -401,6 +410,7 @@ def _open_text(path: str) -> io.TextIOBase:
     if path.endswith(".gz"):
         import gzip
 
-        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape", newline="")
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors="surrogateescape", newline="")
     # Bytes that are not UTF-8 become surrogates, which the reader reports line by line.
-    return open(path, encoding="utf-8", errors="surrogateescape", newline="", buffering=1 << 20)
+    # utf-8-sig drops a leading byte order mark, which would else join the first column's name.
+    return open(path, encoding="utf-8-sig", errors="surrogateescape", newline="", buffering=1 << 20)

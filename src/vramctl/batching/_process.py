@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -82,6 +83,10 @@ Postprocess = Callable[[torch.Tensor, Item], Any]
 _MEMORY_EVERY = 0.5
 #: On the CPU the batch memory is capped here: larger batches buy nothing there.
 _CPU_BUDGET = 2 * 2**30
+#: A recording that would make more chunks than this is recorded as failed, not run: its
+#: duration is not believable (about 34 days at 30 s chunks; its outputs would not fit in
+#: memory for stitching anyway).
+_MAX_CHUNKS = 100_000
 
 
 def progress_path(output: str | os.PathLike[str]) -> str:
@@ -431,7 +436,12 @@ def _peak(dev: Device) -> int:
 
 
 class _Remaining:
-    """The manifest's items that the store does not hold, long ones chunked; re-iterable."""
+    """The manifest's items that the store does not hold, long ones chunked; re-iterable.
+
+    A recording that would make more than :data:`_MAX_CHUNKS` chunks is not run: its
+    duration is not believable (and its chunk list alone would exhaust memory). It goes to
+    ``rejected`` as a failure ``(index, id, reason)``, which the collector records.
+    """
 
     def __init__(
         self,
@@ -446,6 +456,11 @@ class _Remaining:
         self.overlap = overlap
         self.skipped = 0
         self.fresh = 0
+        #: Recordings refused before chunking, for the collector to record as failed.
+        #: (A deque: the sampler may run in a worker thread, the collector in the main one.)
+        self.rejected: deque[tuple[int, str, str]] = deque()
+        #: The longest recording that makes at most _MAX_CHUNKS chunks.
+        self.longest = overlap + _MAX_CHUNKS * (chunk - overlap)
 
     def __iter__(self) -> Iterator[Item]:
         self.skipped = 0
@@ -453,31 +468,56 @@ class _Remaining:
         return chunk_items(self._fresh(), max_duration=self.chunk, overlap=self.overlap)
 
     def _fresh(self) -> Iterator[Item]:
-        completed = self.completed
+        completed, longest = self.completed, self.longest
         for item in self.source:
             if item.index in completed:
                 self.skipped += 1
                 continue
             self.fresh += 1
+            if item.duration > longest:
+                self.rejected.append(
+                    (
+                        item.index,
+                        item.id,
+                        f"duration {item.duration!r} s would make more than {_MAX_CHUNKS} chunks"
+                        f" of {self.chunk:g} s (longer than {longest:g} s): check the manifest's"
+                        " duration, or raise chunk_duration",
+                    )
+                )
+                continue
             yield item
 
 
 def _count_records(path: str) -> int | None:
-    """Non-blank lines of a JSON Lines or CSV manifest (less a CSV header), read fast."""
+    """Non-blank lines of a JSON Lines or CSV manifest (less a CSV header), read fast.
+
+    A line of only white space (``\\r`` of CRLF endings included) is blank, as the
+    manifest reader takes it.
+    """
     if not os.path.isfile(path) or path.endswith(".gz"):
         return None
     lines = 0
     blank = 0
-    last = b"\n"
+    tail = b""  # the last line when it has no newline
     with open(path, "rb") as f:
         while block := f.read(1 << 22):
+            if block[-1:] != b"\n":
+                block += f.readline()  # whole lines only: a blank line is not cut in two
             lines += block.count(b"\n")
-            blank += block.count(b"\n\n")
-            last = block[-1:]
-    lines += last != b"\n"
+            if _FIRST_BLANK.match(block):  # a block starts a line: the regex below needs a \n
+                blank += 1
+            blank += len(_BLANK_LINE.findall(block))
+            tail = block[block.rfind(b"\n") + 1 :]
+    lines += bool(tail.strip())
     if path.lower().endswith(".csv"):
         lines -= 1
     return max(lines - blank, 0)
+
+
+#: A line of only white space after a newline (it is not consumed: runs of blanks count).
+_BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*(?=\n)")
+#: A block's first line of only white space.
+_FIRST_BLANK = re.compile(rb"[ \t\r\f\v]*\n")
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -556,6 +596,7 @@ def process(
     out = check_writable(output)
     check_writable(failures_path(out))
     store_path = os.fspath(progress) if progress is not None else progress_path(out)
+    _check_not_manifest(source.path, output=out, failures=failures_path(out), progress=store_path)
     run_config = {
         "chunk_duration": float(chunk_duration),
         "overlap": float(overlap),
@@ -574,6 +615,17 @@ def process(
         )  # fmt: skip
     finally:
         store.close()
+
+
+def _check_not_manifest(manifest: str, **targets: str) -> None:
+    """Refuse a file the run writes that is the manifest: it would be overwritten."""
+    source = os.path.realpath(manifest)
+    for name, target in targets.items():
+        if os.path.realpath(target) == source:
+            raise BatchingError(
+                f"the {name} file {target} is the manifest {manifest}: the run would overwrite"
+                " it; give another output path"
+            )
 
 
 def _postprocess(value: Postprocess | str) -> Postprocess:
@@ -682,7 +734,7 @@ def _run(
     total = _count_records(source.path)
     audio = AudioBatches([], sample_rate=sample_rate, loader=load)
     threads = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
-    collector = _Collector(store, post, frame_rate, sample_rate)
+    collector = _Collector(store, post, frame_rate, sample_rate, remaining.rejected)
     status = ProcessStatus(0, 0, 0, total, 0.0, 0.0, 0, 0.0, 0, 0)
     last_memory = 0.0
 
@@ -714,6 +766,7 @@ def _run(
             _run_parallel(workers, loaded, collector, report)
     finally:
         loaded.close()
+    collector.flush()  # recordings refused after the last batch
     if collector.pending():
         raise BatchingError(
             f"{collector.pending()} recording(s) have chunks missing at the end of the run:"
@@ -850,12 +903,16 @@ class _Collector:
         post: Postprocess,
         frame_rate: float | None,
         sample_rate: int,
+        rejected: deque[tuple[int, str, str]] | None = None,
     ) -> None:
         self.store = store
         self.post = post
+        #: Failures found before a batch (see _Remaining): recorded with the next commit.
+        self.rejected: deque[tuple[int, str, str]] = rejected if rejected is not None else deque()
         self.sample_rate = sample_rate
         self.stitcher: Stitcher | None = Stitcher(frame_rate) if frame_rate else None
-        self.failed_parents: set[str] = set()
+        #: Chunked recordings that failed, as (id, manifest index): ids may repeat.
+        self.failed_parents: set[tuple[str, int]] = set()
         self.done = 0
         self.failed = 0
         self.seconds = 0.0
@@ -875,20 +932,33 @@ class _Collector:
             self.stitcher = Stitcher(rate or 1.0)
         return self.stitcher
 
+    def _drain(self) -> list[tuple[int, str, str]]:
+        out = []
+        while self.rejected:
+            out.append(self.rejected.popleft())
+        return out
+
+    def flush(self) -> None:
+        """Record the failures found before any batch that no batch has carried yet."""
+        failures = self._drain()
+        if failures:
+            self.store.commit([], failures)
+            self.failed += len(failures)
+
     def take(self, batch: _Done) -> None:
         results: list[tuple[int, str, Any, float]] = []
-        failures: list[tuple[int, str, str]] = []
+        failures: list[tuple[int, str, str]] = self._drain()
         for item, reason in batch.failures:
             name = item.parent or item.id
             if item.parent is not None:
-                if name in self.failed_parents:
+                if (name, item.index) in self.failed_parents:
                     continue
-                self.failed_parents.add(name)
+                self.failed_parents.add((name, item.index))
                 if self.stitcher is not None:
-                    self.stitcher.discard(name)
+                    self.stitcher.discard(name, item.index)
             failures.append((item.index, name, reason))
         for item, output in batch.outputs:
-            if item.parent is not None and item.parent in self.failed_parents:
+            if item.parent is not None and (item.parent, item.index) in self.failed_parents:
                 continue
             for rec_id, whole in self._stitcher_for(batch.frame_rate).add(item, output):
                 rec = _recording(item, rec_id)

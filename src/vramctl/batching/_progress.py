@@ -38,10 +38,12 @@ ProgressStats(done=2, failed=1, seconds=3.5)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import operator
 import os
+import re
 import secrets
 import sqlite3
 import tempfile
@@ -815,6 +817,8 @@ class ProgressStore:
             if os.path.realpath(target) in own:
                 raise BatchingError(f"export to {target} would overwrite the progress store")
         sort = "idx" if order == "manifest" else "id, idx"
+        for target in (out, failed_out):
+            _remove_stale_temps(target)
         temps: list[str] = []
         try:
             with self._reading() as conn:
@@ -841,6 +845,40 @@ def _done_line(id_: str, index: int, output: str) -> str:
 
 def _failed_line(id_: str, index: int, reason: str) -> str:
     return f'{{"id":{_dumps(id_)},"index":{index},"reason":{_dumps(reason)}}}\n'
+
+
+def _remove_stale_temps(target: str) -> None:
+    """Remove the temporary files of exports to ``target`` by processes no longer alive.
+
+    An export killed before its rename leaves its temporary file (as big as the
+    output) behind; the next export to the same target removes it. A file of a
+    live process (another export running now) is left alone.
+    """
+    folder, name = os.path.split(target)
+    pattern = re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, entry))
+            log.info("removed %s, left by an export that was cut short", entry)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError, OverflowError):
+        return True  # another user's process, or cannot tell: keep the file
+    return True
 
 
 def _write_temp(
