@@ -407,3 +407,27 @@ def test_a_manifest_with_crlf_and_blank_lines_has_the_total_of_its_records(
     )
     assert (result.done, result.manifest_problems) == (4, 0)
     assert statuses[-1].total == 4 == statuses[-1].done
+
+
+def test_the_reported_batch_sizes_cover_the_longest_clip_exactly() -> None:
+    from vramctl.batching._budget import MemoryBudget
+    from vramctl.batching._process import _budget_info, budget_lengths
+
+    # The longest clip, 19.295 s, would round up to 19.3 s: past the budget's last anchor.
+    budget = MemoryBudget(2**30, [(5.0, 2**20, 2**20), (19.295, 2**21, 2**22)])
+    sizes = _budget_info(budget, 19.295)["max_count"]
+    assert list(sizes)[-1] == "19.3s"
+    assert all(n > 0 for n in sizes.values()), sizes
+    assert max(budget_lengths(19.295)) == 19.295
+    assert all(budget.peak(1, s) < float("inf") for s in budget_lengths(19.295))
+
+
+@pytest.mark.slow
+def test_a_demo_run_again_on_its_folder_resumes(tmp_path: Path) -> None:
+    from vramctl.batching._demo import demo
+
+    first = demo(6, output=tmp_path, squeeze=False)
+    assert first.result.done == 6
+    again = demo(6, output=tmp_path, squeeze=False)
+    assert (again.result.done, again.result.skipped, again.result.lost) == (0, 6, 0)
+    assert again.output_lines == 6

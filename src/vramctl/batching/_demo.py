@@ -37,7 +37,7 @@ from torch import nn
 from vramctl._units import format_bytes
 from vramctl.batching._adaptive import BatchingError
 from vramctl.batching._budget import MemoryBudget
-from vramctl.batching._process import ProcessResult, ProcessStatus, _budget_info, process
+from vramctl.batching._process import ProcessResult, ProcessStatus, budget_lengths, process
 from vramctl.device import Device, gpus, simulate
 from vramctl.device._simulate import SimulatedDevice
 from vramctl.guard import PeakMeter, total_bytes
@@ -218,10 +218,14 @@ def _demo(
     lengths = demo_lengths()
     picked = [lengths[i % len(lengths)] for i in range(clips)]
     manifest = os.path.join(folder, "clips.jsonl")
-    with open(manifest, "w", encoding="utf-8") as f:
-        for k, (utt, seconds) in enumerate(picked):
-            rid = utt if k < len(lengths) else f"{utt}~{k // len(lengths)}"
-            f.write(json.dumps({"id": rid, "duration": seconds}) + "\n")
+    text = "".join(
+        json.dumps(
+            {"id": utt if k < len(lengths) else f"{utt}~{k // len(lengths)}", "duration": seconds}
+        )
+        + "\n"
+        for k, (utt, seconds) in enumerate(picked)
+    )
+    _write_if_changed(manifest, text)
     longest = max(s for _, s in picked)
     capacity = total_bytes(dev)
 
@@ -244,8 +248,8 @@ def _demo(
         budget_bytes=min(capacity, 2 * 2**30) if dev.kind == "cpu" else None,
     )
     estimate_s = time.perf_counter() - t0
-    sizes = _budget_info(budget, longest)["max_count"]
-    edges = [float(k[:-1]) for k in sizes]
+    edges = budget_lengths(longest)
+    sizes = {f"{round(s, 2):g}s": budget.max_count(s) for s in edges}
 
     stage("fitting: one real step per bucket length, measured")
     fit = []
@@ -326,6 +330,22 @@ def _demo(
         output_lines=lines,
         notes=notes,
     )
+
+
+def _write_if_changed(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` unless it holds it already.
+
+    An interrupted demo's progress store knows its manifest by size and modification
+    time: the same manifest written again would look like another run's.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            if f.read() == text:
+                return
+    except (OSError, UnicodeDecodeError):
+        pass
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def _ballast(dev: Device, nbytes: int) -> torch.Tensor:

@@ -693,9 +693,18 @@ def _budget_info(budget: Budget, chunk: float) -> dict[str, Any]:
         info["budget_bytes"] = budget.budget_bytes
         info["limit_text"] = format_bytes(budget.budget_bytes)
         info["notes"] = list(budget.notes)
-    lengths = sorted({round(chunk * f, 2) for f in (0.125, 0.25, 0.5, 0.75, 1.0)})
-    info["max_count"] = {f"{s:g}s": budget.max_count(s) for s in lengths}
+    # The sizes at the exact lengths (a rounded one can be past the longest the budget
+    # covers), named by the length to the hundredth of a second.
+    info["max_count"] = {f"{round(s, 2):g}s": budget.max_count(s) for s in budget_lengths(chunk)}
     return info
+
+
+def budget_lengths(chunk: float) -> list[float]:
+    """The lengths a run reports its batch sizes at: fractions of ``chunk``, up to it."""
+    return sorted({chunk * f for f in _REPORTED_FRACTIONS})
+
+
+_REPORTED_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
 
 
 def _run(
