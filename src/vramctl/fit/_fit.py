@@ -37,9 +37,10 @@ probe that fitted. It is cached on disk (see :mod:`vramctl.fit._cache`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -154,17 +155,22 @@ def fit_batch_size(
     """
     t0 = time.perf_counter()
     upper = max
-    if not isinstance(target, int | float) or not 0 < target <= 1:
+    if not _number(target) or not 0 < target <= 1:
         raise FitError(f"target must be in (0, 1], got {target!r}")
     for name, value in (("start", start), ("max", upper)):
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is not None and (not _integer(value) or value < 1):
             raise FitError(f"{name} must be a positive integer, got {value!r}")
     if start is not None and upper is not None and start > upper:
         raise FitError(f"start ({start}) is above max ({upper})")
-    if steps_per_probe < 1 or max_probes < 1:
-        raise FitError("steps_per_probe and max_probes must be at least 1")
-    if not 0 <= tolerance < 1:
+    for name, value in (("steps_per_probe", steps_per_probe), ("max_probes", max_probes)):
+        if not _integer(value) or value < 1:
+            raise FitError(f"{name} must be an integer of at least 1, got {value!r}")
+    if not _number(tolerance) or not 0 <= tolerance < 1:
         raise FitError(f"tolerance must be in [0, 1), got {tolerance!r}")
+    if mode is not None and mode not in ("train", "infer"):
+        raise FitError(f"mode must be 'train', 'infer' or None, got {mode!r}")
+    if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
+        raise FitError(f"cache_dir must be a path, got {cache_dir!r}")
     if not callable(step) or not callable(make_batch):
         raise FitError("step and make_batch must be callables: step(batch), make_batch(size)")
     if model is None and isinstance(getattr(step, "model", None), torch.nn.Module):
@@ -227,7 +233,7 @@ def _fit(
     if cache:
         key = _cache_key(step, signature, band, dev, target, upper, model, optimizer)
         hit = _cache.load(root, key)
-        if hit is not None and _int_or_none(hit.get("batch_size")):
+        if hit is not None and (_int_or_none(hit.get("batch_size")) or 0) >= 1:
             return FitResult(
                 batch_size=hit["batch_size"],
                 peak_used=_int_or_none(hit.get("peak_used_bytes")),
@@ -324,6 +330,14 @@ def _trainable(model: torch.nn.Module) -> bool:
     return any(p.requires_grad for p in model.parameters())
 
 
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -352,8 +366,10 @@ def _sample(make_batch: Callable[[int], Any], device: Device) -> tuple[Any, int,
 def _tensors(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, torch.Tensor):
         return [tree]
-    if isinstance(tree, dict):
+    if isinstance(tree, Mapping):  # also a BatchEncoding, a UserDict
         tree = list(tree.values())
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        tree = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
     if isinstance(tree, list | tuple):
         return [t for item in tree for t in _tensors(item)]
     return []

@@ -99,15 +99,14 @@ class Prober:
         self.steps = steps
         #: Their gradients are set to None after each probe.
         self.owners = list(owners)
-        # A Guard used as the step learns a piece size from an OOM; every probe starts
-        # from the one it had, so that no probe runs split because an earlier one failed.
-        self.piece_limit = getattr(step, "piece_limit", _MISSING)
+        # A Guard used as the step learns a piece size from an OOM (and to offload
+        # activations); every probe starts from what it had, so that no probe runs split,
+        # or offloaded, because an earlier one failed.
+        self.pieces = _pieces_of(step)
 
     def __call__(self, b: int) -> Probe:
         dev = self.device
-        if self.piece_limit is not _MISSING:
-            with contextlib.suppress(AttributeError, TypeError):
-                self.step.piece_limit = self.piece_limit  # type: ignore[attr-defined]
+        _set_pieces(self.step, self.pieces)
         _settle(dev)
         base = total_bytes(dev) - available_bytes(dev)
         counters = OomCounters.read(dev)
@@ -194,7 +193,7 @@ def preserved(
         model_state = to_host(model.state_dict()) if model is not None else None
         opt_state = to_host(optimizer.state_dict()) if optimizer is not None else None
     modes = [(m, m.training) for m in model.modules()] if model is not None else []
-    piece_limit = getattr(step, "piece_limit", _MISSING)
+    pieces = _pieces_of(step)
     try:
         yield
     finally:
@@ -208,6 +207,19 @@ def preserved(
                 device.adopt(optimizer)  # the restored state was copied outside the budget
         for m, training in modes:
             m.training = training
-        if piece_limit is not _MISSING:
+        _set_pieces(step, pieces)
+
+
+#: What a :class:`vramctl.Guard` learns from an OOM about how to run a step.
+_PIECE_STATE = ("piece_limit", "_offloading")
+
+
+def _pieces_of(step: Any) -> dict[str, Any]:
+    return {name: getattr(step, name, _MISSING) for name in _PIECE_STATE}
+
+
+def _set_pieces(step: Any, pieces: dict[str, Any]) -> None:
+    for name, value in pieces.items():
+        if value is not _MISSING:
             with contextlib.suppress(AttributeError, TypeError):
-                step.piece_limit = piece_limit
+                setattr(step, name, value)

@@ -183,12 +183,21 @@ class Guard:
         on_event: Callable[[GuardEvent], None] | None = None,
         history: int = 10_000,
     ) -> None:
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        if piece_limit is not None and piece_limit < 1:
-            raise ValueError(f"piece_limit must be at least 1, got {piece_limit}")
-        if patience < 1:
-            raise ValueError(f"patience must be at least 1, got {patience}")
+        _check_arguments(
+            model,
+            optimizer,
+            reduction=reduction,
+            piece_limit=piece_limit,
+            patience=patience,
+            clip_grad_norm=clip_grad_norm,
+            history=history,
+            callables={
+                "loss_fn": loss_fn,
+                "forward": forward,
+                "weight_fn": weight_fn,
+                "on_event": on_event,
+            },
+        )
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -210,7 +219,6 @@ class Guard:
         )
         self._bn_warned = False
         self._offloading = False
-        self._counters = OomCounters.read(self.device)
         self._streak = 0
         self._wait = patience
         self._free_at_oom: int | None = None
@@ -293,55 +301,61 @@ class Guard:
         n = batch_size_of(batch)
         if self.piece_limit is not None:
             self._maybe_grow(n)
-        before = (self.ooms, self.time_lost)
+        ooms_before, lost_before = self.ooms, self.time_lost
         stash = _stash_grads(self._params)
+        try:
+            loss, limit = self._gradients(batch, n, loss_of)
+        except BaseException:
+            # An error that is not an OOM, or giving up: what this step accumulated goes,
+            # the gradients that were there before it are put back as they were.
+            _drop_grads(self._params)
+            _restore_grads(self._params, stash)
+            raise
+        _restore_grads(self._params, stash, add=True)
+        if update:
+            self._optimizer_step(n)
+        ooms = self.ooms - ooms_before
+        self.recovered += ooms
+        self._done(n, limit)
+        return StepResult(
+            loss,
+            n,
+            len(piece_sizes(n, math.ceil(n / limit))),
+            ooms,
+            self.time_lost - lost_before,
+            self._offloading,
+        )
+
+    def _gradients(
+        self, batch: Any, n: int, loss_of: Callable[[Any], torch.Tensor]
+    ) -> tuple[torch.Tensor, int]:
+        """Forward and backward over ``batch``, whole or in pieces: its loss and the piece size."""
+        loss: torch.Tensor | None = None
         if self.piece_limit is None and not self._sync and not self._offloading:
             # The common case, kept lean: the whole batch, nothing to agree on.
             t0 = time.perf_counter()
-            loss: torch.Tensor | None = None
+            counters = OomCounters.read(self.device)
             try:
                 loss = loss_of(batch)
                 self._backward(loss)
+                return loss.detach(), max(n, 1)
             except Exception as exc:
-                if not is_oom(exc, device=self.device, counters=self._counters):
-                    _restore_grads(self._params, stash)
+                if not is_oom(exc, device=self.device, counters=counters):
                     raise
                 att = _Attempt(True, exc, str(exc))
-            else:
-                _restore_grads(self._params, stash, add=True)
-                if update:
-                    self._optimizer_step(n)
-                self.steps += 1
-                self.samples += n
-                self._streak += 1
-                self._last_n = n
-                return StepResult(loss.detach(), n, 1)
             loss = None  # the failed attempt's graph goes with it
             _drop_grads(self._params)
             self._recover(att, n, n, time.perf_counter() - t0)
-        return self._split_step(batch, n, loss_of, update, stash, before)
-
-    def _split_step(
-        self,
-        batch: Any,
-        n: int,
-        loss_of: Callable[[Any], torch.Tensor],
-        update: bool,
-        stash: list[torch.Tensor | None] | None,
-        before: tuple[int, float],
-    ) -> StepResult:
-        loss: torch.Tensor | None = None
-        ooms_before, lost_before = before
         while True:
-            limit = self.piece_limit or n
+            limit = self.piece_limit or max(n, 1)
             t0 = time.perf_counter()
             att = _Attempt()
             loss = None
+            counters = OomCounters.read(self.device)
             try:
                 loss = self._accumulate(batch, n, limit, loss_of)
             except Exception as exc:
-                if not is_oom(exc, device=self.device, counters=self._counters):
-                    _restore_grads(self._params, stash)
+                if not is_oom(exc, device=self.device, counters=counters):
                     raise
                 att = _Attempt(True, exc, str(exc))
             failed = att.failed
@@ -357,27 +371,14 @@ class Guard:
             self._recover(att, n, limit, time.perf_counter() - t0, peer=not att.failed)
         if self._sync:
             average_gradients(self._params)
-        _restore_grads(self._params, stash, add=True)
-        if update:
-            self._optimizer_step(n)
-        ooms = self.ooms - ooms_before
-        self.recovered += ooms
-        self._done(n, limit)
         assert loss is not None
-        return StepResult(
-            loss,
-            n,
-            len(piece_sizes(n, math.ceil(n / limit))),
-            ooms,
-            self.time_lost - lost_before,
-            self._offloading,
-        )
+        return loss, limit
 
     def _accumulate(
         self, batch: Any, n: int, limit: int, loss_of: Callable[[Any], torch.Tensor]
     ) -> torch.Tensor:
         k = math.ceil(n / limit)
-        if k == 1:
+        if k <= 1:
             with self._piece_context():
                 loss = loss_of(batch)
                 self._backward(loss)
@@ -385,21 +386,27 @@ class Guard:
         self._warn_batchnorm()
         pieces = split_batch(batch, k, size=n)
         sizes = piece_sizes(n, k)
-        if self.weight_fn is not None:
+        mean = self.reduction == "mean"
+        if mean and self.weight_fn is not None:
             weights = [float(self.weight_fn(p)) for p in pieces]
         else:
             weights = [float(s) for s in sizes]
-        total_w = sum(weights) if self.reduction == "mean" else 1.0
+        total_w = sum(weights) if mean else 1.0
         acc: torch.Tensor | None = None
         for piece, w in zip(pieces, weights, strict=True):
-            scale = w / total_w if self.reduction == "mean" else 1.0
+            if mean and w == 0:
+                # Nothing of this piece is in a weighted mean (a piece of padding only),
+                # and its own mean would be 0/0: it is not run.
+                continue
+            scale = w / total_w if mean else 1.0
             with self._piece_context():
                 loss = loss_of(piece)
                 self._backward(loss * scale)
             part = loss.detach() * scale
             acc = part if acc is None else acc + part
             del loss
-        assert acc is not None
+        if acc is None:  # every weight was 0: the mean over nothing, as a whole batch gives
+            return torch.tensor(float("nan"))
         return acc
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -427,6 +434,7 @@ class Guard:
         opt = self.optimizer
         if opt is None:
             return
+        counters = OomCounters.read(self.device)
         try:
             if self.scaler is not None:
                 if self.clip_grad_norm is not None:
@@ -439,7 +447,7 @@ class Guard:
                     nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
                 opt.step()
         except Exception as exc:
-            if not is_oom(exc, device=self.device, counters=self._counters):
+            if not is_oom(exc, device=self.device, counters=counters):
                 raise
             att = _Attempt(True, exc, str(exc))
         else:
@@ -447,7 +455,6 @@ class Guard:
             return
         release(att.error, self.device)
         att.error = None
-        self._counters = OomCounters.read(self.device)
         self.ooms += 1
         self._emit("optimizer_oom", n, 1, 0.0, att.message)
         self._give_up(
@@ -486,20 +493,21 @@ class Guard:
         n = batch_size_of(batch)
         self._maybe_grow(n)
         ooms_before = self.ooms
-        limit = self.piece_limit or n
+        limit = self.piece_limit or max(n, 1)
         # (start, end) ranges still to run, and outputs of the ranges done.
-        todo = _ranges(0, n, limit)
+        todo = _ranges(0, n, limit) or [(0, n)]  # an empty batch runs once, whole
         done: list[tuple[int, int, Any]] = []
         while todo:
             lo, hi = todo[0]
             t0 = time.perf_counter()
             att = _Attempt()
+            counters = OomCounters.read(self.device)
             try:
                 piece = batch if (lo, hi) == (0, n) else slice_batch(batch, lo, hi, size=n)
                 out = fn(piece)
                 del piece
             except Exception as exc:
-                if not is_oom(exc, device=self.device, counters=self._counters):
+                if not is_oom(exc, device=self.device, counters=counters):
                     raise
                 att = _Attempt(True, exc, str(exc))
             if not att.failed:
@@ -535,7 +543,6 @@ class Guard:
         """
         release(att.error, self.device)
         att.error = None
-        self._counters = OomCounters.read(self.device)
         self.ooms += 0 if peer else 1
         self.time_lost += lost
         kind = "peer_oom" if peer else "oom"
@@ -594,7 +601,8 @@ class Guard:
         self.piece_limit = None if old * 2 >= n else old * 2
         self._offloading = False
         self._streak = 0
-        self._emit("grow", n, math.ceil(n / (self.piece_limit or n)), 0.0, f"from {old}", free)
+        pieces = math.ceil(n / (self.piece_limit or max(n, 1)))
+        self._emit("grow", n, pieces, 0.0, f"from {old}", free)
 
     def _done(self, n: int, limit: int) -> None:
         self._last_n = n
@@ -603,7 +611,10 @@ class Guard:
         self._streak += 1
         if limit < n:
             self.split_steps += 1
-        if self._grow_from is not None and self._streak >= 1:
+        if self._grow_from is not None and self._streak >= self.patience:
+            # The larger pieces held for ``patience`` steps: the probe up worked. An OOM
+            # before that counts as a failed probe (the wait doubles), so memory that comes
+            # and goes does not make the piece size flap.
             self._grow_from = None
             self._wait = self.patience
 
@@ -720,11 +731,59 @@ def _unwrap(model: nn.Module | None) -> nn.Module | None:
 
 
 def _params(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The model's parameters and the optimizer's (a loss's own weights), each once.
+
+    Frozen ones are included: one unfrozen later has its gradients handled too.
+    """
+    seen: dict[int, torch.Tensor] = {}
     if model is not None:
-        return [p for p in model.parameters() if p.requires_grad]
+        for p in model.parameters():
+            seen.setdefault(id(p), p)
     if optimizer is not None:
-        return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    return []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _check_arguments(
+    model: Any,
+    optimizer: Any,
+    *,
+    reduction: Any,
+    piece_limit: Any,
+    patience: Any,
+    clip_grad_norm: Any,
+    history: Any,
+    callables: dict[str, Any],
+) -> None:
+    """Clear ``ValueError``s for arguments that would otherwise fail later, or silently."""
+    if model is not None and not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not (
+        hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None))
+    ):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    for name, value, least in (
+        ("piece_limit", piece_limit, 1),
+        ("patience", patience, 1),
+        ("history", history, 0),
+    ):
+        if value is None and name == "piece_limit":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer of at least {least}, got {value!r}")
+    if clip_grad_norm is not None and (
+        isinstance(clip_grad_norm, bool)
+        or not isinstance(clip_grad_norm, int | float)
+        or not clip_grad_norm > 0  # a negative norm would flip the gradients' sign
+    ):
+        raise ValueError(f"clip_grad_norm must be a positive number, got {clip_grad_norm!r}")
+    for name, fn in callables.items():
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be callable, got {fn!r}")
 
 
 def _available(device: Device) -> int | None:

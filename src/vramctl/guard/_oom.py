@@ -62,7 +62,8 @@ class OomCounters:
 def _cuda_ooms(device: Device | None) -> int:
     if device is None or device.kind not in ("cuda", "mig") or not torch.cuda.is_initialized():
         return 0
-    stats = torch.cuda.memory_stats(device.index)
+    # Read before every attempt: the nested form skips flattening the whole stats tree.
+    stats = torch.cuda.memory_stats_as_nested_dict(device.index)
     return int(stats.get("num_ooms", 0))
 
 

@@ -1,9 +1,10 @@
 """Splitting a batch into pieces along its first dimension, and putting outputs back together.
 
 A batch is a tensor, or a (nested) tuple, list, dict, named tuple or
-dataclass of them. Its size is the first dimension of its first tensor; every
-tensor whose first dimension has that size is cut, and so is every list of
-non-tensor items (texts, ids) of that length. Everything else (a mask shared by
+dataclass of them. Its size is the first dimension of its first tensor that has
+one (0-dimensional tensors are scalars); every tensor whose first dimension has
+that size is cut, and so is every list of that length whose items hold no
+tensor (texts, ids, lists of token ids). Everything else (a mask shared by
 every sample, a flag) is given whole to every piece. Pieces are contiguous and
 in order, so every sample is in exactly one piece.
 
@@ -31,8 +32,9 @@ __all__ = ["batch_size_of", "merge_outputs", "piece_sizes", "slice_batch", "spli
 
 
 def _first_tensor(tree: Any) -> torch.Tensor | None:
+    """The first tensor with a first dimension (a 0-dimensional one, a scalar, has none)."""
     if isinstance(tree, torch.Tensor):
-        return tree
+        return tree if tree.dim() > 0 else None
     if isinstance(tree, tuple | list):
         items: Any = tree
     elif isinstance(tree, Mapping):
@@ -51,7 +53,7 @@ def _first_tensor(tree: Any) -> torch.Tensor | None:
 def batch_size_of(batch: Any) -> int:
     """The number of samples in a batch: the first dimension of its first tensor."""
     first = _first_tensor(batch)
-    if first is None or first.dim() == 0:
+    if first is None:
         raise VramctlError(
             "the batch has no tensor with a batch dimension to split; pass a tensor, or a "
             "tuple, list, dict or dataclass holding tensors whose first dimension is the batch"
@@ -66,9 +68,41 @@ def piece_sizes(n: int, pieces: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(k)]
 
 
+def _has_tensor(tree: Any) -> bool:
+    if isinstance(tree, torch.Tensor):
+        return True
+    if isinstance(tree, Mapping):
+        return any(_has_tensor(v) for v in tree.values())
+    if isinstance(tree, tuple | list):
+        return any(_has_tensor(v) for v in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return any(_has_tensor(getattr(tree, f.name)) for f in dataclasses.fields(tree))
+    return False
+
+
 def _is_leaf_list(x: Any) -> bool:
-    return isinstance(x, list) and not any(
-        isinstance(i, torch.Tensor | Mapping | tuple | list) for i in x
+    """A list of per-sample records without tensors: texts, ids, lists of token ids, dicts."""
+    return isinstance(x, list) and not any(_has_tensor(i) for i in x)
+
+
+def _is_sample_list(outputs: Sequence[Any], sizes: Sequence[int]) -> bool:
+    """Lists of one item per sample (to join), rather than lists of outputs (to merge by position).
+
+    Every piece's list has the piece's length, and no position holds a tensor
+    batch-shaped in every piece (``[logits, hidden]`` is a list of outputs).
+    """
+    if not all(isinstance(o, list) and len(o) == s for o, s in zip(outputs, sizes, strict=True)):
+        return False
+    if _is_leaf_list(outputs[0]):
+        return True
+    if len({len(o) for o in outputs}) > 1:
+        return True  # lists of outputs have as many items in every piece
+    return not any(
+        all(
+            isinstance(o[j], torch.Tensor) and o[j].dim() > 0 and o[j].shape[0] == s
+            for o, s in zip(outputs, sizes, strict=True)
+        )
+        for j in range(len(outputs[0]))
     )
 
 
@@ -164,9 +198,7 @@ def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int], *, reduction: st
                 for f in dataclasses.fields(first)
             },
         )
-    if _is_leaf_list(first) and all(
-        isinstance(o, list) and len(o) == s for o, s in zip(outputs, sizes, strict=True)
-    ):
+    if _is_sample_list(outputs, sizes):
         return [item for o in outputs for item in o]
     if isinstance(first, tuple | list):
         cols = [
