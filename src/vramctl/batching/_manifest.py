@@ -148,8 +148,8 @@ class Manifest:
         self.sample_rate = sample_rate
         self.root = os.path.dirname(os.path.abspath(self.path))
         self._prefix = self.root + os.sep
-        #: (id field, path field, duration field, divisor, field names) of the first record.
-        self._schema: tuple[str, str | None, str, float, frozenset[str]] | None = None
+        #: (id field, path field, duration field, divisor, field count) of the first record.
+        self._schema: tuple[str, str | None, str, float, int] | None = None
         #: The first problems of the latest pass (see :data:`MAX_PROBLEMS`).
         self.problems: list[ManifestProblem] = []
         #: How many records the latest pass skipped.
@@ -251,12 +251,13 @@ class Manifest:
 
     def _item(self, record: dict[str, Any], lineno: int, index: int) -> Item | None:
         fast = self._schema
-        if fast is not None and record.keys() == fast[4]:
-            # The common case: the same fields as the first record (no lookups by alias). Any
-            # other field (an offset, another alias, a sample_rate, extras) takes the slow path.
+        if fast is not None and len(record) == fast[4]:
+            # The common case: the same fields as the first record (no lookups by alias). As
+            # many fields, each of the first record's present, are the same fields: any other
+            # (an offset, another alias, a sample_rate, extras) takes the slow path.
             idk, pathk, durk, scale, _ = fast
             try:
-                rid, path, d = record[idk], record.get(pathk) if pathk else None, record[durk]
+                rid, path, d = record[idk], record[pathk] if pathk else None, record[durk]
                 duration = float(d) / scale
             except (KeyError, TypeError, ValueError):
                 pass
@@ -283,7 +284,7 @@ class Manifest:
         known = {idk, pathk, durk}
         if idk is None or any(k not in known for k in record):
             return  # other fields go to extra: the general path keeps them
-        self._schema = (idk, pathk, durk, scale, frozenset(record))
+        self._schema = (idk, pathk, durk, scale, len(record))
 
     def _item_slow(self, record: dict[str, Any], lineno: int, index: int) -> Item | None:
         rid = _first(record, _ID_FIELDS)
