@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -48,6 +49,14 @@ def user_errors(fn: F) -> F:
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def check_seconds(option: str, value: float, example: str, *, zero: bool = False) -> float:
+    """``value`` of ``option`` as a finite number of seconds, positive (or 0 with ``zero``)."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        what = "0 or more" if zero else "a positive number of"
+        raise VramctlError(f"{option} {value:g}: give {what} seconds, e.g. {option} {example}")
+    return value
 
 
 def _version(value: bool) -> None:
@@ -110,8 +119,10 @@ def status(
     temperature and power where NVML gives them; and the processes using it.
     Readings a device cannot give show as N/A (null in JSON).
     """
-    if watch is not None and watch <= 0:
-        raise VramctlError(f"--watch {watch:g}: give a positive number of seconds, e.g. --watch 2")
+    if watch is not None:
+        check_seconds("--watch", watch, "2")
+    elif count is not None:
+        raise VramctlError(f"--count {count} counts the readings of --watch: add --watch SECONDS")
     devs = [vramctl.get_device(d) for d in device] if device else vramctl.devices()
     limit = processes
 
@@ -128,6 +139,14 @@ def status(
         if as_json:
             while True:
                 _emit_json(status_json(snapshot(devs, limit)), indent=False)
+                readings += 1
+                if count is not None and readings >= count:
+                    return
+                time.sleep(watch)
+        if not console.is_terminal:
+            # A pipe or a file: a live view would show nothing until the end; print each reading.
+            while True:
+                console.print(status_view(snapshot(devs, limit), watch))
                 readings += 1
                 if count is not None and readings >= count:
                     return
@@ -157,16 +176,20 @@ def devices_cmd(
         ),
     ] = None,
     policy: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--policy",
-            help="With --select: most-free, least-loaded or best-fit.",
+            help="With --select: most-free (the default), least-loaded or best-fit.",
+            show_default=False,
         ),
-    ] = Policy.MOST_FREE.value,
+    ] = None,
     target: Annotated[
-        float,
-        typer.Option(help="With --select: the highest fraction of a device's memory to fill."),
-    ] = 0.9,
+        float | None,
+        typer.Option(
+            help="With --select: the highest fraction of a device's memory to fill (default: 0.9).",
+            show_default=False,
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """List the devices, or choose one with room for --select SIZE.
@@ -175,6 +198,11 @@ def devices_cmd(
     CPU, saying why, when no GPU fits or there is none.
     """
     if select is None:
+        for option, value in (("--policy", policy), ("--target", target)):
+            if value is not None:
+                raise VramctlError(
+                    f"{option} {value} only applies to a choice: add --select SIZE (e.g. 12GiB)"
+                )
         devs = vramctl.devices()
         if as_json:
             rows = [{**d.to_dict(), "memory": d.memory().to_dict()} for d in devs]
@@ -198,7 +226,11 @@ def devices_cmd(
         console.print(table)
         return
 
-    sel = vramctl.rank_devices(select, policy=policy, target=target)
+    sel = vramctl.rank_devices(
+        select,
+        policy=Policy.MOST_FREE.value if policy is None else policy,
+        target=0.9 if target is None else target,
+    )
     if as_json:
         _emit_json({"schema": "vramctl.selection/1", **sel.to_dict()}, indent=True)
         return
@@ -401,12 +433,16 @@ def estimate_cmd(
             )
 
 
-def _calibration_arg(text: str | None) -> str | bool | None:
+def _calibration_arg(text: str | None) -> Any:
     if text is None or text.strip().lower() == "auto":
         return None
     if text.strip().lower() in ("off", "none", "builtin", "built-in"):
         return False
-    return text
+    from vramctl.estimator._calibration import load_calibration
+
+    # Read the profile now: a missing or broken file is an error for every --device,
+    # not only for the GPU targets that use the constants.
+    return load_calibration(text)
 
 
 def _list_zoo(zoo: Any, as_json: bool) -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -51,8 +54,21 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[Any], None]]:
         finished = status.done + status.failed + status.skipped
         bar.update(task, completed=finished, total=status.total, stats=_stats_text(status))
 
-    with bar:
+    bar.start()
+    failed = False
+    try:
         yield update
+    except Exception:
+        failed = True
+        raise
+    finally:
+        if failed:
+            # An error (bad input found by the library, a failed run) is then the last line
+            # to read, not under a progress bar frozen at 0/?: take the bar off the screen.
+            bar.live.transient = True
+            bar.live.stop()
+        else:
+            bar.stop()
 
 
 @contextlib.contextmanager
@@ -82,8 +98,9 @@ def _load_model(spec: str) -> Callable[[], Any]:
         entry = zoo.get(spec)
         if entry.inputs != "audio":
             audio = [n for n in zoo.names() if zoo.get(n).inputs == "audio"]
+            names = sorted({*audio, *MODELS})
             raise VramctlError(
-                f"{spec} takes {entry.inputs}, not audio: use {', '.join([*audio, *MODELS])},"
+                f"{spec} takes {entry.inputs}, not audio: use {', '.join(names)},"
                 " or 'package.module:factory'"
             )
         return entry.build
@@ -102,10 +119,28 @@ def _budget(text: str | None) -> Any:
     try:
         seconds = float(number)
     except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
         raise VramctlError(
-            f"--budget {text!r}: give seconds of padded audio per batch, like 600s"
-        ) from None
+            f"--budget {text!r}: give a positive number of seconds of padded audio per batch, "
+            "like 600s"
+        )
     return PaddedDuration(seconds)
+
+
+def _check_process_options(target: float, chunk: float, overlap: float) -> None:
+    if not (math.isfinite(target) and 0 < target <= 1):
+        raise VramctlError(
+            f"--target {target:g}: give the share of free memory for a batch as a fraction "
+            "in (0, 1], e.g. --target 0.9"
+        )
+    if not (math.isfinite(chunk) and chunk > 0):
+        raise VramctlError(f"--chunk {chunk:g}: give a positive number of seconds, e.g. --chunk 30")
+    if not (math.isfinite(overlap) and 0 <= overlap < chunk / 2):
+        raise VramctlError(
+            f"--overlap {overlap:g}: give 0 or more seconds, less than half of --chunk "
+            f"({chunk:g} s), e.g. --overlap 1"
+        )
 
 
 @contextlib.contextmanager
@@ -212,6 +247,7 @@ def process_cmd(
     """
     from vramctl.batching import process
 
+    _check_process_options(target, chunk, overlap)
     factory = _load_model(model)
     bar = progress_bar(not quiet and not as_json)
     with _devices(device) as devs, _quiet_library_log(), bar as update:
@@ -256,6 +292,21 @@ def process_cmd(
         console.print(f"... {result.manifest_problems - 10} more bad manifest records")
 
 
+def _check_folder(option: str, path: str) -> None:
+    """``path`` is a folder, or one that can be made, and can be written in."""
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise VramctlError(f"{option} {path!r}: a file, not a folder; give a folder's path")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise VramctlError(
+            f"{option} {path!r}: cannot write there: {exc.strerror or exc}; "
+            "choose a folder in a writable place"
+        ) from None
+
+
 @app.command("demo")
 @user_errors
 def demo_cmd(
@@ -291,7 +342,12 @@ def demo_cmd(
     squeeze) and is given back later: the guard recovers every batch that no longer fits.
     Takes about a minute on a CPU with the defaults.
     """
-    from vramctl.batching._demo import demo
+    from vramctl.batching._demo import MODELS, demo
+
+    if model is not None and model not in MODELS:
+        raise VramctlError(f"--model {model!r}: the demo runs {' or '.join(MODELS)}")
+    if output is not None:
+        _check_folder("--output", output)
 
     def stage(text: str) -> None:
         if not as_json:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from vramctl import format_bytes
+from vramctl import VramctlError, format_bytes
 from vramctl.cli._app import _emit_json, app, console, err, user_errors
 from vramctl.estimator import _cuda_model
 from vramctl.estimator._calibration import (
@@ -91,6 +92,29 @@ def _list(as_json: bool) -> None:
         console.print(f"{n}: {c.path}", highlight=False, soft_wrap=True)
 
 
+def _check_out(out: Path, save: bool) -> None:
+    """Refuse an --out the profile cannot be written to before measuring, not after."""
+    if not save:
+        raise VramctlError(
+            f"--out {str(out)!r} saves the profile and --no-save saves none: drop one of them"
+        )
+    target = out.expanduser()
+    if target.is_dir():
+        raise VramctlError(f"--out {str(out)!r}: a folder; give the profile's file name")
+    parent = target.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # the folders still missing are made when it is saved
+    try:
+        if not parent.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as exc:
+        raise VramctlError(
+            f"--out {str(out)!r}: cannot write there: {exc.strerror or exc}; "
+            "choose a path in a writable folder"
+        ) from None
+
+
 @app.command()
 @user_errors
 def calibrate(
@@ -138,6 +162,8 @@ def calibrate(
         return
     from vramctl.estimator import calibrate as run_calibration
 
+    if out is not None:
+        _check_out(out, save)
     with err.status("measuring the GPU's CUDA constants in a fresh process", spinner="dots"):
         cal = run_calibration(device, path=out, save=save)
     if as_json:

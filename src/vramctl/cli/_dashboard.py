@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from vramctl import VramctlError
-from vramctl.cli._app import app, console, err, user_errors
+from vramctl.cli._app import app, check_seconds, console, err, user_errors
 
 __all__ = ["dashboard_cmd"]
 
@@ -85,11 +85,7 @@ def dashboard_cmd(
 
       vramctl dashboard --host 0.0.0.0 --token "$(openssl rand -hex 16)"
     """
-    if not interval > 0:
-        raise VramctlError(
-            f"--interval {interval:g}: give a positive number of seconds between samples, "
-            "e.g. --interval 0.5"
-        )
+    check_seconds("--interval", interval, "0.5")
     _need_server()
     from vramctl.monitor import Monitor
     from vramctl.server import serve_dashboard

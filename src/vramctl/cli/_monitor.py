@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -15,13 +16,14 @@ import typer
 from rich.table import Table
 
 from vramctl import NA, format_bytes
-from vramctl.cli._app import app, console, err, user_errors
+from vramctl.cli._app import app, check_seconds, console, err, user_errors
 from vramctl.monitor import (
     Event,
     ExportError,
     FragmentationRule,
     Level,
     Monitor,
+    MonitorError,
     OomRiskRule,
     RetriesRule,
     Rule,
@@ -49,11 +51,37 @@ def _open_jsonl(path: Path) -> IO[str]:
 
 
 def _check_plot(path: Path) -> None:
+    """Refuse a plot path that cannot be written now, not after the whole run."""
     if path.suffix.lower() not in (".html", ".htm", ".png"):
         raise ExportError(f"--plot {str(path)!r}: use a .html or .png file name")
     parent = path.resolve().parent
     if not parent.is_dir():
         raise ExportError(f"--plot {str(path)!r}: the directory {str(parent)!r} does not exist")
+    existed = path.exists()
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ExportError(
+            f"--plot {str(path)!r}: cannot write there: {exc.strerror or exc}; "
+            "choose a path in a writable directory"
+        ) from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def _check_levels(kind: str, warning: float, critical: float) -> None:
+    for level, value in (("warning", warning), ("critical", critical)):
+        if not (math.isfinite(value) and 0 < value <= 1):
+            raise MonitorError(
+                f"--{kind}-{level} {value:g}: a memory level is a fraction of capacity between "
+                "0 and 1 (for 80% write 0.8)"
+            )
+    if warning > critical:
+        raise MonitorError(
+            f"--{kind}-warning {warning:g} is above --{kind}-critical {critical:g}: "
+            "the warning level comes first"
+        )
 
 
 def _line(samples: list[dict[str, Any]]) -> str:
@@ -195,10 +223,15 @@ def monitor_cmd(
 
       vramctl monitor -d cpu -i 0.5 --duration 60 --jsonl mem.jsonl --plot mem.html
     """
+    check_seconds("--interval", interval, "0.5")
+    if duration is not None:
+        check_seconds("--duration", duration, "60")
+    _check_levels("gpu", gpu_warning, gpu_critical)
+    _check_levels("host", host_warning, host_critical)
+    check_seconds("--hold", hold, "5", zero=True)
+    check_seconds("--horizon", horizon, "60")
     rules = _rules(gpu_warning, gpu_critical, host_warning, host_critical, hold, horizon)
     mon = Monitor(device or None, interval, rules=rules)
-    if duration is not None and duration <= 0:
-        raise ExportError(f"--duration {duration:g}: give a positive number of seconds")
     if plot is not None:
         _check_plot(plot)
     sink = _open_jsonl(jsonl) if jsonl is not None else None
@@ -241,7 +274,11 @@ def monitor_cmd(
 
     mon.subscribe(on_event)
     # Alerts are shown through the subscriber; keep the library's log lines off the terminal.
+    # A logger that neither propagates nor has a handler falls back to logging.lastResort,
+    # which would print every alert a second time: give it a handler that drops them.
     library_log = logging.getLogger("vramctl.monitor")
+    silence = logging.NullHandler()
+    library_log.addHandler(silence)
     library_log.propagate = False
     started = time.monotonic()
     seen = 0
@@ -262,6 +299,7 @@ def monitor_cmd(
             server.close()
         if sink is not None:
             sink.close()
+        library_log.removeHandler(silence)
         library_log.propagate = True
     if plot is not None:
         mon.export(plot)

@@ -28,7 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vramctl import NA, Device, MemoryState, NotAvailable, ProcessMemory, VramctlError, format_bytes
-from vramctl.cli._app import app, console, user_errors
+from vramctl.cli._app import app, check_seconds, console, user_errors
 from vramctl.cli._render import _bar, _pct
 from vramctl.monitor import Event, Monitor
 
@@ -586,10 +586,7 @@ def top_cmd(
 
         vramctl top --interval 0.5 --device cuda:0 --sort pid
     """
-    if not interval > 0:
-        raise VramctlError(
-            f"--interval {interval:g}: give a positive number of seconds, e.g. --interval 1"
-        )
+    check_seconds("--interval", interval, "1")
     state = TopState(sort=_check_sort(sort), reverse=reverse)
     monitor = Monitor(
         device or None, interval, history=max(SPARK_SAMPLES * 2, 120), processes=processes
