@@ -88,3 +88,28 @@ def test_demo_runs_end_to_end_and_loses_nothing(tmp_path: Path) -> None:
     assert doc["peak_bytes"] <= doc["capacity_bytes"]
     assert doc["fit"] and all(f["measured_bytes"] <= f["predicted_bytes"] for f in doc["fit"])
     assert (tmp_path / "outputs.jsonl").exists()
+
+
+def test_process_takes_a_model_class_as_its_factory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "tinyclass.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Frames(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.conv = nn.Conv1d(1, 4, 320, stride=320)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.conv(x.unsqueeze(1))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(
+        "".join(json.dumps({"id": f"c{i}", "duration": 1.0}) + "\n" for i in range(3))
+    )
+    out = tmp_path / "out.jsonl"
+    args = ["process", "tinyclass:Frames", str(manifest), str(out), "--loader", "synthetic"]
+    result = runner.invoke(app, [*args, "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["done"] == 3
+    assert len(out.read_text().splitlines()) == 3

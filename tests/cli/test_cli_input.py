@@ -7,6 +7,9 @@ pipe, an alert once, no progress bar left above an error.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +178,17 @@ def test_devices_select_keeps_its_defaults() -> None:
     result = runner.invoke(app, ["devices", "--select", "1MiB", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["device"]["id"]
+
+
+@pytest.mark.slow
+def test_estimate_prints_no_transformers_config_warnings() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "vramctl", "estimate", "gpt2", "--batch", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={k: v for k, v in os.environ.items() if k != "TRANSFORMERS_VERBOSITY"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "[transformers]" not in proc.stderr and "loss_type" not in proc.stderr
+    assert json.loads(proc.stdout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -145,3 +146,28 @@ def test_prometheus_endpoint_of_a_running_command() -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGTERM as a signal is POSIX")
+def test_sigterm_stops_monitor_as_ctrl_c_does(tmp_path: Path) -> None:
+    plot = tmp_path / "memory.html"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "vramctl", "monitor", "-d", "cpu", "-i", "0.2", "--json"),
+            *("--duration", "120", "--plot", str(plot)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())  # started and sampling
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert plot.exists() and "plot written to" in stderr

@@ -506,14 +506,15 @@ class ProgressStore:
         if not resume:
             raise BatchingError(
                 f"progress store {self.path} already holds a run ({done} done, {failed} failed):"
-                " pass resume=True to continue it, overwrite=True to discard it, or a new path"
+                " continue it (resume=True; vramctl process without --restart), discard it"
+                " (overwrite=True, or delete the file), or give a new output path"
             )
         differences = self._differences(meta, identity, config_json)
         if differences:
             raise BatchingError(
                 f"progress store {self.path} belongs to a different run ({done} done, {failed}"
                 f" failed): {'; '.join(differences)}. To start over, delete {self.path} or"
-                " pass a new output path (or open it with resume=False, overwrite=True); to"
+                " give a new output path; to"
                 " continue it, use the manifest and config it was made with"
             )
         return meta

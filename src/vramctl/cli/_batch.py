@@ -88,6 +88,8 @@ def _quiet_library_log() -> Iterator[None]:
 
 
 def _load_model(spec: str) -> Callable[[], Any]:
+    from torch import nn
+
     from vramctl.batching._demo import MODELS, build_model
     from vramctl.estimator import zoo
     from vramctl.estimator._estimate import load_model_source
@@ -105,9 +107,9 @@ def _load_model(spec: str) -> Callable[[], Any]:
             )
         return entry.build
     _, source = load_model_source(spec)
-    if callable(source) and not hasattr(source, "parameters"):
-        return source  # a factory
-    return lambda: source
+    if isinstance(source, nn.Module):
+        return lambda: source
+    return source  # a factory: a function, or an nn.Module class
 
 
 def _budget(text: str | None) -> Any:

@@ -75,7 +75,7 @@ def dashboard_cmd(
     vramctl did (OOMs the guard recovered, leaks). It updates live from the
     server and needs no internet access: its chart library is bundled.
 
-    It serves /metrics for Prometheus too. Runs until Ctrl-C.
+    It serves /metrics for Prometheus too. Runs until Ctrl-C (or SIGTERM).
 
     Examples:
 

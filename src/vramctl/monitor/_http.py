@@ -88,7 +88,7 @@ def check_bind(host: str, port: int, token: str | None) -> str | None:
             if exc.errno == errno.EADDRINUSE:
                 raise AddressError(
                     f"port {port} on {host} is already in use: choose another port "
-                    f"(e.g. :{port + 1}), or stop what holds it"
+                    f"(e.g. {port + 1}), or stop what holds it"
                 ) from None
             raise AddressError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return token
