@@ -42,6 +42,29 @@ def test_parse_size_refuses_negative_sizes(bad: object) -> None:
         parse_size(bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bad", ["1e400", "1e308T", "9e307KiB", float("inf"), 1e308 * 10])
+def test_parse_size_refuses_sizes_too_large_for_a_float(bad: object) -> None:
+    # "1e400" reads as infinity: one InvalidSizeError, not an OverflowError.
+    with pytest.raises(InvalidSizeError) as err:
+        parse_size(bad)  # type: ignore[arg-type]
+    assert repr(bad) in str(err.value) and "GiB" in str(err.value)
+
+
+def test_parse_size_keeps_large_byte_counts_exact() -> None:
+    assert parse_size(2**60 + 1) == 2**60 + 1
+    assert parse_size(10**400) == 10**400
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("16GiB", True), ("-3GiB", True), (" .5G", True), ("+1G", True), ("T4-16GB", False)],
+)
+def test_looks_like_size_tells_sizes_from_names(text: str, expected: bool) -> None:
+    from vramctl._units import looks_like_size
+
+    assert looks_like_size(text) is expected
+
+
 def test_format_bytes_matches_pytorch_style() -> None:
     assert format_bytes(512) == "512 bytes"
     assert format_bytes(20 * 2**20) == "20.00 MiB"

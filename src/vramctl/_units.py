@@ -53,9 +53,13 @@ def parse_size(value: int | float | str) -> int:
     """
     if isinstance(value, bool):
         raise InvalidSizeError(f"invalid size {value!r}: use {SIZE_FORMS}")
-    if isinstance(value, int | float):
-        number, unit = float(value), ""
-        if isinstance(value, float) and not math.isfinite(value):
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidSizeError(f"invalid size {value!r}: a size cannot be negative")
+        return value
+    if isinstance(value, float):
+        number, unit = value, ""
+        if not math.isfinite(value):
             raise InvalidSizeError(f"invalid size {value!r}: use {SIZE_FORMS}")
     else:
         text = str(value).strip()
@@ -67,7 +71,23 @@ def parse_size(value: int | float | str) -> int:
         number, unit = float(match.group(1)), match.group(2).lower()
     if number < 0:
         raise InvalidSizeError(f"invalid size {value!r}: a size cannot be negative")
-    return round(number * _UNITS[unit])
+    size = number * _UNITS[unit]
+    if not math.isfinite(size):
+        # "1e400" reads as infinity, which is no byte count.
+        raise InvalidSizeError(f"invalid size {value!r}: too large; use {SIZE_FORMS}")
+    return round(size)
+
+
+_SIZE_LIKE_RE = re.compile(r"^\s*[-+]?\.?[0-9]")
+
+
+def looks_like_size(text: str) -> bool:
+    """Whether ``text`` is meant as a size (``"16GiB"``, ``"-3GiB"``, ``".5G"``), not a name.
+
+    Callers that take a name or a size give such text to :func:`parse_size`,
+    which says what is wrong with a bad one (a negative size, an unknown unit).
+    """
+    return _SIZE_LIKE_RE.match(text) is not None
 
 
 def format_bytes(n: int | float | NotAvailable, *, signed: bool = False) -> str:

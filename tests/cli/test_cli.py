@@ -161,6 +161,9 @@ def test_catalog_json_lists_the_simulated_gpus() -> None:
     [
         (["devices", "--select", "12 gigs"], "invalid size '12 gigs'"),
         (["devices", "--select", "-3GiB"], "cannot be negative"),
+        (["devices", "--select", "1e400"], "invalid size '1e400'"),
+        (["estimate", "lstm", "--device", "-3GiB"], "invalid size '-3GiB': a size cannot be"),
+        (["estimate", "lstm", "--device", "sim:-3GiB"], "cannot be negative"),
         (["devices", "--select", "1GiB", "--policy", "random"], "unknown policy 'random'"),
         (["status", "--device", "cuda:7"], "unknown device 'cuda:7'"),
         (["status", "--watch", "0"], "--watch 0"),
@@ -239,3 +242,12 @@ def test_estimate_bad_input_exits_2_with_the_fix() -> None:
     assert r.exit_code == 2 and "1,8,32" in r.output
     r = CliRunner().invoke(app, ["estimate", "--list"])
     assert r.exit_code == 0 and "wav2vec2-base" in r.output
+
+
+@pytest.mark.slow
+def test_estimate_max_length_says_when_it_is_the_models_limit() -> None:
+    from vramctl.cli._app import app
+
+    r = runner.invoke(app, ["estimate", "gpt2", "--max-length", "--device", "H100-80GB"])
+    assert r.exit_code == 0, r.output
+    assert "longest seq_len at batch 1: 1024 (the model's limit)" in " ".join(r.stdout.split())

@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 import vramctl
-from vramctl import SimulatedOutOfMemoryError, UnknownDeviceError, VramctlError
+from vramctl import (
+    InvalidSizeError,
+    SimulatedOutOfMemoryError,
+    UnknownDeviceError,
+    VramctlError,
+)
 
 MiB = 2**20
 
@@ -191,6 +196,11 @@ def test_bad_simulate_input() -> None:
         vramctl.simulate("Z9-1GB")
     with pytest.raises(VramctlError, match="12 gigs"):
         vramctl.simulate("12 gigs")
+    with pytest.raises(InvalidSizeError, match="cannot be negative"):
+        vramctl.simulate("-3GiB")
+    with pytest.raises(InvalidSizeError, match="cannot be negative"):
+        vramctl.simulate("sim:-3GiB")
+    assert vramctl.simulate("sim:2GiB").total_bytes == 2 * 2**30
     with pytest.raises(VramctlError, match="leaves nothing"):
         vramctl.simulate("1GiB", reserve="2GiB")
     sim = vramctl.simulate("1GiB")

@@ -177,6 +177,18 @@ def test_bad_input_names_what_to_supply() -> None:
         vramctl.estimate(mlp(), torch.randn(2, 256), precision="fp8")
 
 
+def test_device_given_as_a_bad_size_says_what_is_wrong() -> None:
+    for device in ("-3GiB", "sim:-3GiB", " -1G"):
+        with pytest.raises(vramctl.InvalidSizeError, match="cannot be negative"):
+            vramctl.estimator.resolve_target(device)
+    with pytest.raises(vramctl.InvalidSizeError, match="positive"):
+        vramctl.estimator.resolve_target("0GiB")
+    with pytest.raises(vramctl.InvalidSizeError, match="12gigs"):
+        vramctl.estimator.resolve_target("sim:12gigs")
+    assert vramctl.estimator.resolve_target("sim:2GiB").capacity == 2 * 2**30
+    assert vramctl.estimator.resolve_target(".5GiB").capacity == 2**29
+
+
 def test_model_from_a_factory_path() -> None:
     est = vramctl.estimate(
         "vramctl.estimator.zoo:LstmLanguageModel",

@@ -427,8 +427,18 @@ def estimate_cmd(
                 highlight=False,
             )
         if best.max_length is not None:
+            ceiling = ""
+            if best.length_at_ceiling:
+                from vramctl.estimator._maxbatch import LENGTH_BOUND
+
+                bound = LENGTH_BOUND.get(best.length_arg or "", math.inf)
+                ceiling = (
+                    " (the search's bound: longer may fit too)"
+                    if best.max_length >= bound
+                    else " (the model's limit)"
+                )
             console.print(
-                f"longest {best.length_arg} at batch 1: [bold]{best.max_length}[/]",
+                f"longest {best.length_arg} at batch 1: [bold]{best.max_length}[/]{ceiling}",
                 highlight=False,
             )
 

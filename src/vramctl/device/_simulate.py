@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from vramctl._errors import VramctlError
 from vramctl._na import NA
 from vramctl._tensors import storage, tensors
-from vramctl._units import format_bytes, parse_size
+from vramctl._units import format_bytes, looks_like_size, parse_size
 from vramctl.device._base import Device
 from vramctl.device._health import DeviceHealth
 from vramctl.device._memory import MemoryState, ProcessMemory
@@ -361,9 +361,13 @@ def simulate(device: str | int, *, reserve: int | str = 0) -> SimulatedDevice:
     True
     """
     spec: GpuSpec | None = None
-    if isinstance(device, str) and not device[:1].isdigit():
-        spec = gpu_spec(device.removeprefix("sim:"))
-        total = spec.cuda_total_bytes
+    if isinstance(device, str):
+        text = device.strip().removeprefix("sim:")
+        if looks_like_size(text):
+            total = parse_size(text)  # names what is wrong with a bad size ("-3GiB")
+        else:
+            spec = gpu_spec(text)
+            total = spec.cuda_total_bytes
     else:
         total = parse_size(device)
     reserve_bytes = parse_size(reserve)

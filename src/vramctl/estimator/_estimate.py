@@ -17,9 +17,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
-from vramctl._errors import UnknownDeviceError, VramctlError
+from vramctl._errors import InvalidSizeError, UnknownDeviceError, VramctlError
 from vramctl._tensors import tensors
-from vramctl._units import format_bytes, parse_size
+from vramctl._units import format_bytes, looks_like_size, parse_size
 from vramctl.device._base import Device
 from vramctl.device._capability import ComputeCapability
 from vramctl.device.catalog import gpu_spec
@@ -116,13 +116,18 @@ def _resolve_device(device: Device | str | int | None) -> Target:
         if low == "cpu" or low.startswith(("cuda", "gpu-", "mig-")) or low.isdigit():
             device = get_device(text)
         else:
+            body = text.removeprefix("sim:").strip()
             spec = None
             with contextlib.suppress(UnknownDeviceError):
-                spec = gpu_spec(text.removeprefix("sim:"))
+                spec = gpu_spec(body)
             if spec is not None:
                 return Target(spec.name, spec.cuda_total_bytes, spec.capability, True)
-            if text[:1].isdigit():
-                return Target(text, parse_size(text), None, True)
+            if looks_like_size(body):
+                # A size ("16GiB", "sim:16GiB"); a bad one ("-3GiB") says what is wrong.
+                size = parse_size(body)
+                if size <= 0:
+                    raise InvalidSizeError(f"invalid size {body!r}: a device needs a positive size")
+                return Target(body, size, None, True)
             spec = gpu_spec(text)  # raises with the catalog listed
             return Target(spec.name, spec.cuda_total_bytes, spec.capability, True)
     if isinstance(device, int):

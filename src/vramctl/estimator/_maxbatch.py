@@ -9,6 +9,7 @@ until the largest fitting size is confirmed by a trace.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ class MaxBatch:
     length_arg: str | None = None
     length_curve: list[tuple[float, int, bool]] = field(default_factory=list)
     elapsed: float = 0.0
+    #: Whether ``max_length`` is the longest length searched (the model's limit, or
+    #: :data:`LENGTH_BOUND` for a model without one): longer inputs may fit too.
+    length_at_ceiling: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -60,6 +64,7 @@ class MaxBatch:
             ],
             "max_length": self.max_length,
             "length_arg": self.length_arg,
+            "length_at_ceiling": self.length_at_ceiling,
             "length_curve": [
                 {"length": n, "peak_device_bytes": p, "fits": f} for n, p, f in self.length_curve
             ],
@@ -172,8 +177,9 @@ def max_batch_size(
 
     max_len: int | float | None = None
     length_curve: list[tuple[float, int, bool]] = []
+    at_ceiling = False
     if lengths and length_arg is not None and isinstance(model, str):
-        max_len, length_curve = _search_length(model, length_arg, at, budget)
+        max_len, length_curve, at_ceiling = _search_length(model, length_arg, at, budget)
     curve = sorted((b, e.peak_device, e.fits) for (b, n), e in cache.items() if n is None)
     return MaxBatch(
         best,
@@ -185,6 +191,7 @@ def max_batch_size(
         length_arg,
         length_curve,
         time.perf_counter() - t0,
+        at_ceiling,
     )
 
 
@@ -199,10 +206,16 @@ def _confirm(
     interpolation search that ends in a few traces when memory is affine.
     """
     lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
+    untraceable: set[int] = set()
     b = guess
     for _ in range(40):
-        e = at(b)
-        if e.fits:
+        try:
+            fits = at(b).fits
+        except EstimateError:
+            # A batch too big to trace (the probes, smaller, traced) does not fit.
+            untraceable.add(b)
+            fits = False
+        if fits:
             fitting.append(b)
             fitting.sort()
             lo = max(lo, b)
@@ -221,8 +234,8 @@ def _confirm(
             b = min(limit, max(lo + 1, min(lo + step, 2 * lo)))
         else:
             base = at(lo) if lo else None
-            top = at(hi)
-            if base is not None and top.peak_device > base.peak_device:
+            top = None if hi in untraceable else at(hi)
+            if base is not None and top is not None and top.peak_device > base.peak_device:
                 per = (top.peak_device - base.peak_device) / (hi - lo)
                 b = lo + int(base.headroom // per)
             else:
@@ -236,40 +249,108 @@ def _confirm(
     return lo
 
 
+#: The longest input a length search tries for a model without a length limit:
+#: about four million tokens, or a day of audio.
+LENGTH_BOUND: dict[str, float] = {"seq_len": float(1 << 22), "seconds": 86_400.0}
+
+
 def _search_length(
     model: str, length_arg: str, at: Callable[..., Estimate], budget: int
-) -> tuple[int | float, list[tuple[float, int, bool]]]:
+) -> tuple[int | float, list[tuple[float, int, bool]], bool]:
+    """The largest length that fits at batch 1, its traces, and whether it is the ceiling.
+
+    The ceiling is the model's ``max_length`` or, for a model without one,
+    :data:`LENGTH_BOUND`. Three traces below the default length fit a parabola
+    whose root is the first guess; then a bracket (longest fitting, shortest
+    not fitting) is kept, doubling while nothing above is known, and narrowed
+    until the next step up (5 %, or one unit) does not fit. A length that would
+    not fit, or that cannot be traced at all (too long for the model), counts as
+    not fitting; only a failure at the shortest probe is an error.
+    """
     entry = zoo.get(model)
     base = (
         float(entry.default_seq_len or 512)
         if length_arg == "seq_len"
         else float(entry.default_seconds or 10.0)
     )
-    xs = [base / 4, base / 2, base]
-    pts = [(x, at(1, x).peak_device) for x in xs]
-    root = _quadratic_root(pts, budget)
-    guess = max(xs[0], root if root is not None else base)
+    ceiling = _round(entry.max_length or LENGTH_BOUND[length_arg], length_arg)
     step_unit = 1.0 if length_arg == "seq_len" else 0.5
-    cap = entry.max_length or float("inf")
-    n = _round(min(guess, cap), length_arg)
-    seen: list[tuple[float, int, bool]] = [(x, p, p <= budget) for x, p in pts]
-    # Confirm: shrink until it fits, then grow in units until it does not.
-    for _ in range(20):
-        e = at(1, n)
-        seen.append((n, e.peak_device, e.fits))
-        if e.fits:
-            if n >= cap:
-                break
-            nxt = _round(n * 1.05 if n * 0.05 > step_unit else n + step_unit, length_arg)
-            nxt = min(nxt, _round(cap, length_arg))
-            if at(1, nxt).fits:
-                n = nxt
-                continue
+    seen: dict[float, tuple[int, bool]] = {}
+    smallest = _round(min(base / 4, ceiling), length_arg)
+
+    def fits(n: float) -> bool:
+        if n not in seen:
+            try:
+                e = at(1, n)
+            except EstimateError:
+                if n <= smallest:
+                    raise
+                # Too long to trace (say, longer than the model's positions): does not fit.
+                seen[n] = (-1, False)
+            else:
+                seen[n] = (e.peak_device, e.fits)
+        return seen[n][1]
+
+    def curve() -> list[tuple[float, int, bool]]:
+        # A length that could not be traced has no peak to show.
+        return sorted((n, p, f) for n, (p, f) in seen.items() if p >= 0)
+
+    def up(n: float) -> int | float:
+        """The next length the answer must not fit at: 5 % more, or one unit more."""
+        return _round(n * 1.05 if n * 0.05 > step_unit else n + step_unit, length_arg)
+
+    xs = sorted({_round(min(x, ceiling), length_arg) for x in (base / 4, base / 2, base)})
+    if not fits(xs[0]):
+        return 0, curve(), False
+    lo: int | float = xs[0]
+    hi: int | float | None = None
+    for x in xs[1:]:
+        if not fits(x):
+            hi = x
             break
-        n = _round(n * 0.95 if n * 0.05 > step_unit else n - step_unit, length_arg)
-        if n <= 0:
-            return 0, seen
-    return n, sorted(set(seen))
+        lo = x
+    guess: float | None = None
+    traced = [(x, seen[x][0]) for x in xs if seen[x][0] >= 0]
+    if hi is None and len(traced) == 3:
+        guess = _quadratic_root(traced, budget)
+        if guess is not None and not (math.isfinite(guess) and guess > 0):
+            guess = None
+    bracketed = 0
+    for _ in range(60):
+        if lo >= ceiling:
+            return ceiling, curve(), True
+        if hi is not None and hi <= up(lo):
+            break
+        if hi is None:
+            # Nothing above is known to fail: the parabola's guess first, then doubling.
+            n = _round(min(guess, ceiling), length_arg) if guess is not None else None
+            guess = None
+            if n is None or n <= lo:
+                n = min(ceiling, _round(2 * lo, length_arg))
+        else:
+            # The line through the bracket's traces, or (every third step, so that a
+            # curved peak cannot stall the search at one end) the bracket's middle.
+            bracketed += 1
+            n = up(lo)
+            if bracketed % 3:
+                n = max(n, _round(_interpolate(lo, hi, seen, budget), length_arg))
+            if n >= hi or bracketed % 3 == 0:
+                n = _round((lo + hi) / 2, length_arg)
+                if not lo < n < hi:
+                    break
+        if fits(n):
+            lo = n
+        else:
+            hi = n if hi is None else min(hi, n)
+    return lo, curve(), False
+
+
+def _interpolate(lo: float, hi: float, seen: dict[float, tuple[int, bool]], budget: int) -> float:
+    """The length where the line through the traces at ``lo`` and ``hi`` meets the budget."""
+    p_lo, p_hi = seen[lo][0], seen[hi][0]
+    if p_hi <= p_lo or p_lo < 0:
+        return (lo + hi) / 2
+    return lo + (budget - p_lo) * (hi - lo) / (p_hi - p_lo)
 
 
 def _round(x: float, length_arg: str) -> int | float:
