@@ -244,66 +244,69 @@ def _state(monitor: Monitor, title: str = "vramctl") -> dict[str, Any]:
 # -- the app -----------------------------------------------------------------------------
 
 
-class _TokenGate:
-    """ASGI middleware: every request needs ``Authorization: Bearer TOKEN`` or ``?token=``."""
+class _Gate:
+    """ASGI middleware that answers a request it does not allow with an error of its own."""
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    status = 403
+    detail = ""
+    headers: dict[str, str] | None = None
+
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.token = token
+
+    def allowed(self, scope: Scope) -> bool:
+        raise NotImplementedError
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
-        headers = Headers(scope=scope)
-        query = QueryParams(scope.get("query_string", b""))
-        if token_ok(self.token, headers.get("authorization"), query.get("token")):
+        if scope["type"] not in ("http", "websocket") or self.allowed(scope):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        response = JSONResponse(
-            {
-                "detail": "this vramctl server needs its token: open the URL it printed when it "
-                "started (it ends in ?token=...), or send the header 'Authorization: Bearer TOKEN'"
-            },
-            status_code=401,
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        response = JSONResponse({"detail": self.detail}, self.status, headers=self.headers)
         await response(scope, receive, send)
 
 
-class _HostGate:
-    """ASGI middleware for a server on loopback without a token: only this machine's names.
+class _TokenGate(_Gate):
+    """Every request needs ``Authorization: Bearer TOKEN`` or ``?token=``."""
+
+    status = 401
+    detail = (
+        "this vramctl server needs its token: open the URL it printed when it "
+        "started (it ends in ?token=...), or send the header 'Authorization: Bearer TOKEN'"
+    )
+    headers = {"WWW-Authenticate": "Bearer"}  # noqa: RUF012 - read only
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        super().__init__(app)
+        self.token = token
+
+    def allowed(self, scope: Scope) -> bool:
+        headers = Headers(scope=scope)
+        query = QueryParams(scope.get("query_string", b""))
+        return token_ok(self.token, headers.get("authorization"), query.get("token"))
+
+
+class _HostGate(_Gate):
+    """For a server on loopback without a token: only this machine's names.
 
     A page on another site that points a name of its own at 127.0.0.1 (DNS rebinding)
     would otherwise read the API from the user's browser; its requests carry that name
     as their ``Host``, and are answered 403.
     """
 
+    detail = (
+        "this vramctl server answers only requests addressed to 127.0.0.1 or "
+        "localhost; to serve it under another name, give it a token (--token)"
+    )
+
     def __init__(self, app: ASGIApp, bound: str) -> None:
-        self.app = app
+        super().__init__(app)
         self.bound = bound
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
-        if host_allowed(Headers(scope=scope).get("host"), self.bound):
-            await self.app(scope, receive, send)
-            return
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
-            return
-        response = JSONResponse(
-            {
-                "detail": "this vramctl server answers only requests addressed to 127.0.0.1 or "
-                "localhost; to serve it under another name, give it a token (--token)"
-            },
-            status_code=403,
-        )
-        await response(scope, receive, send)
+    def allowed(self, scope: Scope) -> bool:
+        return host_allowed(Headers(scope=scope).get("host"), self.bound)
 
 
 def _page(title: str, token: str | None) -> str:
