@@ -212,3 +212,18 @@ def test_oom_risk_fires_on_real_growing_memory() -> None:
 
 def test_cleanup_runs_gc_and_returns_bytes() -> None:
     assert cleanup() == 0  # no CUDA here: nothing cached to hand back
+
+
+def test_a_warning_that_held_fires_though_memory_rose_to_critical_meanwhile() -> None:
+    # Over 80% from t=0, over 95% from t=3: the warning has held its 5 s at t=5 and fires
+    # then; the critical fires once it has held 5 s of its own, at t=8.
+    engine = AlertEngine([UsageRule(0.8, 0.95, for_s=5.0)])
+    useds = {0: 0.85, 1: 0.85, 2: 0.85, 3: 0.97, 4: 0.97, 5: 0.97, 6: 0.97, 7: 0.97, 8: 0.97}
+    fired = run(engine, [gpu(int(16 * GiB * u), t) for t, u in useds.items()])
+    assert [(a.level.name, a.timestamp) for a in fired] == [("WARNING", 5), ("CRITICAL", 8)]
+    assert "critical for less than 5 s" in fired[0].message
+    assert fired[1].threshold == 0.95
+    # Memory that stays under the critical level meanwhile fires the warning alone.
+    engine = AlertEngine([UsageRule(0.8, 0.95, for_s=5.0)])
+    fired = run(engine, [gpu(int(16 * GiB * 0.85), t) for t in range(9)])
+    assert [(a.level.name, a.timestamp) for a in fired] == [("WARNING", 5)]

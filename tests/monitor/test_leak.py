@@ -473,3 +473,31 @@ def test_unknown_devices_are_refused(device: str) -> None:
 def test_cuda_without_cuda_is_refused() -> None:
     with pytest.raises(LeakDetectorError, match="CUDA is not available"):
         LeakDetector("cuda:0")
+
+
+def test_a_leak_of_sparse_tensors_is_named_with_their_real_size() -> None:
+    """A sparse tensor's bytes are in its values and indices, which the census must see."""
+    torch.manual_seed(3)
+    kept: list[torch.Tensor] = []
+    detector = LeakDetector("cpu")
+
+    def body(i: int) -> None:
+        idx = torch.randint(0, 4096, (2, 2**15))
+        coo = torch.sparse_coo_tensor(idx, torch.randn(2**15), (4096, 4096), check_invariants=True)
+        kept.append(coo.coalesce())  # sparse-leak
+
+    reports = run(detector, 60, body)
+    assert len(reports) == 1, [r.step for r in reports]
+    report = reports[0]
+    top = report.suspects[0]
+    assert top.site.endswith(f"test_leak.py:{line_of('sparse-leak')} in body"), report.format()
+    assert (top.shape, top.dtype, top.holder) == ((4096, 4096), "float32", "list")
+    alive = {id(t): t for t in kept}
+    sizes = {
+        t._values().untyped_storage().nbytes() + t._indices().untyped_storage().nbytes()
+        for t in alive.values()
+    }
+    # Each kept tensor is 2**15 entries less duplicates: 12 bytes (a value, two indices) each.
+    assert 2 <= top.count <= 16  # the census records until memory has grown by min_rate
+    assert min(sizes) * top.count <= top.nbytes <= max(sizes) * top.count
+    assert top.nbytes > top.count * 0.99 * 12 * 2**15

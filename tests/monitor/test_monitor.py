@@ -296,3 +296,68 @@ def test_step_stays_quiet_on_a_healthy_loop() -> None:
         losses.append(loss.item())
         assert mon.step() is None
     assert not [e for e in mon.events if e.kind == "leak"]
+
+
+def test_an_alert_callback_may_sample_again_without_deadlock() -> None:
+    # An action that frees memory, then reads the devices again to see the effect.
+    gpu = vramctl.simulate("T4-16GB")
+    mon = Monitor([gpu], rules=[UsageRule(0.5, 0.9)])
+    seen: list[str] = []
+
+    def act(alert: object) -> None:
+        seen.append(str(alert))
+        mon.sample()
+        mon.history.latest(gpu.id)
+
+    mon.on_alert(act)
+    mon.subscribe(lambda e: mon.summary() if e.kind == "alert" else None)
+    done = threading.Event()
+
+    def work() -> None:
+        with gpu:
+            ballast = torch.empty(int(gpu.total_bytes * 0.6), dtype=torch.uint8)
+            mon.sample()
+            del ballast
+        done.set()
+
+    threading.Thread(target=work, daemon=True).start()
+    assert done.wait(10), "sample() deadlocked in an alert callback that samples"
+    assert len(seen) == 1 and "[warning]" in seen[0]
+    assert mon.samples_taken == 2
+
+
+def test_stop_from_a_subscriber_then_start_leaves_one_sampling_thread() -> None:
+    mon = Monitor(["cpu"], interval=0.02, rules=[])
+    stopped = threading.Event()
+    release = threading.Event()
+
+    def sub(event: Event) -> None:
+        if event.kind == "sample" and not stopped.is_set():
+            mon.stop()  # on the sampling thread: it cannot join itself
+            stopped.set()
+            release.wait(5)  # still busy when start() comes
+
+    mon.subscribe(sub)
+    mon.start()
+    assert stopped.wait(5)
+    mon.start()
+    release.set()
+    time.sleep(0.3)
+    threads = [t for t in threading.enumerate() if t.name == "vramctl-monitor"]
+    try:
+        assert len(threads) == 1, threads
+    finally:
+        mon.stop()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.parametrize("name", ["mem.csv", "mem.txt", "mem.json", "mem"])
+def test_export_to_an_unknown_kind_of_file_is_an_error(tmp_path: Path, name: str) -> None:
+    mon = Monitor(["cpu"], rules=[])
+    mon.sample()
+    with pytest.raises(ExportError, match=r"\.jsonl.*\.html or \.png"):
+        mon.export(tmp_path / name)
+    assert not (tmp_path / name).exists()
+    assert len(load_jsonl(mon.export(tmp_path / "mem.ndjson"))) == 1

@@ -66,3 +66,46 @@ def test_an_error_inside_is_still_counted_and_raised() -> None:
 def test_a_name_is_required() -> None:
     with pytest.raises(ValueError, match="needs a name"), Profiler().profile(""):
         pass
+
+
+def test_cpu_counts_tensors_made_from_python_data_not_numpy_memory() -> None:
+    import numpy as np
+
+    prof = Profiler()
+    data = [float(i) for i in range(2**18)]
+    with prof.profile("tensor", device="cpu"):
+        x = torch.tensor(data)  # made outside the dispatcher, then lifted
+    assert prof.stats["tensor"].peak_delta == x.untyped_storage().nbytes() == 2**20
+    arr = np.ones(2**18)
+    with prof.profile("from_numpy", device="cpu"):
+        y = torch.from_numpy(arr)  # numpy's memory, there before the block
+    assert y.data_ptr() == arr.ctypes.data
+    assert prof.stats["from_numpy"].peak_delta == 0
+
+
+def test_cpu_counts_sparse_tensors_values_and_indices() -> None:
+    torch.manual_seed(0)
+    n = 2**16
+    idx = torch.randint(0, 4096, (2, n))
+    coo = torch.sparse_coo_tensor(idx, torch.randn(n), (4096, 4096), check_invariants=True)
+    prof = Profiler()
+    with prof.profile("coalesce", device="cpu"):
+        c = coo.coalesce()
+    real = c._indices().untyped_storage().nbytes() + c._values().untyped_storage().nbytes()
+    assert real > 1 * MiB
+    assert prof.stats["coalesce"].net_delta == real
+    assert prof.stats["coalesce"].peak_delta >= real
+    with prof.profile("csr", device="cpu"):
+        csr = c.to_sparse_csr()
+    # New memory only: the CSR tensor may share the COO tensor's column indices and values.
+    old = {p.untyped_storage().data_ptr() for p in (c._indices(), c._values())}
+    parts = (csr.crow_indices(), csr.col_indices(), csr.values())
+    new = [p.untyped_storage() for p in parts if p.untyped_storage().data_ptr() not in old]
+    assert new
+    assert prof.stats["csr"].net_delta == sum(st.nbytes() for st in new)
+    # A view of a sparse tensor's values is not new memory; a meta tensor is none.
+    with prof.profile("views", device="cpu"):
+        v = c._values()
+        m = torch.empty(2**20, device="meta") * 2
+    assert prof.stats["views"].peak_delta == 0
+    del v, m

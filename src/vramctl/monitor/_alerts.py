@@ -463,9 +463,18 @@ class AlertEngine:
 
     def active(self) -> dict[tuple[str, str], Level]:
         """``{(rule, device): level}`` of the alerts firing now."""
-        return {k: s.active for k, s in self._states.items() if s.active is not None}
+        # A snapshot of the states: the sampling thread may add one meanwhile.
+        states = list(self._states.items())
+        return {k: s.active for k, s in states if s.active is not None}
 
-    def evaluate(self, sample: Sample, recent: Sequence[Sample]) -> list[Alert]:
+    def evaluate(
+        self, sample: Sample, recent: Sequence[Sample], *, dispatch: bool = True
+    ) -> list[Alert]:
+        """The alerts ``sample`` fires; dispatched to the log and callbacks unless told not.
+
+        With ``dispatch=False`` the caller passes each one to :meth:`dispatch` itself
+        (the monitor does so once it has let go of its lock).
+        """
         fired: list[Alert] = []
         now = sample.timestamp
         for rule in self.rules:
@@ -478,8 +487,9 @@ class AlertEngine:
             alert = self._step(rule, state, sample.device, finding, now)
             if alert is not None:
                 fired.append(alert)
-        for alert in fired:
-            self.dispatch(alert)
+        if dispatch:
+            for alert in fired:
+                self.dispatch(alert)
         return fired
 
     def _step(
@@ -503,19 +513,32 @@ class AlertEngine:
                 state.pending.setdefault(lv, now)
         if state.active == level:
             return None
+        held: Level | None
         if state.active is not None and state.active > level:
             # Stepping down (critical -> warning) reports the lower level at once.
-            state.active = level
-        elif now - state.pending[level] < rule.for_s:
-            return None
-        state.active = level
+            held = level
+        else:
+            # The highest level that has held for ``for_s``: a finding that went from
+            # warning to critical before the hold ended fires its warning when the
+            # warning has held, and the critical once the critical has.
+            held = max(
+                (lv for lv, since in state.pending.items() if now - since >= rule.for_s),
+                default=None,
+            )
+            if held is None or (state.active is not None and held <= state.active):
+                return None
+        state.active = held
+        message, threshold = finding.message, finding.threshold
+        if held != level:
+            message += f" ({level.name.lower()} for less than {rule.for_s:g} s so far)"
+            threshold = None
         return Alert(
             rule.name,
-            level,
+            held,
             device,
-            finding.message,
+            message,
             finding.value,
-            finding.threshold,
+            threshold,
             finding.suggestion,
             timestamp=now,
         )

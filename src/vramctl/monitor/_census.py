@@ -195,6 +195,25 @@ def _storage_key(t: torch.Tensor) -> int | None:
         return None  # sparse, nested, or a wrapper subclass without storage
 
 
+def tensor_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors whose storages hold ``t``'s bytes: ``t`` itself, or a sparse
+    tensor's values and indices (values first); none for a meta tensor or another layout."""
+    if t.layout == torch.strided:
+        return (t,)
+    if t.is_meta:
+        return ()
+    try:
+        if t.layout == torch.sparse_coo:
+            return (t._values(), t._indices())
+        if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+            return (t.values(), t.crow_indices(), t.col_indices())
+        if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+            return (t.values(), t.ccol_indices(), t.row_indices())
+    except (RuntimeError, NotImplementedError):
+        pass
+    return ()
+
+
 #: Ops whose output may be their input, yet is a tensor made by the user's code.
 _FRESH_OPS = ("aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift")
 
@@ -366,28 +385,35 @@ class Census:
         for t in outs:
             if t.device != self.device:
                 continue
-            key = _storage_key(t)
-            if key is None or key in self.records:
-                continue
-            if not fresh:
-                if inputs is None:  # a view or an in-place op returns an input's storage
-                    inputs = {
-                        k
-                        for x in tree_leaves((args, kwargs))
-                        if isinstance(x, torch.Tensor) and (k := _storage_key(x)) is not None
-                    }
-                if key in inputs:
+            # A sparse tensor's bytes are in its values and indices: one record for all.
+            new: list[tuple[int, torch.UntypedStorage]] = []
+            for part in tensor_parts(t):
+                key = _storage_key(part)
+                if key is None or key in self.records:
                     continue
-            storage = t.untyped_storage()
-            nbytes = int(storage.nbytes())
-            if nbytes == 0:
+                if not fresh:
+                    if inputs is None:  # a view or an in-place op returns an input's storage
+                        inputs = {
+                            k
+                            for x in tree_leaves((args, kwargs))
+                            if isinstance(x, torch.Tensor)
+                            for p in tensor_parts(x)
+                            if (k := _storage_key(p)) is not None
+                        }
+                    if key in inputs:
+                        continue
+                storage = part.untyped_storage()
+                if int(storage.nbytes()) > 0:
+                    new.append((key, storage))
+            if not new:
                 continue
+            key, storage = new[0]
             self.records[key] = _Record(
                 storage=StorageWeakRef(storage),
                 tensor=weakref.ref(t),
                 shape=tuple(int(s) for s in t.shape),
                 dtype=str(t.dtype).removeprefix("torch."),
-                nbytes=nbytes,
+                nbytes=sum(int(st.nbytes()) for _, st in new),
                 site=_caller_site(),
             )
 

@@ -18,7 +18,7 @@ from vramctl._na import NA
 from vramctl.device import Device, ProcessMemory, devices, get_device
 from vramctl.guard import GuardEvent, add_listener, remove_listener
 from vramctl.monitor._alerts import Alert, AlertEngine, Callback, Level, Rule
-from vramctl.monitor._history import History, Sample
+from vramctl.monitor._history import ExportError, History, Sample
 
 if TYPE_CHECKING:
     from vramctl.monitor._leak import LeakDetector, LeakReport
@@ -104,6 +104,8 @@ class Monitor:
         self.sample_time = 0.0
         self._subscribers: list[Callable[[Event], None]] = []
         self._thread: threading.Thread | None = None
+        # One event per run: a thread told to stop stays stopped, even if start() comes
+        # before it has seen it (a callback that calls stop() on the sampling thread).
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._cpu_procs: tuple[float, tuple[ProcessMemory, ...]] = (0.0, ())
@@ -130,10 +132,12 @@ class Monitor:
         """Start sampling in the background (a daemon thread). Starting twice is harmless."""
         if self.running:
             return self
-        self._stop.clear()
+        self._stop = stop = threading.Event()
         self.started_at = time.time()
         add_listener(self._guard_event)
-        self._thread = threading.Thread(target=self._run, name="vramctl-monitor", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(stop,), name="vramctl-monitor", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -156,9 +160,9 @@ class Monitor:
     ) -> None:
         self.stop()
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         next_at = time.monotonic()
-        while not self._stop.is_set():
+        while not stop.is_set():
             try:
                 self.sample()
             except Exception:  # a reading that fails must not end monitoring
@@ -168,7 +172,7 @@ class Monitor:
             if delay < 0:  # fell behind (a slow reading): skip, do not burst
                 next_at = time.monotonic()
                 delay = 0.0
-            if self._stop.wait(delay):
+            if stop.wait(delay):
                 break
 
     # -- sampling --------------------------------------------------------------
@@ -194,9 +198,13 @@ class Monitor:
             lookback = self.alerts.lookback
             for s in taken:
                 self.history.append(s)
-                fired += self.alerts.evaluate(s, self.history.recent(s.device, lookback))
+                recent = self.history.recent(s.device, lookback)
+                fired += self.alerts.evaluate(s, recent, dispatch=False)
             self.samples_taken += 1
             self.sample_time += time.perf_counter() - t0
+        # Outside the lock: a callback may sample, read the history or stop the monitor.
+        for alert in fired:
+            self.alerts.dispatch(alert)
         if self._subscribers:
             self._publish(Event("sample", {"samples": [s.to_dict() for s in taken]}))
         return taken
@@ -325,11 +333,20 @@ class Monitor:
         return out
 
     def export(self, path: str | Path) -> Path:
-        """Write the history as JSON Lines (``.jsonl``) or a plot (``.html``, ``.png``)."""
+        """Write the history as JSON Lines (``.jsonl``) or a plot (``.html``, ``.png``).
+
+        Any other file name is an :class:`ExportError` (JSON Lines in a ``.csv``
+        file would mislead whatever reads it).
+        """
         target = Path(path)
         suffix = target.suffix.lower()
         if suffix in (".html", ".htm", ".png"):
             from vramctl.monitor._plot import plot
 
             return plot(self.history, target)
+        if suffix not in (".jsonl", ".ndjson"):
+            raise ExportError(
+                f"cannot export the history to {str(target)!r}: use a .jsonl file name for "
+                "JSON Lines, or .html or .png for a plot"
+            )
         return self.history.to_jsonl(target)

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vramctl._tensors import storage, tensors
 from vramctl._units import format_bytes
 from vramctl.device import Device, SimulatedDevice, current_device, get_device
+from vramctl.monitor._census import tensor_parts
 
 __all__ = ["OpStats", "Profiler", "profile", "profiler"]
 
@@ -96,17 +97,32 @@ class _StorageCount(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {id(s) for t in tensors((args, kwargs)) if (s := storage(t)) is not None}
+        # torch.tensor(data) makes its tensor outside the dispatcher, then lifts it: new
+        # (torch.from_numpy lifts too, but its memory is numpy's and was there already).
+        fresh = str(getattr(func, "name", lambda: "")()).startswith(_FRESH_OPS)
+        seen = set() if fresh else {id(s) for t in tensors((args, kwargs)) for s in _storages(t)}
         for t in tensors(out):
-            st = storage(t)
-            if st is None or id(st) in inputs or t.device.type != "cpu":
+            if t.device.type != "cpu":
                 continue
-            nbytes = st.nbytes()
-            weakref.finalize(st, self._release, nbytes)
-            with self._lock:
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
+            for st in _storages(t):
+                if id(st) in seen or (fresh and not st.resizable()):
+                    continue  # (not resizable: memory torch did not allocate, torch.from_numpy)
+                seen.add(id(st))
+                nbytes = st.nbytes()
+                weakref.finalize(st, self._release, nbytes)
+                with self._lock:
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
         return out
+
+
+#: Ops whose output is their input, yet a tensor made by the block (``torch.tensor(data)``).
+_FRESH_OPS = ("aten::lift_fresh", "aten::lift")
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding a tensor's bytes: its own, or a sparse tensor's values and indices'."""
+    return [st for p in tensor_parts(t) if (st := storage(p)) is not None]
 
 
 def _target(device: Device | str | int | None) -> Device:
