@@ -41,9 +41,19 @@ class FakeGpu:
     #: Errors to raise from the next memory readings, one per call.
     failures: list[int] = dataclasses.field(default_factory=list)
     memory_calls: int = 0
+    #: Errors to raise from the next calls of one NVML function (by name), one per call.
+    errors: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    #: A GPU that fell off the bus: every call on its handle raises GPU_IS_LOST.
+    lost: bool = False
 
     def fail(self, times: int, error: int = pynvml.NVML_ERROR_GPU_IS_LOST) -> None:
         self.failures.extend([error] * times)
+
+    def fail_call(
+        self, function: str, times: int = 1, error: int = pynvml.NVML_ERROR_UNKNOWN
+    ) -> None:
+        """Make the next ``times`` calls of ``function`` (e.g. "nvmlDeviceGetTemperature") raise."""
+        self.errors.setdefault(function, []).extend([error] * times)
 
 
 class FakeNvml:
@@ -149,7 +159,23 @@ class FakeNvml:
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         for name in dir(self):
             if name.startswith("nvml"):
-                monkeypatch.setattr(pynvml, name, getattr(self, name))
+                monkeypatch.setattr(pynvml, name, _with_injected_errors(name, getattr(self, name)))
+
+
+def _with_injected_errors(name: str, fn: Any) -> Any:
+    """``fn``, raising first what its handle's ``errors`` (or ``lost``) ask for."""
+
+    def call(*args: Any) -> Any:
+        h = args[0] if args else None
+        if isinstance(h, FakeGpu):
+            if h.lost:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+            queued = h.errors.get(name)
+            if queued:
+                raise pynvml.NVMLError(queued.pop(0))
+        return fn(*args)
+
+    return call
 
 
 class _ProcessView:

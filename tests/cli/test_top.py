@@ -288,3 +288,37 @@ def test_keys_in_a_real_terminal_change_the_sort_and_quit() -> None:
             proc.kill()
             proc.wait()
         term.close()
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_frame_prints_on_a_console_that_cannot_write_unicode(
+    monitor: Monitor, sim: vramctl.SimulatedDevice, encoding: str
+) -> None:
+    sample_with(monitor, sim, [1 * GiB, 2 * GiB, 3 * GiB])
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding=encoding, errors="strict", write_through=True)
+    console = Console(file=out, width=80, force_terminal=False)
+    console.print(top_view(monitor, width=80))  # raised UnicodeEncodeError
+    text = raw.getvalue().decode(encoding)
+    assert "sim:T4-16GB" in text and "memory" in text and "#" in text
+
+
+def test_once_in_a_narrow_non_utf8_pipe() -> None:
+    env = {**os.environ, "COLUMNS": "40", "PYTHONIOENCODING": "ascii", "LANG": "C"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vramctl", "top", "--once", "-i", "0.01", "-d", "cpu", "-p", "1"],
+        capture_output=True,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
+    assert b"cpu" in proc.stdout and proc.stdout.isascii()
+
+
+def test_status_view_prints_on_an_ascii_console(gpus: list[FakeGpu]) -> None:
+    from vramctl.cli._render import snapshot, status_view
+
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="ascii", errors="strict", write_through=True)
+    Console(file=out, width=100).print(status_view(snapshot(vramctl.devices(), 2)))
+    assert "cuda:0" in raw.getvalue().decode("ascii")

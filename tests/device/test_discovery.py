@@ -127,3 +127,49 @@ def test_unknown_device_names_value_devices_and_forms(gpus: list[FakeGpu], bad: 
         vramctl.get_device(bad)  # type: ignore[arg-type]
     msg = str(err.value)
     assert str(bad) in msg and "cuda:0, cuda:1, cuda:2, cpu" in msg and "sim:NAME" in msg
+
+
+def test_a_gpu_lost_after_listing_does_not_hide_the_others(
+    gpus: list[FakeGpu], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    first = vramctl.devices()
+    gpus[1].lost = True  # fell off the bus: every NVML call on it raises GPU_IS_LOST
+    assert [d.id for d in vramctl.devices()] == ["cuda:0", "cuda:2", "cpu"]  # numbers kept
+    assert vramctl.devices()[1] is first[2]
+    assert first[1].memory().total is NA and first[1].health.state is vramctl.HealthState.ERROR
+    assert vramctl.select_device("1GiB").id == "cuda:0"
+
+
+@pytest.mark.parametrize(
+    "function",
+    [
+        "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetUtilizationRates",
+        "nvmlDeviceGetComputeMode",
+    ],
+)
+@pytest.mark.parametrize(
+    "error",
+    [pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_UNKNOWN, pynvml.NVML_ERROR_NOT_SUPPORTED],
+)
+def test_a_failing_side_reading_is_na_and_keeps_the_memory_figures(
+    gpus: list[FakeGpu], monkeypatch: pytest.MonkeyPatch, function: str, error: int
+) -> None:
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    dev = vramctl.get_device(0)
+    gpus[0].fail_call(function, 10, error)
+    for _ in range(3):
+        mem = dev.memory()  # never raises
+        assert mem.total == 81920 * MiB and mem.used == 20 * GiB
+    assert dev.health.state.usable
+    if function == "nvmlDeviceGetTemperature":
+        assert mem.temperature_c is NA and mem.power_w == 70.0
+
+
+def test_capability_read_failure_does_not_stop_discovery(gpus: list[FakeGpu]) -> None:
+    gpus[2].fail_call("nvmlDeviceGetCudaComputeCapability", 1, pynvml.NVML_ERROR_UNKNOWN)
+    devs = vramctl.devices()
+    assert [d.id for d in devs] == ["cuda:0", "cuda:1", "cuda:2", "cpu"]
+    assert devs[2].capability is NA

@@ -223,3 +223,45 @@ def test_inference_under_no_grad_and_inference_mode() -> None:
         with torch.inference_mode():
             out = model(torch.randn(16, 128))
         assert gpu.allocated_bytes == params + out.untyped_storage().nbytes()
+
+
+def test_views_of_a_large_tensor_are_not_refused_as_new_allocations() -> None:
+    # view/expand/as_strided take a size but allocate nothing; nor does matmul's
+    # _unsafe_view of its own output, nor resize_ to the size a storage already has.
+    with vramctl.simulate("10MiB") as gpu:
+        x = torch.zeros(6 * 2**20 // 4)  # 6 MiB of 10
+        before = gpu.allocated_bytes
+        x.view(2, 3 * 2**18)
+        torch.zeros(1).expand(10**8)
+        x.as_strided((2**21,), (0,))
+        x.resize_(x.numel())
+        assert gpu.allocated_bytes == before and gpu.ooms == 0
+        del x
+        a = torch.zeros(2, 2**19, 1)  # 4 MiB
+        c = a @ torch.zeros(1, 1)  # 4 MiB more: 8 of 10
+        assert gpu.allocated_bytes == 8 * 2**20 and c.shape == (2, 2**19, 1)
+
+
+def test_growing_in_place_or_out_is_refused_before_it_runs() -> None:
+    with vramctl.simulate("10MiB") as gpu:
+        x = torch.zeros(2**18)  # 1 MiB
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 4\.00 GiB"):
+            x.resize_(2**30)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.zeros(2**30, out=x)
+        assert gpu.allocated_bytes == 2**20
+        torch.zeros(2**20, out=x)  # grows to 4 MiB: fits
+        assert gpu.allocated_bytes == 4 * 2**20
+
+
+def test_numpy_memory_is_not_counted_but_a_copy_of_it_is() -> None:
+    import numpy as np
+
+    arr = np.ones(10**6)  # 8 MB of host memory numpy allocated, not the simulated device
+    with vramctl.simulate("1GiB") as gpu:
+        shared = torch.from_numpy(arr)
+        also_shared = torch.as_tensor(arr)
+        assert gpu.allocated_bytes == 0
+        copy = torch.tensor(arr)
+        assert gpu.allocated_bytes == copy.nbytes == 8_000_000
+        del shared, also_shared

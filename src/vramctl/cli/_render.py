@@ -6,8 +6,9 @@ import socket
 import time
 from typing import Any
 
-from rich.console import Group
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.panel import Panel
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -23,6 +24,51 @@ _HEALTH_STYLE = {
     HealthState.ERROR: "red",
     HealthState.DISABLED: "bold red",
 }
+
+
+# What the views draw with, for a terminal that cannot show it (LANG=en_US.ISO-8859-1,
+# PYTHONIOENCODING=ascii): rich swaps its box characters itself, but not those in text.
+_ASCII = str.maketrans(
+    {
+        "█": "#",
+        "░": ".",
+        "·": "-",
+        "–": "-",
+        "—": "-",
+        "…": "~",
+        "→": "->",
+        "↑": "^",
+        "↓": "v",
+        "°": "",
+        **dict.fromkeys("▁▂▃", "_"),
+        **dict.fromkeys("▄▅", "="),
+        **dict.fromkeys("▆▇", "#"),
+    }
+)
+
+
+class EncodingSafe:
+    """``renderable`` as is on a UTF-8 console; on any other, with ASCII stand-ins.
+
+    Characters the console's encoding cannot write otherwise raise
+    ``UnicodeEncodeError`` from ``print``.
+    """
+
+    def __init__(self, renderable: RenderableType) -> None:
+        self.renderable = renderable
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        encoding = (options.encoding or "utf-8").lower()
+        if encoding.startswith("utf"):
+            yield self.renderable
+            return
+        for seg in console.render(self.renderable, options):
+            if seg.control or seg.text.isascii():
+                yield seg
+                continue
+            text = seg.text.translate(_ASCII)
+            text = text.encode(encoding, errors="replace").decode(encoding, errors="replace")
+            yield Segment(text, seg.style, seg.control)
 
 
 def snapshot(devs: list[Device], process_limit: int | None) -> list[dict[str, Any]]:
@@ -115,6 +161,10 @@ def _process_table(procs: list[ProcessMemory], cpu: bool) -> Table:
 
 
 def status_view(snap: list[dict[str, Any]], every: float | None = None) -> Group:
+    return Group(EncodingSafe(_status_panels(snap, every)))
+
+
+def _status_panels(snap: list[dict[str, Any]], every: float | None) -> Group:
     panels: list[Any] = []
     if every is not None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")

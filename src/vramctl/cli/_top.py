@@ -29,7 +29,7 @@ from rich.text import Text
 
 from vramctl import NA, Device, MemoryState, NotAvailable, ProcessMemory, VramctlError, format_bytes
 from vramctl.cli._app import app, check_seconds, console, user_errors
-from vramctl.cli._render import _bar, _pct
+from vramctl.cli._render import EncodingSafe, _bar, _pct
 from vramctl.monitor import Event, Monitor
 
 __all__ = [
@@ -381,7 +381,7 @@ def top_view(
     ]
     if monitor.processes:
         parts.append(_processes(monitor, key, reverse))
-    return Group(*parts)
+    return EncodingSafe(Group(*parts))
 
 
 # -- keys --------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -18,6 +20,8 @@ from vramctl.device._nvml import NvmlGpu, optional
 from vramctl.device.catalog import match_gpu_name
 
 __all__ = ["CudaDevice", "allocator_stats"]
+
+log = logging.getLogger("vramctl.device")
 
 
 # MemoryState field -> torch.cuda.memory_stats key.
@@ -46,6 +50,19 @@ def allocator_stats(index: int) -> dict[str, Any]:
         return dict.fromkeys(_STATS, 0)
     stats = torch.cuda.memory_stats(index)
     return {field: int(stats.get(key, 0)) for field, key in _STATS.items()}
+
+
+def _secondary(fn: Callable[..., Any], *args: Any) -> Any:
+    """A reading beside the memory figures (temperature, power, utilization, compute mode).
+
+    Any NVML error makes just this reading ``NA``: a sensor that fails must not discard
+    the memory figures, nor count against the device's health (the memory reading does).
+    """
+    try:
+        return optional(fn, *args)
+    except pynvml.NVMLError as exc:
+        log.debug("%s failed: %s: %s", getattr(fn, "__name__", fn), type(exc).__name__, exc)
+        return NA
 
 
 def _proc_info(pid: int) -> dict[str, Any]:
@@ -97,9 +114,9 @@ class CudaDevice(Device):
         cap: ComputeCapability | NotAvailable = NA
         handle = gpu.handle
         if gpu.mig_index is not None:
-            handle = optional(pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle, gpu.handle)
+            handle = _secondary(pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle, gpu.handle)
         if handle is not NA:
-            cc = optional(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
+            cc = _secondary(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
             if cc is not NA:
                 cap = ComputeCapability(int(cc[0]), int(cc[1]))
         return cls(
@@ -137,9 +154,9 @@ class CudaDevice(Device):
         }
         if self.kind == "mig":
             return out  # temperature, power and utilization belong to the whole GPU
-        temp = optional(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
-        power = optional(pynvml.nvmlDeviceGetPowerUsage, h)
-        util = optional(pynvml.nvmlDeviceGetUtilizationRates, h)
+        temp = _secondary(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
+        power = _secondary(pynvml.nvmlDeviceGetPowerUsage, h)
+        util = _secondary(pynvml.nvmlDeviceGetUtilizationRates, h)
         out["temperature_c"] = NA if temp is NA else float(temp)
         out["power_w"] = NA if power is NA else power / 1000.0
         out["compute_utilization"] = NA if util is NA else float(util.gpu)
@@ -182,7 +199,7 @@ class CudaDevice(Device):
         if util is not NA and util >= self.health.policy.busy_utilization:
             return f"memory {util:.0%} used"
         if self._nvml is not None and self.kind == "cuda":
-            mode = optional(pynvml.nvmlDeviceGetComputeMode, self._nvml.handle)
+            mode = _secondary(pynvml.nvmlDeviceGetComputeMode, self._nvml.handle)
             if mode == pynvml.NVML_COMPUTEMODE_PROHIBITED:
                 return "compute mode is prohibited"
             if mode == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS and procs is not NA:

@@ -7,6 +7,7 @@ simply a machine with no NVIDIA devices; that is remembered, with the reason.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from vramctl._na import NA, NotAvailable
 __all__ = ["NvmlGpu", "nvml_available", "nvml_gpus", "nvml_reason", "optional", "reset_nvml"]
 
 T = TypeVar("T")
+log = logging.getLogger("vramctl.device")
 
 # Errors that mean "this reading does not exist here" rather than "the device failed".
 _ABSENT = (
@@ -99,29 +101,41 @@ class NvmlGpu:
 
 
 def _physical() -> list[tuple[int, Any, str, str, list[NvmlGpu]]]:
-    """(nvml index, handle, uuid, name, MIG instances) for every physical GPU."""
-    out = []
+    """(nvml index, handle, uuid, name, MIG instances) for every physical GPU.
+
+    A GPU that cannot be read (fallen off the bus: ``NVMLError_GpuIsLost``) keeps its
+    place with a ``None`` handle, so the others keep their numbers; it lists no device.
+    """
+    out: list[tuple[int, Any, str, str, list[NvmlGpu]]] = []
     for i in range(pynvml.nvmlDeviceGetCount()):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-        uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
-        name = _text(pynvml.nvmlDeviceGetName(handle))
-        migs: list[NvmlGpu] = []
-        mode = optional(pynvml.nvmlDeviceGetMigMode, handle)
-        if mode is not NA and mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE:
-            for j in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
-                try:
-                    mh = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
-                except pynvml.NVMLError_NotFound:
-                    continue
-                mig_uuid = _text(pynvml.nvmlDeviceGetUUID(mh))
-                mig_name = optional(pynvml.nvmlDeviceGetName, mh)
-                migs.append(
-                    NvmlGpu(
-                        -1, mh, mig_uuid, f"{name} MIG" if mig_name is NA else _text(mig_name), i, j
-                    )
-                )
-        out.append((i, handle, uuid, name, migs))
+        try:
+            out.append(_one_physical(i))
+        except pynvml.NVMLError as exc:
+            log.warning("NVML device %d cannot be read, leaving it out: %s", i, exc)
+            out.append((i, None, "", "", []))
     return out
+
+
+def _one_physical(i: int) -> tuple[int, Any, str, str, list[NvmlGpu]]:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+    uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+    name = _text(pynvml.nvmlDeviceGetName(handle))
+    migs: list[NvmlGpu] = []
+    mode = optional(pynvml.nvmlDeviceGetMigMode, handle)
+    if mode is not NA and mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE:
+        for j in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                mh = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
+            except pynvml.NVMLError_NotFound:
+                continue
+            mig_uuid = _text(pynvml.nvmlDeviceGetUUID(mh))
+            mig_name = optional(pynvml.nvmlDeviceGetName, mh)
+            migs.append(
+                NvmlGpu(
+                    -1, mh, mig_uuid, f"{name} MIG" if mig_name is NA else _text(mig_name), i, j
+                )
+            )
+    return i, handle, uuid, name, migs
 
 
 def nvml_gpus(visible: str | None = None) -> list[NvmlGpu]:
@@ -159,8 +173,12 @@ def nvml_gpus(visible: str | None = None) -> list[NvmlGpu]:
                 found = migs[:1] if len(migs) == 1 else []
             if not found:
                 break
-            chosen.extend(g for g in found if g.uuid not in {c.uuid for c in chosen})
+            seen = {c.uuid for c in chosen if c.handle is not None}
+            chosen.extend(g for g in found if g.handle is None or g.uuid not in seen)
+    # An unreadable GPU keeps its CUDA number (CUDA counted it when it started) but is
+    # not listed.
     return [
         NvmlGpu(k, g.handle, g.uuid, g.name, g.nvml_index, g.mig_index)
         for k, g in enumerate(chosen)
+        if g.handle is not None
     ]

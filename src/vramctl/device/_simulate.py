@@ -70,14 +70,29 @@ def _storage_nbytes(size: list[int], stride: list[int] | None, itemsize: int) ->
     return (1 + sum((s - 1) * st for s, st in zip(size, stride, strict=False))) * itemsize
 
 
-def _planned_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """Bytes a factory operator (one with a ``size`` argument) is about to allocate."""
+#: Operators whose output is a tensor argument's storage although their schema says not.
+_REUSES_INPUT = frozenset({"aten::_unsafe_view"})
+
+
+def _planned_bytes(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dev: SimulatedDevice
+) -> int | None:
+    """Bytes a factory operator (one with a ``size`` argument) is about to allocate.
+
+    A view (``view``, ``expand``, ``as_strided``) and ``_unsafe_view`` (matmul's reshape
+    of its own output) allocate nothing; an in-place or ``out=`` operator (``resize_``,
+    ``zeros.out``) only what its storage grows by, and nothing here for a storage this
+    device does not count.
+    """
     schema = getattr(func, "_schema", None)
     if schema is None:
         return None
     names = [a.name for a in schema.arguments]
-    if "size" not in names:
+    if "size" not in names or schema.name in _REUSES_INPUT:
         return None
+    aliases = [r.alias_info for r in schema.returns if r.alias_info is not None]
+    if aliases and not all(a.is_write for a in aliases):
+        return None  # a view
     bound = dict(zip(names, args, strict=False))
     bound.update(kwargs)
     size = bound.get("size")
@@ -88,7 +103,15 @@ def _planned_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         base = bound.get("self")
         dtype = base.dtype if isinstance(base, torch.Tensor) else torch.get_default_dtype()
     stride = bound.get("stride")
-    return _storage_nbytes(list(size), list(stride) if stride else None, dtype.itemsize)
+    planned = _storage_nbytes(list(size), list(stride) if stride else None, dtype.itemsize)
+    if aliases:
+        written = bound.get("out", bound.get("self"))
+        st = storage(written) if isinstance(written, torch.Tensor) else None
+        if st is None or not dev._tracks(st):
+            return None
+        planned -= dev._live[id(st)]
+        return planned if planned > 0 else None
+    return planned
 
 
 def _is_cpu_oom(exc: BaseException) -> bool:
@@ -115,7 +138,7 @@ class _Budget(TorchDispatchMode):
         dev = self.device
         if dev._paused:
             return func(*args, **kwargs)
-        planned = _planned_bytes(func, args, kwargs)
+        planned = _planned_bytes(func, args, kwargs, dev)
         if planned is not None and planned > dev.free_bytes:
             dev._refuse(planned)
         try:
@@ -136,6 +159,8 @@ class _Budget(TorchDispatchMode):
             st = storage(t)
             if st is None or (id(st) in inputs and not dev._tracks(st)):
                 continue  # a view of, or in-place op on, a storage made outside
+            if fresh_input and not st.resizable():
+                continue  # memory torch did not allocate (torch.from_numpy, as_tensor)
             new.append(st)
         dev._account(new)
         return out
