@@ -1,10 +1,13 @@
-"""A real training step on the GPU, as the estimator describes it, and its measured peaks."""
+"""Real steps as the estimator describes them (on the GPU or the CPU), and their measured peaks."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
+from vramctl._tensors import tensors
 from vramctl.estimator import StepSpec
 from vramctl.estimator._estimate import prepare_model, run_step, warm_optimizer
 
@@ -20,7 +23,7 @@ def cuda_step_peaks(model: nn.Module, batch: torch.Tensor, *, cold_cache: bool) 
     x = batch.cuda()
     spec = StepSpec(autocast_device="cuda", foreach=True)
     prepare_model(model, spec)
-    params = list(model.parameters())
+    params: list[torch.Tensor] = list(model.parameters())
     opt = spec.make_optimizer(params)
     assert opt is not None
     warm_optimizer(opt, params)
@@ -32,3 +35,35 @@ def cuda_step_peaks(model: nn.Module, batch: torch.Tensor, *, cold_cache: bool) 
     run_step(model, x, spec, opt)
     torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())
+
+
+def cpu_step_peak(model: nn.Module, batch: Any, spec: StepSpec | None = None) -> int:
+    """Peak live tensor bytes of a real steady-state step on the CPU, by the profiler.
+
+    What the step holds before it starts (parameters, buffers, the batch, the optimizer's
+    state) plus the peak of what it allocates, each storage counted once.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    spec = spec or StepSpec()
+    prepare_model(model, spec)
+    params: list[torch.Tensor] = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    opt = spec.make_optimizer(params)
+    if opt is not None:
+        warm_optimizer(opt, params)
+    held = [*model.parameters(), *model.buffers(), *tensors(batch)]
+    if opt is not None:
+        held += [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    base = sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values()
+    )
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        run_step(model, batch, spec, opt)
+    live = peak = 0
+    for _t, action, _k, size in prof._memory_profile().timeline:
+        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+        peak = max(peak, live)
+    return base + peak

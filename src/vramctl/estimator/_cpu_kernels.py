@@ -45,6 +45,10 @@ PROBED = {
     _aten.convolution.default,
     _aten.convolution_backward.default,
     _aten.mkldnn_rnn_layer.default,
+    # ``F.scaled_dot_product_attention``'s CPU kernels keep per-thread blocks of scores,
+    # row maxima and sums, and (backward) per-thread gradient accumulators.
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
 }
 #: A call whose tensors (inputs and outputs) exceed this is not run; the rule applies.
 PROBE_BYTES_LIMIT = 512 << 20

@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import inspect
 import logging
+import numbers
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -335,6 +336,11 @@ def prepare_model(model: nn.Module, spec: StepSpec) -> None:
     """Put a model in the state the step needs (train or eval, checkpointing)."""
     model.train(spec.mode == "train")
     if spec.checkpointing:
+        # transformers 5 renames it activation_checkpointing_enable (the old name warns).
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            return
         enable = getattr(model, "gradient_checkpointing_enable", None)
         if enable is None:
             raise EstimateError(
@@ -342,6 +348,34 @@ def prepare_model(model: nn.Module, spec: StepSpec) -> None:
                 "in torch.utils.checkpoint yourself and pass checkpointing=False"
             )
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+#: Attributes ``gradient_checkpointing_enable()`` sets on a module (Hugging Face).
+_CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
+@contextlib.contextmanager
+def _step_mode(model: nn.Module, spec: StepSpec) -> Iterator[None]:
+    """The model in the step's mode (train or eval, checkpointing) for a while.
+
+    The user's module is theirs: its modules' training flags and checkpointing
+    settings are put back afterwards.
+    """
+    saved = [
+        (m, m.training, {a: m.__dict__[a] for a in _CHECKPOINT_ATTRS if a in m.__dict__})
+        for m in model.modules()
+    ]
+    try:
+        prepare_model(model, spec)
+        yield
+    finally:
+        for m, training, attrs in saved:
+            m.training = training
+            for a in _CHECKPOINT_ATTRS:
+                if a in attrs:
+                    m.__dict__[a] = attrs[a]
+                else:
+                    m.__dict__.pop(a, None)
 
 
 def warm_optimizer(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
@@ -409,9 +443,20 @@ def load_model_source(source: ModelSource) -> tuple[str, Callable[[], nn.Module]
 
 
 def _flat_tensors(tree: Any) -> Iterator[torch.Tensor]:
+    return tensors(_unpack(tree))
+
+
+def _unpack(tree: Any) -> Any:
+    """A model's output with its dataclasses (a ``ModelOutput`` too) opened into tuples."""
     if hasattr(tree, "to_tuple"):  # transformers ModelOutput
         tree = tree.to_tuple()
-    return tensors(tree)
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        tree = tuple(getattr(tree, f.name) for f in dataclasses.fields(tree))
+    if isinstance(tree, tuple | list):
+        return [_unpack(x) for x in tree]
+    if isinstance(tree, Mapping):
+        return [_unpack(x) for x in tree.values()]
+    return tree
 
 
 # -- one session: a fake model, traced at one or more batches ------------------------
@@ -462,8 +507,10 @@ class Session:
                 raise EstimateError(f"model {name}'s factory returned a {type(model).__name__}")
             s.model = model
             s.state = _fake_state(model, spec.param_dtype)
-            with _reparametrize_module(model, s.state, tie_weights=True, strict=False):
-                prepare_model(model, spec)
+            with (
+                _reparametrize_module(model, s.state, tie_weights=True, strict=False),
+                _step_mode(model, spec),
+            ):
                 seen: set[int] = set()
                 for p in model.parameters():
                     if p.requires_grad and id(p) not in seen:
@@ -541,6 +588,7 @@ class Session:
             es.enter_context(
                 _reparametrize_module(model, self.state, tie_weights=True, strict=False)
             )
+            es.enter_context(_step_mode(model, spec))
             fake_batch = _fake_batch(batch, self.fake_mode, tracer, spec)
             es.enter_context(EagerLinear())
             if self.target.cuda and spec.autocast_dtype is not None:
@@ -581,8 +629,13 @@ class Session:
                 ) from exc
             except Exception as exc:
                 where = tracer.module or "the step"
+                if tracer.failed_op is None:  # raised by the model's (or loss's) own code
+                    raise EstimateError(
+                        f"{self.name} raised {type(exc).__name__} at {where} ({tracer.phase}): "
+                        f"{exc}"
+                    ) from exc
                 raise EstimateError(
-                    f"could not trace {self.name} at {where}, op {tracer.last_op} "
+                    f"could not trace {self.name} at {where}, op {tracer.failed_op} "
                     f"({tracer.phase}): {type(exc).__name__}: {exc}; hint: pass a batch the "
                     "model's forward accepts, a loss_fn=(output, batch) -> loss, or "
                     "mode='infer' to estimate the forward alone"
@@ -700,9 +753,14 @@ def _fake_batch(batch: Any, mode: FakeTensorMode, tracer: Tracer, spec: StepSpec
     from torch.utils._pytree import tree_map
 
     def fake(x: Any) -> Any:
+        f: torch.Tensor
         if not isinstance(x, torch.Tensor):
             return x
-        f: torch.Tensor = x if isinstance(x, FakeTensor) else mode.from_tensor(x)
+        if x.is_meta:  # no values and no device: a fake CPU tensor of its shape
+            with mode:
+                f = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="cpu")
+            return f.requires_grad_(x.requires_grad) if f.is_floating_point() else f
+        f = x if isinstance(x, FakeTensor) else mode.from_tensor(x)
         if not x.is_floating_point() and not isinstance(x, FakeTensor):
             tracer.known[f] = x
         if spec.param_dtype is not None and f.is_floating_point():
@@ -882,6 +940,7 @@ def make_batch_for(
     seconds: float | None,
 ) -> tuple[Any, int | None]:
     """The batch to trace, and its batch size."""
+    _check_batch_size(batch_size)
     if batch is None:
         if isinstance(source, str) and ":" not in source:
             entry = zoo.get(source)
@@ -975,6 +1034,13 @@ def estimate(
     )
     est = session.estimate(model, batch, batch_size, seq_len, seconds)
     return dataclasses.replace(est, elapsed=time.perf_counter() - t0)
+
+
+def _check_batch_size(n: object) -> None:
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise EstimateError(f"batch_size must be a positive integer, got {n!r}")
 
 
 def _check_utilization(u: float) -> None:

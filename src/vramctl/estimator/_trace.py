@@ -157,6 +157,8 @@ class Tracer(TorchDispatchMode):
         self.phase = "setup"
         self.module = ""
         self.last_op = ""
+        #: The operator that raised, when the last one to run raised (None: it returned).
+        self.failed_op: str | None = None
         #: False: only handle data-dependent operators (building a model), record nothing.
         self.record = True
         self._sid: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -225,6 +227,7 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         self.trace.ops += 1
         self.last_op = _op_name(func)
+        self.failed_op = self.last_op
         if self.phase == "backward":
             node = torch._C._current_autograd_node()
             if node is not None:
@@ -250,6 +253,7 @@ class Tracer(TorchDispatchMode):
         if ws > 0:
             self.trace.events.append(~sid)
             self.trace.records[sid].freed_phase = self.phase
+        self.failed_op = None
         return out
 
     # -- values -------------------------------------------------------------------

@@ -1,0 +1,162 @@
+"""Models users bring: outputs, attention, bad arguments, errors, and their module left alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vramctl
+from tests.estimator.real_steps import cpu_step_peak
+from vramctl.estimator import EstimateError
+
+
+class ConvNet(nn.Module):
+    """Batch norm, dropout, a frozen head and a hook: state the estimator must not change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(8, 2)
+        self.head.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.drop(self.bn(self.conv(x))).mean((2, 3)))
+        return out
+
+
+def _state(m: nn.Module) -> tuple[object, ...]:
+    return (
+        [(mod.training, len(mod._forward_hooks)) for mod in m.modules()],
+        [(n, p.data_ptr(), p.requires_grad, p.device, p.grad) for n, p in m.named_parameters()],
+        [(n, b.data_ptr(), b.clone()) for n, b in m.named_buffers()],
+    )
+
+
+def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    flags_a, params_a, bufs_a = a
+    flags_b, params_b, bufs_b = b
+    return (
+        flags_a == flags_b
+        and params_a == params_b
+        and all(
+            n1 == n2 and p1 == p2 and torch.equal(t1, t2)
+            for (n1, p1, t1), (n2, p2, t2) in zip(bufs_a, bufs_b, strict=True)  # type: ignore[call-overload]
+        )
+    )
+
+
+def test_the_users_model_is_left_as_it_was() -> None:
+    m = ConvNet().eval()
+    m.conv.register_forward_hook(lambda *_: None)
+    before = _state(m)
+    x = torch.randn(2, 3, 16, 16)
+    vramctl.estimate(m, x, device="cpu")  # a training step: train mode while it is traced
+    vramctl.estimate(m, x, device="T4-16GB", precision="amp-fp16")
+    vramctl.max_batch_size(m, lambda b: torch.randn(b, 3, 16, 16), device="1GiB", limit=8)
+    assert _same(before, _state(m))
+    m.train()
+    vramctl.estimate(m, x, device="cpu", mode="infer")
+    assert all(mod.training for mod in m.modules())
+
+
+def test_checkpointing_is_switched_off_again_on_a_users_hf_model() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    m = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 512, (2, 32))
+    est = vramctl.estimate(m, {"input_ids": ids, "labels": ids}, device="cpu", checkpointing=True)
+    assert not any(mod.training for mod in m.modules())
+    assert not any(getattr(mod, "gradient_checkpointing", False) for mod in m.modules())
+    full = vramctl.estimate(m, {"input_ids": ids, "labels": ids}, device="cpu")
+    assert est.logical_peak < full.logical_peak  # the second estimate did not checkpoint
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class DataclassModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 128)
+        self.out = nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> Output:
+        h = torch.relu(self.proj(x))
+        return Output(self.out(h) * scale, h)
+
+
+def test_a_dataclass_output_gives_the_loss_and_matches_the_real_step() -> None:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(16, 64), "scale": 2.0}
+    est = vramctl.estimate(DataclassModel(), batch, device="cpu")
+    truth = cpu_step_peak(DataclassModel(), batch)
+    assert abs(est.logical_peak - truth) / truth < 0.01
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(64, 192)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_scaled_dot_product_attention_scratch_on_cpu(mode: str) -> None:
+    # The CPU flash-attention kernels keep per-thread blocks (forward) and gradient
+    # accumulators (backward) that are not outputs: 5-10% of this step.
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, 64)
+    est = vramctl.estimate(Attention(), x, device="cpu", mode=mode)
+    from vramctl.estimator import StepSpec
+
+    truth = cpu_step_peak(Attention(), x, StepSpec(mode=mode))
+    assert abs(est.logical_peak - truth) / truth < 0.01
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5, "3", True])
+def test_a_bad_batch_size_is_refused(size: object) -> None:
+    with pytest.raises(EstimateError, match="batch_size must be a positive integer"):
+        vramctl.estimate(nn.Linear(4, 4), lambda b: torch.randn(b, 4), batch_size=size)  # type: ignore[arg-type]
+
+
+class Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        raise ValueError(f"unexpected input of {h.shape[0]} rows")
+
+
+def test_an_error_in_the_models_code_comes_through_as_the_models() -> None:
+    with pytest.raises(EstimateError, match=r"Broken raised ValueError at Broken \(forward\)") as e:
+        vramctl.estimate(Broken(), torch.randn(3, 4), device="cpu")
+    assert "unexpected input of 3 rows" in str(e.value)
+    assert "op " not in str(e.value)  # no operator of the trace failed
+    assert isinstance(e.value.__cause__, ValueError)
+
+
+def test_a_batch_on_the_meta_device_is_traced_like_a_real_one() -> None:
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    real = vramctl.estimate(m, torch.randn(4, 64), device="cpu")
+    meta = vramctl.estimate(m, torch.empty(4, 64, device="meta"), device="cpu")
+    assert meta.logical_peak == real.logical_peak
+    assert meta.breakdown["inputs"] == 4 * 64 * 4
