@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import json
 import random
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,8 +15,10 @@ from torch import nn
 
 import vramctl
 from vramctl.batching import (
+    Batch,
     BatchingError,
     BucketingSampler,
+    Budget,
     Item,
     Manifest,
     ManifestError,
@@ -337,3 +341,179 @@ def test_bad_sampler_input_is_a_clear_error() -> None:
     s = BucketingSampler(_items(10), PaddedDuration(10), num_buckets=3)
     with pytest.raises(BatchingError, match="not a BucketingSampler state"):
         s.load_state_dict({"version": 99})
+
+
+# -- edges of the contract: resume anywhere, bad input, odd budgets --------------------
+
+
+def _ids(batches: Iterable[Batch]) -> list[list[str]]:
+    return [[i.id for i in b.items] for b in batches]
+
+
+def _resume_everywhere(make: Callable[[], BucketingSampler], passes: int = 2) -> None:
+    """A state taken after every batch of ``passes`` passes resumes into the same batches."""
+    whole = make()
+    runs = [_ids(whole) for _ in range(passes)]
+    flat = [b for run in runs for b in run]
+    for k in range(len(flat) + 1):
+        first = make()
+        got: list[list[str]] = []
+        it, done = iter(first), 0
+        while len(got) < k:
+            try:
+                got.append([i.id for i in next(it).items])
+            except StopIteration:
+                it, done = iter(first), done + 1
+        state = json.loads(json.dumps(first.state_dict()))
+        second = make()
+        second.load_state_dict(state)
+        rest = [b for _ in range(passes - done) for b in _ids(second)]
+        assert got + rest == flat, f"resumed after batch {k}"
+
+
+def test_a_pass_resumed_while_its_shuffle_buffer_drains_gives_the_same_batches() -> None:
+    # A buffer larger than the stream: every batch leaves while the buffer drains.
+    items = [Item(f"u{i}", 1.0 + i * 37 % 11, index=i) for i in range(40)]
+    _resume_everywhere(
+        lambda: BucketingSampler(
+            items, PaddedDuration(20.0), num_buckets=3, shuffle=True, buffer_size=100, seed=1
+        )
+    )
+
+
+def test_a_state_saved_before_the_first_pass_resumes_into_the_same_passes() -> None:
+    items = [Item("a", 1.0, index=0), Item("b", 1.0, index=1), Item("c", 2.0, index=2)]
+    _resume_everywhere(
+        lambda: BucketingSampler(
+            items, PaddedDuration(1.0), edges=[], shuffle=True, buffer_size=3, seed=0
+        ),
+        passes=3,
+    )
+
+
+def test_random_streams_keep_the_contract_and_resume_anywhere() -> None:
+    rng = random.Random(5)
+    for _ in range(40):
+        n = rng.randint(0, 30)
+        items = [Item(f"u{i}", rng.choice([rng.uniform(0.05, 30.0), 5.0]), index=i)
+                 for i in range(n)]  # fmt: skip
+        budgets: list[Budget] = [
+            PaddedDuration(rng.uniform(1.0, 60.0)),
+            QuadraticDuration(40.0, 7.0),
+            PaddedDuration(30.0, max_items=2),
+        ]
+        budget = rng.choice(budgets)  # fmt: skip
+        options = {
+            "num_buckets": rng.randint(1, 60),
+            "edge_sample": rng.randint(1, 40),
+            "shuffle": rng.random() < 0.5,
+            "buffer_size": rng.randint(1, 20),
+            "seed": rng.randint(0, 3),
+        }
+
+        def make(
+            items: list[Item] = items, budget: Budget = budget, o: dict[str, Any] = options
+        ) -> BucketingSampler:
+            return BucketingSampler(items, budget, **o)
+
+        s = make()
+        for _ in range(2):
+            batches = list(s)
+            seen = sorted(i.id for b in batches for i in b.items)
+            assert seen == sorted(i.id for i in items)  # each item once per pass
+            for b in batches:
+                assert len(b) >= 1 and b.longest == max(i.duration for i in b.items)
+                if b.oversize:
+                    assert len(b) == 1 and budget.max_count(b.longest) == 0
+                else:
+                    assert budget.cost(len(b), b.longest) <= budget.limit
+            assert s.stats.overruns == 0 and s.stats.items == n
+        _resume_everywhere(make)
+
+
+def test_a_state_is_refused_by_a_sampler_that_would_lose_or_reorder_items() -> None:
+    items = _items(60)
+    first = BucketingSampler(items, PaddedDuration(40.0), num_buckets=3, shuffle=True,
+                             buffer_size=10, seed=1)  # fmt: skip
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    assert state["buffer"]
+    # Unshuffled, the buffered items would never come out; another seed, another order.
+    others: list[dict[str, Any]] = [
+        {"shuffle": False},
+        {"shuffle": True, "buffer_size": 10, "seed": 2},
+    ]
+    for other in others:
+        s = BucketingSampler(items, PaddedDuration(40.0), num_buckets=3, **other)
+        with pytest.raises(BatchingError, match="order would differ"):
+            s.load_state_dict(state)
+
+
+def test_a_state_whose_open_batch_is_over_this_budget_is_refused() -> None:
+    items = [Item(f"s{i}", 1.0, index=i) for i in range(10)] + [Item("huge", 100.0, index=10)]
+    first = BucketingSampler(items, PaddedDuration(40.0), edges=[])
+    it = iter(first)
+    assert next(it).oversize  # the ten short items are still in the open batch
+    state = first.state_dict()
+    smaller = BucketingSampler(items, PaddedDuration(5.0), edges=[])
+    with pytest.raises(BatchingError, match="budget allows 5"):
+        smaller.load_state_dict(state)  # else its first batch would be 10 x 1 s under 5 s
+
+
+def test_loading_a_state_keeps_the_edges_a_sampler_was_given() -> None:
+    state = BucketingSampler(_items(10), PaddedDuration(10.0)).state_dict()  # no edges yet
+    s = BucketingSampler(_items(10), PaddedDuration(10.0), edges=[5.0])
+    s.load_state_dict(state)
+    assert s.edges == [5.0]
+    assert sum(len(b) for b in s) == 10 and s.edges == [5.0] and len(s.stats.per_bucket) == 2
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_an_item_without_a_positive_duration_is_an_error_not_an_empty_batch(bad: float) -> None:
+    items = [Item("z", bad, index=0), Item("a", 2.0, index=1)]
+    with pytest.raises(BatchingError, match=r"'z' .* duration"):
+        list(BucketingSampler(items, PaddedDuration(10.0), edges=[]))
+
+
+def test_nan_edges_are_refused() -> None:
+    with pytest.raises(BatchingError, match="edges must be numbers"):
+        BucketingSampler([], PaddedDuration(10), edges=[float("nan")])
+
+
+def test_a_budget_that_is_not_monotone_in_the_length_gets_no_overrun() -> None:
+    class Dip:
+        """Items of 2-4 s cannot be batched at all; longer ones can (a custom budget)."""
+
+        limit = 10.0
+
+        def max_count(self, longest: float) -> int:
+            return 0 if 2.0 <= longest <= 4.0 else int(self.limit // longest)
+
+        def cost(self, count: int, longest: float) -> float:
+            return count * longest * (100.0 if 2.0 <= longest <= 4.0 else 1.0)
+
+    items = [Item("long", 5.0, index=0), Item("dip", 3.0, index=1), Item("x", 3.0, index=2),
+             Item("y", 1.0, index=3)]  # fmt: skip
+    s = BucketingSampler(items, Dip(), edges=[])
+    batches = list(s)
+    assert sorted(i.id for b in batches for i in b.items) == ["dip", "long", "x", "y"]
+    assert s.stats.overruns == 0
+    # "dip" joins the batch of "long" (padded to 5 s); "x" would open a batch of 3 s: alone.
+    assert [(b.oversize, _ids([b])[0]) for b in batches] == [
+        (True, ["x"]),
+        (False, ["long", "dip"]),
+        (False, ["y"]),
+    ]
+
+
+def test_a_memory_budget_never_lets_a_longer_item_cost_less() -> None:
+    # A measured dip (allocator rounding) at the longer anchor is not trusted.
+    mb = MemoryBudget(95, [(10.0, 100.0, 50.0), (20.0, 90.0, 40.0)])
+    assert mb.max_count(10.0) == 0 and mb.max_count(15.0) == 0 and mb.max_count(20.0) == 0
+    assert mb.peak(3, 20.0) >= mb.peak(3, 10.0)
+    # Anchors at one length merge into the larger.
+    twice = MemoryBudget(1000, [(10.0, 100.0, 50.0), (10.0, 300.0, 60.0)])
+    assert twice.max_count(10.0) == 12 and len(twice.anchors) == 1
+    with pytest.raises(BatchingError, match="max_items"):
+        MemoryBudget(1000, [(10.0, 100.0, 50.0)], max_items=0)

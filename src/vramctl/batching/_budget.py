@@ -170,11 +170,20 @@ class MemoryBudget:
             raise BatchingError(f"budget_bytes must be positive, got {budget_bytes}")
         if not anchors:
             raise BatchingError("a memory budget needs at least one anchor length")
+        if max_items is not None and max_items < 1:
+            raise BatchingError(f"max_items must be at least 1, got {max_items}")
         self.budget_bytes = int(budget_bytes)
-        self.anchors = sorted(
-            (_Anchor(float(s), float(f), max(float(p), 1.0)) for s, f, p in anchors),
-            key=lambda a: a.seconds,
-        )
+        # A longer item never costs less: each anchor takes at least the cost of every
+        # shorter one (a measured dip, e.g. from the allocator's rounding, is not trusted),
+        # and anchors at the same length merge into the larger.
+        merged: list[_Anchor] = []
+        for s, f, p in sorted((float(s), float(f), max(float(p), 1.0)) for s, f, p in anchors):
+            if merged:
+                f, p = max(f, merged[-1].fixed), max(p, merged[-1].per_item)
+                if merged[-1].seconds == s:
+                    merged.pop()
+            merged.append(_Anchor(s, f, p))
+        self.anchors = merged
         self._seconds = [a.seconds for a in self.anchors]
         self.max_items = max_items
         self.notes = tuple(notes)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -185,6 +186,8 @@ class BucketingSampler:
             )
         if edges is not None:
             edges = [float(e) for e in edges]
+            if any(math.isnan(e) for e in edges):
+                raise BatchingError(f"edges must be numbers, got {edges}")
             if any(b <= a for a, b in itertools.pairwise(edges)):
                 raise BatchingError(f"edges must increase, got {edges}")
         if edge_sample < 1 or buffer_size < 1:
@@ -205,6 +208,8 @@ class BucketingSampler:
         self._resume: dict[str, Any] | None = None
         self._open: list[_Open] = []
         self._buffer: list[Item] = []
+        #: The pass has read its whole stream and is emptying the (shuffled) buffer.
+        self._draining = False
         self._rng = random.Random(seed)
 
     # -- iteration -----------------------------------------------------------------
@@ -215,6 +220,7 @@ class BucketingSampler:
             self._rng = random.Random(self.seed + self._pass)
             self._consumed = 0
             self._buffer = []
+            self._draining = False
             self.stats = SamplerStats()
         self._pass += 1
         stream: Iterator[Item] = iter(self.source)
@@ -244,7 +250,9 @@ class BucketingSampler:
             j = rng.randrange(size)
             out, buf[j] = buf[j], item
             yield out
-        rng.shuffle(buf)
+        if not self._draining:  # a pass resumed while draining has its buffer shuffled already
+            rng.shuffle(buf)
+            self._draining = True
         while buf:
             yield buf.pop()
 
@@ -262,6 +270,11 @@ class BucketingSampler:
         for item in source:
             n += 1
             d = item.duration
+            if not d > 0.0:  # NaN, zero or negative (a Manifest skips them; other sources may not)
+                raise BatchingError(
+                    f"item {item.id!r} (index {item.index}) has a duration of {d!r}: "
+                    "durations must be positive numbers"
+                )
             b = find(edges, d)
             slot = opened[b]
             per_bucket[b] += 1
@@ -282,9 +295,16 @@ class BucketingSampler:
                 continue
             # The item would take the open batch over: close it, then the item opens the next.
             # (The state is whole before the yield: a state_dict taken here resumes exactly.)
+            cap = budget.max_count(d)
+            if cap < 1:  # a budget that is not monotone in the length: alone, as oversize
+                stats.oversize += 1
+                if not counted:
+                    self._consumed = n
+                yield self._emit([item], d, b, oversize=True)
+                continue
             batch = self._close(slot, b)
             slot.items.append(item)
-            slot.longest, slot.cap = d, budget.max_count(d)
+            slot.longest, slot.cap = d, cap
             if not counted:
                 self._consumed = n
             yield batch
@@ -324,7 +344,11 @@ class BucketingSampler:
         return {
             "version": _STATE_VERSION,
             "pass": self._pass,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "buffer_size": self.buffer_size,
             "consumed": self._consumed,
+            "draining": self._draining,
             "edges": self.edges,
             "open": [[_item_state(i) for i in slot.items] for slot in self._open],
             "buffer": [_item_state(i) for i in self._buffer],
@@ -333,27 +357,55 @@ class BucketingSampler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration goes on where it stopped."""
+        """Resume from :meth:`state_dict`: the next iteration goes on where it stopped.
+
+        Refuses a state saved with another ``shuffle``, ``seed`` or ``buffer_size``
+        (the order would differ, or the buffered items be lost), other bucket edges,
+        or open batches that this sampler's budget does not allow.
+        """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise BatchingError("not a BucketingSampler state (or from another version)")
+        keys = ("shuffle", "seed", "buffer_size") if self.shuffle else ("shuffle",)
+        saved_order = {k: state[k] for k in keys if k in state}
+        order = {"shuffle": self.shuffle, "seed": self.seed, "buffer_size": self.buffer_size}
+        mine = {k: order[k] for k in keys}
+        if any(mine[k] != v for k, v in saved_order.items()) or (
+            state["buffer"] and not self.shuffle
+        ):
+            raise BatchingError(
+                f"the state was saved with {saved_order}; this sampler has "
+                f"{mine}: the order would differ"
+            )
         edges = state["edges"]
         if self.edges is not None and edges is not None and list(edges) != self.edges:
             raise BatchingError("the saved state has other bucket edges than this sampler")
-        self.edges = list(edges) if edges is not None else None
-        self._pass = int(state["pass"]) - 1
-        self._consumed = int(state["consumed"])
-        self._buffer = [_item_from(s) for s in state["buffer"]]
-        rng = state["rng"]
-        self._rng = random.Random()
-        self._rng.setstate((rng[0], tuple(rng[1]), rng[2]))
-        self._open = []
-        for saved in state["open"]:
+        opened = []
+        for b, saved in enumerate(state["open"]):
             slot = _Open()
             slot.items = [_item_from(s) for s in saved]
             if slot.items:
                 slot.longest = max(i.duration for i in slot.items)
                 slot.cap = self.budget.max_count(slot.longest)
-            self._open.append(slot)
+                if len(slot.items) > slot.cap:
+                    raise BatchingError(
+                        f"the saved open batch of bucket {b} holds {len(slot.items)} items of up "
+                        f"to {slot.longest:g} s; this sampler's budget allows {slot.cap}: "
+                        "resume with the budget the state was saved with"
+                    )
+            opened.append(slot)
+        if edges is not None:
+            self.edges = list(edges)
+        self._open = opened
+        if int(state["pass"]) == 0:  # saved before the first pass began: start it afresh
+            self._pass, self._resume = 0, None
+            return
+        self._pass = int(state["pass"]) - 1
+        self._consumed = int(state["consumed"])
+        self._draining = bool(state.get("draining", False))
+        self._buffer = [_item_from(s) for s in state["buffer"]]
+        rng = state["rng"]
+        self._rng = random.Random()
+        self._rng.setstate((rng[0], tuple(rng[1]), rng[2]))
         s = state["stats"]
         self.stats = SamplerStats(
             items=s["items"],
