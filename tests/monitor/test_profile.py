@@ -83,6 +83,7 @@ def test_cpu_counts_tensors_made_from_python_data_not_numpy_memory() -> None:
     assert prof.stats["from_numpy"].peak_delta == 0
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_cpu_counts_sparse_tensors_values_and_indices() -> None:
     torch.manual_seed(0)
     n = 2**16
