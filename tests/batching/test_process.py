@@ -431,3 +431,119 @@ def test_a_demo_run_again_on_its_folder_resumes(tmp_path: Path) -> None:
     again = demo(6, output=tmp_path, squeeze=False)
     assert (again.result.done, again.result.skipped, again.result.lost) == (0, 6, 0)
     assert again.output_lines == 6
+
+
+def test_a_simulated_device_counts_the_steps_even_when_not_entered(tmp_path: Path) -> None:
+    # devices=["sim:..."] without a `with` block: the steps run on it are still counted
+    # (a 40 s batch of float32 audio is 2.4 MiB: it cannot fit 2 MiB in one piece).
+    manifest = write_manifest(tmp_path / "m.jsonl", [4.0 + (i % 5) for i in range(10)])
+    result = process(
+        Frames,
+        manifest,
+        tmp_path / "out.jsonl",
+        loader="synthetic",
+        devices=["sim:2MiB"],
+        budget=PaddedDuration(40.0),
+        num_buckets=2,
+    )
+    assert (result.done, result.lost) == (10, 0)
+    assert result.ooms >= 1 and result.ooms_recovered == result.ooms
+    assert result.devices[0]["peak_bytes"] > 2**20
+
+
+def test_several_simulated_devices_each_count_their_own_steps_and_stitch_right(
+    tmp_path: Path,
+) -> None:
+    durations = [2.0, 25.0, 0.7, 9.3, 14.0, 3.1, 31.3, 5.5]
+    manifest = write_manifest(tmp_path / "m.jsonl", durations)
+    result = process(
+        Frames,
+        manifest,
+        tmp_path / "out.jsonl",
+        postprocess=keep,
+        loader="synthetic",
+        devices=["sim:3MiB", "sim:1MiB", "sim:8MiB"],
+        budget=PaddedDuration(24.0),
+        chunk_duration=10.0,
+        num_buckets=3,
+        order="id",
+    )
+    assert (result.done, result.failed, result.lost) == (8, 0, 0)
+    lines = read_jsonl(result.output)
+    assert [line["id"] for line in lines] == sorted(f"r{i}" for i in range(8))
+    for line in lines:
+        whole = full_output(Item(line["id"], durations[int(line["id"][1:])]))
+        assert line["output"]["frames"] == whole.shape[0]
+        assert line["output"]["sum"] == pytest.approx(float(whole.double().sum()), abs=0.05)
+    devices = {d["device"]: d for d in result.devices}
+    assert sum(d["items"] for d in devices.values()) >= 8
+    # Each device counted its own steps (24 s of audio is 1.5 MiB: past 1 MiB in one piece).
+    assert all(d["peak_bytes"] > 10_000 for d in devices.values())
+    assert devices["sim:1MiB"]["ooms"] >= 1
+    assert all(d["peak_bytes"] <= d["total_bytes"] for d in devices.values())
+
+
+def test_the_cpu_fallback_of_a_given_module_leaves_the_devices_model_in_place() -> None:
+    from vramctl.batching import _process as proc
+
+    module = Frames()
+    make = proc._factory(module, 2)
+    assert make(0) is module and make(1) is not module
+    fallback = make(0)  # the CPU copy made when one item does not fit
+    assert fallback is not module and fallback is not make(1)
+    assert torch.equal(fallback.conv.weight, module.conv.weight)
+
+
+class OverlappingFrames(nn.Module):
+    """wav2vec2-like framing: a 400-sample window every 320 samples (49.97 frames/s at 30 s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(1, 4, 400, stride=320)
+
+    def forward(self, waveforms: torch.Tensor) -> torch.Tensor:
+        return self.conv(waveforms.unsqueeze(1)).transpose(1, 2)
+
+
+def test_a_long_recording_through_overlapping_windows_is_stitched_in_place(
+    tmp_path: Path,
+) -> None:
+    manifest = write_manifest(tmp_path / "m.jsonl", [300.0])
+    result = process(
+        OverlappingFrames,
+        manifest,
+        tmp_path / "out.jsonl",
+        postprocess=keep,
+        loader="synthetic",
+        devices=["cpu"],
+        chunk_duration=30.0,
+    )
+    assert (result.done, result.lost) == (1, 0)
+    (line,) = read_jsonl(result.output)
+    with torch.no_grad():
+        whole = OverlappingFrames()(synthesize(Item("r0", 300.0), RATE)[None])[0]
+    # Each chunk's frames land where the whole recording's do: none drift, none are missing.
+    assert abs(line["output"]["frames"] - whole.shape[0]) <= 1
+    assert line["output"]["sum"] == pytest.approx(float(whole.double().sum()), rel=2e-3)
+
+
+def test_chunks_after_whole_clips_are_stitched_at_the_measured_rate(tmp_path: Path) -> None:
+    # The first batches hold short clips only (their ratio is 49.8 frames/s); the long
+    # recording's chunks come later and must still land where the whole recording's do.
+    manifest = write_manifest(tmp_path / "m.jsonl", [10.0] * 4 + [300.0])
+    result = process(
+        OverlappingFrames,
+        manifest,
+        tmp_path / "out.jsonl",
+        postprocess=keep,
+        loader="synthetic",
+        devices=["cpu"],
+        chunk_duration=30.0,
+        budget=PaddedDuration(30.0),  # the fourth 10 s clip closes a first batch of three
+    )
+    assert (result.done, result.lost) == (5, 0)
+    line = read_jsonl(result.output)[-1]
+    with torch.no_grad():
+        whole = OverlappingFrames()(synthesize(Item("r4", 300.0), RATE)[None])[0]
+    assert abs(line["output"]["frames"] - whole.shape[0]) <= 1

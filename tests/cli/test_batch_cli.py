@@ -113,3 +113,39 @@ def test_process_takes_a_model_class_as_its_factory(
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["done"] == 3
     assert len(out.read_text().splitlines()) == 3
+
+
+def test_process_on_several_simulated_devices_counts_each_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "tinymodels.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(
+        "".join(json.dumps({"id": f"c{i}", "duration": 4.0 + i % 3}) + "\n" for i in range(8))
+    )
+    out = tmp_path / "out.jsonl"
+    args = ["process", "tinymodels:frames", str(manifest), str(out), "--loader", "synthetic"]
+    result = runner.invoke(
+        app, [*args, "-d", "sim:1MiB", "-d", "sim:8MiB", "--budget", "24s", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert (doc["done"], doc["lost"]) == (8, 0)
+    assert [d["device"] for d in doc["devices"]] == ["sim:1MiB", "sim:8MiB"]
+    assert all(0 < d["peak_bytes"] <= d["total_bytes"] for d in doc["devices"])
+    assert len(out.read_text().splitlines()) == 8
+
+
+def test_a_model_given_as_a_module_is_copied_per_device_not_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch import nn
+
+    from vramctl.cli._batch import _load_model
+
+    (tmp_path / "tinyinstance.py").write_text(FACTORY + "\nmodel = frames()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # The module itself, which process copies for each further device (and for a CPU
+    # fallback): a factory returning this one module would give every worker the same one.
+    assert isinstance(_load_model("tinyinstance:model"), nn.Module)

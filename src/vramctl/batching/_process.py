@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import math
 import os
@@ -53,6 +54,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from vramctl._units import format_bytes
 from vramctl.batching._adaptive import BatchingError
@@ -68,7 +70,7 @@ from vramctl.batching._progress import (
 from vramctl.batching._sampler import BucketingSampler
 from vramctl.device import Device, get_device, gpus
 from vramctl.device._select import sort_devices
-from vramctl.device._simulate import SimulatedDevice, active_simulation
+from vramctl.device._simulate import SimulatedDevice, _Budget, active_simulation
 from vramctl.guard import Guard, StepDoesNotFitError
 
 __all__ = ["ProcessResult", "ProcessStatus", "process", "progress_path"]
@@ -220,8 +222,24 @@ def _frames(model: nn.Module, lengths: torch.Tensor, padded: int, out_len: int) 
     return ((lengths * out_len + padded - 1) // max(padded, 1)).clamp(0, out_len)
 
 
-def _frame_rate(model: nn.Module, padded: int, out_len: int, sample_rate: int) -> float:
-    """Output frames per second: the slope of the model's own rule, else the batch's ratio."""
+def _frame_rate(
+    model: nn.Module,
+    padded: int,
+    out_len: int,
+    sample_rate: int,
+    probe: Callable[[int], int] | None = None,
+    fallback: float | None = None,
+) -> float:
+    """Output frames per second of audio.
+
+    The slope of the model's own rule (``_get_feat_extract_output_lengths``); else
+    the slope measured with ``probe`` (the output length for an input of that many
+    samples) between 2 s and 10 s of input; else ``fallback`` or the batch's ratio. The ratio is a
+    little off for a strided convolution, whose ``(padded - kernel) // stride + 1``
+    frames fall short of ``padded / stride``: a long recording's later chunks would
+    be placed further and further off. 8 s apart, the two probes differ by exactly
+    ``8 s / hop`` frames for any hop that divides 8 s of samples.
+    """
     rule = getattr(model, "_get_feat_extract_output_lengths", None)
     if callable(rule):
         try:
@@ -230,6 +248,15 @@ def _frame_rate(model: nn.Module, padded: int, out_len: int, sample_rate: int) -
                 return (b - a) / 100.0
         except Exception:
             log.debug("the model's _get_feat_extract_output_lengths failed", exc_info=True)
+    if probe is not None:
+        try:
+            a, b = probe(2 * sample_rate), probe(10 * sample_rate)
+            if b > a:
+                return (b - a) / 8.0
+        except Exception:
+            log.debug("measuring the model's frame rate failed", exc_info=True)
+    if fallback is not None:
+        return fallback
     return out_len * sample_rate / max(padded, 1)
 
 
@@ -280,9 +307,6 @@ def _pick_devices(
         if max_devices < 1:
             raise BatchingError(f"max_devices must be at least 1, got {max_devices}")
         found = found[:max_devices]
-    sims = [d for d in found if isinstance(d, SimulatedDevice)]
-    if sims and len(found) > 1:
-        raise BatchingError("a simulated GPU runs alone: give it as the only device")
     if len({d.id for d in found}) != len(found):
         raise BatchingError(f"a device is named twice: {[d.id for d in found]}")
     return found
@@ -335,15 +359,17 @@ class _Worker:
         self.user_forward = forward
         self._make_model = make_model
         self.sim = dev if isinstance(dev, SimulatedDevice) else None
-        self.model = _place(make_model(), dev)
+        with _uncounted(self.sim):  # made on the host; counted once, by its own device
+            self.model = _place(make_model(), dev)
         self.guard = Guard(self.model, device=dev, forward=self._forward)
         self._cpu: Guard | None = None
         self.cpu_fallbacks = 0
         self.batches = 0
         self.items = 0
         self.peak = 0
-        #: Output frames per second of audio, measured on the first batch.
+        #: Output frames per second of audio: the first batch's, then measured (chunks).
         self.frame_rate: float | None = None
+        self._rate_measured = False
 
     def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> _Rows:
         waveforms, lengths = batch["waveforms"], batch["lengths"]
@@ -365,6 +391,16 @@ class _Worker:
             rows = [out[i, : int(frames[i])].detach().to("cpu").clone() for i in range(len(out))]
         return _Rows(rows)
 
+    def _output_length(self, model: nn.Module, samples: int) -> int:
+        """The model's output frames for one input of ``samples`` samples (zeros)."""
+        waveforms = torch.zeros(1, samples)
+        on_cpu = next(model.parameters(), torch.empty(0)).device.type == "cpu"
+        if self.sim is None and not on_cpu:
+            waveforms = waveforms.to(self.dev.torch_device)
+        with torch.no_grad():
+            out, _ = _hidden(self.user_forward(model, waveforms, torch.tensor([samples])))
+        return int(out.shape[1])
+
     def run(self, loaded: dict[str, Any]) -> _Done:
         items: list[Item] = loaded["items"]
         failures = [(item, message) for item, message in loaded["errors"]]
@@ -372,13 +408,23 @@ class _Worker:
         if items:
             batch = {"waveforms": loaded["waveforms"], "lengths": loaded["lengths"]}
             try:
-                rows = _Rows.join(self.guard.infer(batch))
+                with _counting(self.sim):
+                    rows = _Rows.join(self.guard.infer(batch))
             except StepDoesNotFitError as exc:
                 log.warning("%s: %s; running this batch on the CPU", self.dev.id, exc)
                 rows = self._on_cpu(batch)
             outputs = list(zip(items, rows, strict=True))
             self.batches += 1
             self.items += len(items)
+            if not self._rate_measured and any(i.parent is not None for i in items):
+                # Chunks are stitched by the frame rate: measure it rather than take the
+                # first batch's ratio (once, and only for a run with long recordings).
+                self._rate_measured = True
+                probe = functools.partial(self._output_length, self.model)
+                with _counting(self.sim):
+                    self.frame_rate = _frame_rate(
+                        self.model, 0, 0, self.sample_rate, probe, fallback=self.frame_rate
+                    )
         self.peak = max(self.peak, _peak(self.dev))
         durations = [i.duration for i in items]
         return _Done(
@@ -412,6 +458,42 @@ class _Worker:
             "ooms_recovered": self.guard.recovered,
             "cpu_fallbacks": self.cpu_fallbacks,
         }
+
+
+def _counts(sim: SimulatedDevice) -> bool:
+    """Whether this thread is in ``sim``'s ``with`` block (its counting mode is active)."""
+    return any(
+        isinstance(m, _Budget) and m.device is sim for m in _get_current_dispatch_mode_stack()
+    )
+
+
+@contextlib.contextmanager
+def _counting(sim: SimulatedDevice | None) -> Iterator[None]:
+    """A step on ``sim`` counted by it, in whichever thread runs it.
+
+    The counting mode of a simulated device is per thread: a worker thread (or a run
+    given ``devices=["sim:..."]`` without entering it) would otherwise run uncounted.
+    """
+    if sim is None or _counts(sim):
+        yield
+        return
+    with _Budget(sim):
+        yield
+
+
+@contextlib.contextmanager
+def _uncounted(sim: SimulatedDevice | None) -> Iterator[None]:
+    """For a model made for ``sim``: no simulated device active in this thread counts it.
+
+    With several simulated devices entered (nested), a model made for one would
+    otherwise be counted by all of them; :func:`_place` adopts it on its own.
+    """
+    stack = _get_current_dispatch_mode_stack()
+    if sim is None or not stack or not all(isinstance(m, _Budget) for m in stack):
+        yield
+        return
+    with _disable_current_modes():
+        yield
 
 
 def _place(model: nn.Module, dev: Device) -> nn.Module:
@@ -642,11 +724,24 @@ def _postprocess(value: Postprocess | str) -> Postprocess:
 
 
 def _factory(model: nn.Module | ModelFactory, devices: int) -> Callable[[int], nn.Module]:
-    """Model for the k-th device: a given module is used on the first, copies on the rest."""
+    """Model for the k-th device: a given module is used on the first, copies on the rest.
+
+    Each call after the first for a device (the CPU fallback's model) gets a copy of the
+    module as given, never the module that device runs (moving it would move that).
+    """
     if isinstance(model, nn.Module):
         module = model
         copies = [copy.deepcopy(model) for _ in range(devices - 1)]  # before it moves
-        return lambda k: module if k == 0 else copies[k - 1]
+        pristine = copy.deepcopy(model)  # for the CPU fallbacks, made before it moves
+        given: set[int] = set()
+
+        def make(k: int) -> nn.Module:
+            if k in given:
+                return copy.deepcopy(pristine)
+            given.add(k)
+            return module if k == 0 else copies[k - 1]
+
+        return make
     if not callable(model):
         raise BatchingError(f"model must be an nn.Module or a factory, got {type(model)}")
     factory = model
@@ -920,6 +1015,7 @@ class _Collector:
         self.rejected: deque[tuple[int, str, str]] = rejected if rejected is not None else deque()
         self.sample_rate = sample_rate
         self.stitcher: Stitcher | None = Stitcher(frame_rate) if frame_rate else None
+        self._given_rate = bool(frame_rate)
         #: Chunked recordings that failed, as (id, manifest index): ids may repeat.
         self.failed_parents: set[tuple[str, int]] = set()
         self.done = 0
@@ -936,9 +1032,18 @@ class _Collector:
     def pending(self) -> int:
         return self.stitcher.pending() if self.stitcher is not None else 0
 
-    def _stitcher_for(self, rate: float | None) -> Stitcher:
+    def _stitcher_for(self, item: Item, rate: float | None) -> Stitcher:
         if self.stitcher is None:
             self.stitcher = Stitcher(rate or 1.0)
+        elif (
+            item.parent is not None
+            and rate
+            and not self._given_rate
+            and rate != self.stitcher.frame_rate
+            and not self.stitcher.pending()
+        ):
+            # A batch with chunks carries the measured rate; one without, its own ratio.
+            self.stitcher.frame_rate = rate
         return self.stitcher
 
     def _drain(self) -> list[tuple[int, str, str]]:
@@ -969,7 +1074,7 @@ class _Collector:
         for item, output in batch.outputs:
             if item.parent is not None and (item.parent, item.index) in self.failed_parents:
                 continue
-            for rec_id, whole in self._stitcher_for(batch.frame_rate).add(item, output):
+            for rec_id, whole in self._stitcher_for(item, batch.frame_rate).add(item, output):
                 rec = _recording(item, rec_id)
                 try:
                     value = self.post(whole, rec)

@@ -108,7 +108,9 @@ def _load_model(spec: str) -> Callable[[], Any]:
         return entry.build
     _, source = load_model_source(spec)
     if isinstance(source, nn.Module):
-        return lambda: source
+        # The module itself: process copies it for each further device (a factory
+        # returning this one module would put every device's worker on the same model).
+        return source
     return source  # a factory: a function, or an nn.Module class
 
 
@@ -147,18 +149,14 @@ def _check_process_options(target: float, chunk: float, overlap: float) -> None:
 
 @contextlib.contextmanager
 def _devices(names: list[str] | None) -> Iterator[list[Any] | None]:
-    """The devices named; a simulated one ('sim:SIZE') is entered for the run."""
+    """The devices named; a simulated one ('sim:SIZE') counts the steps run on it.
+
+    The run counts each simulated device's steps in the thread that runs them; entering
+    several here (nested, in this thread) would count this thread's work on all of them.
+    """
     from vramctl.device import get_device
 
-    if not names:
-        yield None
-        return
-    devs = [get_device(n) for n in names]
-    with contextlib.ExitStack() as stack:
-        for dev in devs:
-            if dev.kind == "sim":
-                stack.enter_context(dev)  # type: ignore[arg-type]
-        yield devs
+    yield [get_device(n) for n in names] if names else None
 
 
 @app.command("process")
