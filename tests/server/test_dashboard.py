@@ -140,6 +140,24 @@ def test_stream_sends_samples_and_events(served: tuple[Monitor, DashboardServer]
         assert leak["rate_bytes_per_step"] == 4096 and leak["timestamp"] > 0
 
 
+def test_stream_sends_recorded_events_as_record_when_asked(
+    served: tuple[Monitor, DashboardServer],
+) -> None:
+    # A browser's EventSource hears only the event names it listens for: the page asks for
+    # events of kinds of the user's own (Monitor.record) under one name, "record".
+    mon, server = served
+    with open_stream(server.url + "api/stream?others=record") as resp:
+        mon.record("phase", name="eval", step=7)
+        doc = read_events(resp, "record", time.monotonic() + 5)
+        assert doc["kind"] == "phase" and doc["timestamp"] > 0
+        assert doc["data"] == {"name": "eval", "step": 7}
+        mon.record("leak", device="cpu", rate_bytes_per_step=4096, causes=[])
+        assert read_events(resp, "leak", time.monotonic() + 5)["rate_bytes_per_step"] == 4096
+    with open_stream(server.url + "api/stream") as resp:  # by default, by their own name
+        mon.record("phase", name="train")
+        assert read_events(resp, "phase", time.monotonic() + 5)["name"] == "train"
+
+
 def test_stream_unsubscribes_when_the_client_goes(
     served: tuple[Monitor, DashboardServer],
 ) -> None:

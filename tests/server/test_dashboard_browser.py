@@ -7,8 +7,10 @@ that a failure.
 
 from __future__ import annotations
 
+import http.server
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +19,9 @@ from typing import Any, NoReturn
 import pytest
 import torch
 
-from vramctl.device import SimulatedDevice
+from vramctl.device import ProcessMemory, SimulatedDevice
 from vramctl.guard import GuardEvent
-from vramctl.monitor import Monitor, UsageRule
+from vramctl.monitor import Alert, Level, Monitor, UsageRule
 from vramctl.server import DashboardServer, serve_dashboard
 
 pytestmark = pytest.mark.browser
@@ -194,3 +196,135 @@ def test_dashboard_without_token_is_live_on_loopback_only(browser: Any) -> None:
             response = page.goto(f"http://rebound.example:{server.port}/{path}")
             assert response is not None and response.status == 403
             assert "localhost" in (page.text_content("body") or "")
+
+
+XSS = "<img src=x onerror=alert(1)>"
+
+
+def _watch(page: Any) -> list[str]:
+    """Console errors, uncaught exceptions and dialogs (an injected script's alert())."""
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(f"pageerror: {exc}"))
+    page.on(
+        "console",
+        lambda msg: problems.append(f"console: {msg.text}") if msg.type == "error" else None,
+    )
+
+    def dialog(d: Any) -> None:
+        problems.append(f"dialog: {d.message}")
+        d.dismiss()
+
+    page.on("dialog", dialog)
+    return problems
+
+
+def test_recorded_events_alerts_and_processes_show_live_as_text(
+    browser: Any, served: tuple[Monitor, DashboardServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mon, server = served
+    gpu = mon.devices[1]
+    own = gpu.processes
+    monkeypatch.setattr(
+        gpu,
+        "processes",
+        lambda limit=None: (
+            [ProcessMemory(4242, 3 * 2**30, name=XSS, user=XSS, command=XSS), *own(limit)]
+        ),
+    )
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    problems = _watch(page)
+    page.goto(server.page_url)
+    page.wait_for_selector("#status[data-state=live]", timeout=10_000)
+
+    # An event of the user's own kind shows in the activity list as it happens (the docs'
+    # mon.record("phase", name="eval")), not only after a reload.
+    mon.record("phase", name=XSS)
+    phase = page.locator('#activity li[data-kind="phase"]')
+    phase.wait_for(timeout=10_000)
+    assert XSS in phase.inner_text()
+
+    # Text from the server is text: an alert's message, a process's name.
+    mon.alerts.dispatch(Alert("custom", Level.WARNING, SIM, XSS, suggestion=XSS))
+    alert = page.locator('#alerts li[data-rule="custom"]')
+    alert.wait_for(timeout=10_000)
+    assert alert.inner_text().count(XSS) == 2
+    row = page.locator(f'.device[data-device="{SIM}"] table.procs td:has-text("4242")')
+    row.wait_for(timeout=10_000)
+    assert XSS in page.locator(f'.device[data-device="{SIM}"] table.procs').inner_text()
+
+    # Time lost under a second reads in ms, not "0.00 s".
+    mon._guard_event(
+        GuardEvent("oom", step=1, batch_size=8, pieces=2, piece_limit=4, time_lost=0.004)
+    )
+    guard = page.locator('#activity li[data-kind="guard"]')
+    guard.wait_for(timeout=10_000)
+    assert "4.00 ms lost" in guard.inner_text()
+
+    assert page.locator("img").count() == 0
+    assert problems == []
+
+
+def test_narrow_viewport_does_not_scroll_sideways(
+    browser: Any, served: tuple[Monitor, DashboardServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mon, server = served
+    gpu = mon.devices[1]
+    name = "python -m torch.distributed.run --nproc_per_node=8 train_a_very_long_name.py"
+    monkeypatch.setattr(
+        gpu,
+        "processes",
+        lambda limit=None: [ProcessMemory(4242, 3 * 2**30, name=name, user="a-rather-long-user")],
+    )
+    page = browser.new_page(viewport={"width": 400, "height": 800})
+    problems = _watch(page)
+    page.goto(server.page_url)
+    page.wait_for_selector("#status[data-state=live]", timeout=10_000)
+    page.locator(f'.device[data-device="{SIM}"] table.procs td:has-text("4242")').wait_for()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "narrow.png"), full_page=True)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 400
+    assert problems == []
+
+
+class _BadGateway(http.server.BaseHTTPRequestHandler):
+    """A reverse proxy while the dashboard behind it restarts."""
+
+    def do_GET(self) -> None:
+        self.send_response(502)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_page_shows_the_outage_and_comes_back_live(browser: Any) -> None:
+    mon = Monitor(["cpu", SIM], interval=0.2, rules=[])
+    server = serve_dashboard(mon, port=0, token=TOKEN)
+    port = server.port
+    page = browser.new_page()
+    page.goto(server.page_url)
+    page.wait_for_selector("#status[data-state=live]", timeout=10_000)
+    try:
+        server.close()
+        page.wait_for_selector("#status[data-state=reconnecting]", timeout=10_000)
+        # A proxy answers 502 for a while: EventSource gives up for good on such an answer,
+        # and the page must try again itself.
+        proxy = http.server.ThreadingHTTPServer(("127.0.0.1", port), _BadGateway)
+        thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+        thread.start()
+        time.sleep(3)  # the browser's own retry (2 s) reaches the proxy
+        proxy.shutdown()
+        proxy.server_close()
+        thread.join()
+        assert page.get_attribute("#status", "data-state") == "reconnecting"
+        mon.record("phase", name="while-away")
+        server = serve_dashboard(mon, port=port, token=TOKEN)
+        page.wait_for_selector("#status[data-state=live]", timeout=10_000)
+        # The page reloaded its state: what happened while it was away is there.
+        page.locator('#activity li[data-kind="phase"]:has-text("while-away")').wait_for(
+            timeout=10_000
+        )
+    finally:
+        server.close()
+        mon.stop()

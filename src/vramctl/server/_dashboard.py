@@ -75,6 +75,9 @@ _CSP = (
     "img-src 'self' data:; connect-src 'self'; base-uri 'self'; form-action 'none'"
 )
 _STREAM_END = Event("_end", {})
+#: The event kinds the page listens for by name; with ``?others=record``, the stream sends
+#: the rest (events recorded with ``Monitor.record``) as ``event: record``.
+_NAMED = frozenset({"sample", "alert", "guard", "leak"})
 
 
 @cache
@@ -117,8 +120,14 @@ class _Hub:
         with contextlib.suppress(RuntimeError):  # the loop has closed: the client is gone
             loop.call_soon_threadsafe(cls._offer, queue, event)
 
-    async def stream(self) -> AsyncIterator[str]:
-        """One client's Server-Sent Events, until it disconnects or the server closes."""
+    async def stream(self, others: str | None = None) -> AsyncIterator[str]:
+        """One client's Server-Sent Events, until it disconnects or the server closes.
+
+        ``others="record"`` sends events of kinds other than ``sample``, ``alert``,
+        ``guard`` and ``leak`` as ``event: record``, ``data: {"kind", "timestamp",
+        "data"}`` (as ``/api/state`` lists them): a browser's ``EventSource`` hears
+        only the event names it listens for, and cannot know every kind in advance.
+        """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue(QUEUE_SIZE)
         client = (loop, queue)
@@ -140,7 +149,7 @@ class _Hub:
                 if event is _STREAM_END:
                     break
                 last = time.monotonic()
-                yield _sse(event)
+                yield _sse(event, wrap=others == "record")
         finally:
             remove()
             with self._lock:
@@ -173,7 +182,10 @@ def _json(doc: Any) -> str:
         return json.dumps(_finite(doc), default=str, allow_nan=False)
 
 
-def _sse(event: Event) -> str:
+def _sse(event: Event, *, wrap: bool = False) -> str:
+    if wrap and event.kind not in _NAMED:
+        doc = {"kind": event.kind, "timestamp": event.timestamp, "data": event.data}
+        return f"event: record\ndata: {_json(doc)}\n\n"
     data = _json({"timestamp": event.timestamp, **event.data})
     kind = "".join(c for c in event.kind if c.isprintable() and c not in "\r\n") or "message"
     return f"event: {kind}\ndata: {data}\n\n"
@@ -365,10 +377,14 @@ def _router(monitor: Monitor, title: str) -> _DashboardRouter:
         )
 
     @router.get("/api/stream")
-    def api_stream() -> StreamingResponse:
-        """Server-Sent Events: ``sample``, ``alert``, ``guard``, ``leak`` and recorded events."""
+    def api_stream(others: str | None = None) -> StreamingResponse:
+        """Server-Sent Events: ``sample``, ``alert``, ``guard``, ``leak`` and recorded events.
+
+        ``?others=record`` sends the recorded events as ``event: record`` (see
+        :meth:`_Hub.stream`): the page asks for it.
+        """
         return StreamingResponse(
-            hub.stream(),
+            hub.stream(others),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )

@@ -20,6 +20,8 @@
   var statusEl = document.getElementById("status");
   var source = null;
   var hadError = false;
+  var retryTimer = null;
+  var RETRY_MS = 2000;
 
   function api(path) {
     var url = new URL(path, document.baseURI);
@@ -49,6 +51,11 @@
     var i = 0, v = Math.abs(n);
     while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
     return (n < 0 ? "-" : "") + (i === 0 ? v.toFixed(0) : v.toFixed(v < 10 ? 2 : 1)) + " " + units[i];
+  }
+
+  function fmtSeconds(s) {
+    if (s === null || s === undefined) return "N/A";
+    return s < 1 ? (1000 * s).toFixed(s < 0.01 ? 2 : 0) + " ms" : s.toFixed(2) + " s";
   }
 
   function fmtTime(ts) {
@@ -280,7 +287,7 @@
       var parts = [what];
       if (d.step !== undefined) parts.push("step " + d.step);
       if (d.batch_size) parts.push("batch " + d.batch_size + (d.pieces > 1 ? " in " + d.pieces + " pieces" : ""));
-      if (d.time_lost_s) parts.push(d.time_lost_s.toFixed(2) + " s lost");
+      if (d.time_lost_s) parts.push(fmtSeconds(d.time_lost_s) + " lost");
       var bad = act === "gave_up" || act === "optimizer_oom";
       return { level: bad ? "error" : "info", text: parts.join(", "), detail: d.detail };
     }
@@ -366,7 +373,9 @@
 
   function connect() {
     if (source) source.close();
-    source = new EventSource(api("api/stream"));
+    var url = new URL(api("api/stream"));
+    url.searchParams.set("others", "record");  // recorded events of any kind, as "record"
+    source = new EventSource(url.toString());
     source.onopen = function () {
       if (hadError) {
         hadError = false;
@@ -377,6 +386,12 @@
     source.onerror = function () {
       hadError = true;
       setStatus("reconnecting", "reconnecting...");
+      // The browser retries a dropped connection itself, but gives up for good on an answer
+      // that is not an event stream (a proxy's 502 while the server restarts): retry here.
+      if (source.readyState === EventSource.CLOSED) {
+        clearTimeout(retryTimer);
+        retryTimer = setTimeout(connect, RETRY_MS);
+      }
     };
     source.addEventListener("sample", function (ev) {
       var doc = JSON.parse(ev.data);
@@ -389,6 +404,10 @@
         var d = JSON.parse(ev.data);
         addActivity(kind, d.timestamp, d);
       });
+    });
+    source.addEventListener("record", function (ev) {
+      var e = JSON.parse(ev.data);
+      addActivity(e.kind, e.timestamp, e.data || {});
     });
   }
 
