@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -31,12 +32,15 @@ RATE = 16000
 
 
 class Frames(nn.Module):
-    """A frame-wise model: one output frame per 320 samples (50 frames/s), 8 features."""
+    """A frame-wise model: one output frame per 320 samples (50 frames/s), 8 features.
 
-    def __init__(self) -> None:
+    A ``kernel`` wider than the stride makes the windows overlap, as wav2vec2's do.
+    """
+
+    def __init__(self, kernel: int = 320, features: int = 8) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.conv = nn.Conv1d(1, 8, 320, stride=320)
+        self.conv = nn.Conv1d(1, features, kernel, stride=320)
 
     def forward(self, waveforms: torch.Tensor) -> torch.Tensor:
         return self.conv(waveforms.unsqueeze(1)).transpose(1, 2)
@@ -494,16 +498,8 @@ def test_the_cpu_fallback_of_a_given_module_leaves_the_devices_model_in_place() 
     assert torch.equal(fallback.conv.weight, module.conv.weight)
 
 
-class OverlappingFrames(nn.Module):
-    """wav2vec2-like framing: a 400-sample window every 320 samples (49.97 frames/s at 30 s)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = nn.Conv1d(1, 4, 400, stride=320)
-
-    def forward(self, waveforms: torch.Tensor) -> torch.Tensor:
-        return self.conv(waveforms.unsqueeze(1)).transpose(1, 2)
+#: wav2vec2-like framing: a 400-sample window every 320 samples (49.97 frames/s at 30 s).
+OverlappingFrames = functools.partial(Frames, kernel=400, features=4)
 
 
 def test_a_long_recording_through_overlapping_windows_is_stitched_in_place(
