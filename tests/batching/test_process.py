@@ -345,29 +345,25 @@ def test_a_duration_too_long_to_be_real_is_recorded_as_failed_not_run(tmp_path: 
     # 1e300 s would make 1e299 chunks: the run would never end (or run out of memory making
     # the chunk list). It is recorded as failed, with the reason, and the rest goes on.
     manifest = write_manifest(tmp_path / "m.jsonl", [2.0, 1e300, 3.0, 1e12])
-    result = process(
-        Frames,
-        manifest,
-        tmp_path / "out.jsonl",
-        loader="synthetic",
-        budget=PaddedDuration(12.0),
-        chunk_duration=6.0,
-        devices=["cpu"],
-    )
+
+    def run() -> Any:
+        return process(
+            Frames,
+            manifest,
+            tmp_path / "out.jsonl",
+            loader="synthetic",
+            budget=PaddedDuration(12.0),
+            chunk_duration=6.0,
+            devices=["cpu"],
+        )
+
+    result = run()
     assert (result.done, result.failed, result.lost) == (2, 2, 0)
     assert [line["id"] for line in read_jsonl(result.output)] == ["r0", "r2"]
     failed = read_jsonl(result.failed_path)
     assert [f["id"] for f in failed] == ["r1", "r3"]
     assert all("chunks" in f["reason"] and "duration" in f["reason"] for f in failed)
-    again = process(
-        Frames,
-        manifest,
-        tmp_path / "out.jsonl",
-        loader="synthetic",
-        budget=PaddedDuration(12.0),
-        chunk_duration=6.0,
-        devices=["cpu"],
-    )
+    again = run()
     assert (again.done, again.failed, again.skipped) == (0, 0, 4)
 
 

@@ -5,13 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
-from torch.profiler._memory_profiler import Action
 
 import vramctl
-from tests.estimator.real_steps import cuda_step_peaks
+from tests.estimator.real_steps import cpu_step_peak, cuda_step_peaks
 from vramctl.estimator import EstimateError, StepSpec
-from vramctl.estimator._estimate import prepare_model, run_step, warm_optimizer
 from vramctl.estimator.zoo import LstmLanguageModel
 
 
@@ -65,31 +62,12 @@ def test_a_factory_is_built_on_fake_tensors() -> None:
     assert est.breakdown["parameters"] == 8 * (8192 * 8192 + 8192) * 4
 
 
-def _real_cpu_peak(model: nn.Module, batch: torch.Tensor, spec: StepSpec) -> int:
-    prepare_model(model, spec)
-    params = list(model.parameters())
-    opt = spec.make_optimizer(params)
-    assert opt is not None
-    warm_optimizer(opt, params)
-    held = params + [batch] + [v for s in opt.state.values() for k, v in s.items() if k != "step"]
-    base = sum(t.untyped_storage().nbytes() for t in held)
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
-        run_step(model, batch, spec, opt)
-    live = peak = 0
-    for _t, action, _k, size in prof._memory_profile().timeline:
-        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
-        peak = max(peak, live)
-    return base + peak
-
-
 def test_cpu_estimate_matches_the_profiled_real_step() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 64))
     batch = torch.randn(64, 128)
     est = vramctl.estimate(model, batch, device="cpu")
-    truth = _real_cpu_peak(model, batch, StepSpec())
+    truth = cpu_step_peak(model, batch, StepSpec())
     assert abs(est.logical_peak - truth) / truth < 0.01
 
 

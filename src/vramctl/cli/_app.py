@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import math
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -57,6 +62,62 @@ def check_seconds(option: str, value: float, example: str, *, zero: bool = False
         what = "0 or more" if zero else "a positive number of"
         raise VramctlError(f"{option} {value:g}: give {what} seconds, e.g. {option} {example}")
     return value
+
+
+def check_can_write(
+    option: str, path: str | Path, *, folder: bool = False, make_parents: bool = False
+) -> None:
+    """Refuse, before any work, an output the command could only fail to write at its end.
+
+    ``folder``: ``path`` is a folder, made here if missing. Else it is a file: its folder
+    must exist (``make_parents``: the nearest existing one is probed, as the missing ones
+    are made when it is written). A probe file is made and removed in that folder.
+    """
+    shown = str(path)
+    target = Path(path).expanduser()
+    if folder:
+        if target.exists() and not target.is_dir():
+            raise VramctlError(f"{option} {shown!r}: a file, not a folder; give a folder's path")
+        place = target
+    else:
+        if target.is_dir():
+            raise VramctlError(f"{option} {shown!r}: a folder; give a file name")
+        place = target.absolute().parent
+        if make_parents:
+            while not place.exists() and place != place.parent:
+                place = place.parent
+        elif not place.is_dir():
+            raise VramctlError(f"{option} {shown!r}: the folder {str(place)!r} does not exist")
+    try:
+        if folder:
+            place.mkdir(parents=True, exist_ok=True)
+        if not place.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        tempfile.TemporaryFile(dir=place).close()
+        if not folder and target.exists() and not os.access(target, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise VramctlError(
+            f"{option} {shown!r}: cannot write there: {exc.strerror or exc}; "
+            "choose a path in a writable folder"
+        ) from None
+
+
+@contextlib.contextmanager
+def library_log_to(handler: logging.Handler, name: str = "vramctl") -> Iterator[None]:
+    """While the block runs, the library's log records go to ``handler`` only.
+
+    (A logger that neither propagates nor has a handler would fall back to
+    ``logging.lastResort`` and print on stderr: ``logging.NullHandler()`` drops them.)
+    """
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def _version(value: bool) -> None:

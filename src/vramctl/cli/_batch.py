@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
-import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -22,7 +19,15 @@ from rich.progress import (
 from rich.table import Table
 
 from vramctl import VramctlError, format_bytes
-from vramctl.cli._app import _emit_json, app, console, err, user_errors
+from vramctl.cli._app import (
+    _emit_json,
+    app,
+    check_can_write,
+    console,
+    err,
+    library_log_to,
+    user_errors,
+)
 
 
 def _stats_text(status: Any) -> str:
@@ -76,15 +81,8 @@ def _quiet_library_log() -> Iterator[None]:
     """Send the library's warnings through rich's console (not through the progress bar)."""
     from rich.logging import RichHandler
 
-    logger = logging.getLogger("vramctl")
-    handler = RichHandler(console=err, show_time=False, show_path=False)
-    logger.addHandler(handler)
-    propagate, logger.propagate = logger.propagate, False
-    try:
+    with library_log_to(RichHandler(console=err, show_time=False, show_path=False)):
         yield
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
 
 
 def _load_model(spec: str) -> Callable[[], Any]:
@@ -292,21 +290,6 @@ def process_cmd(
         console.print(f"... {result.manifest_problems - 10} more bad manifest records")
 
 
-def _check_folder(option: str, path: str) -> None:
-    """``path`` is a folder, or one that can be made, and can be written in."""
-    folder = Path(path).expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise VramctlError(f"{option} {path!r}: a file, not a folder; give a folder's path")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError as exc:
-        raise VramctlError(
-            f"{option} {path!r}: cannot write there: {exc.strerror or exc}; "
-            "choose a folder in a writable place"
-        ) from None
-
-
 @app.command("demo")
 @user_errors
 def demo_cmd(
@@ -347,7 +330,7 @@ def demo_cmd(
     if model is not None and model not in MODELS:
         raise VramctlError(f"--model {model!r}: the demo runs {' or '.join(MODELS)}")
     if output is not None:
-        _check_folder("--output", output)
+        check_can_write("--output", output, folder=True)
 
     def stage(text: str) -> None:
         if not as_json:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -10,7 +9,7 @@ import typer
 from rich.table import Table
 
 from vramctl import VramctlError, format_bytes
-from vramctl.cli._app import _emit_json, app, console, err, user_errors
+from vramctl.cli._app import _emit_json, app, check_can_write, console, err, user_errors
 from vramctl.estimator import _cuda_model
 from vramctl.estimator._calibration import (
     Calibration,
@@ -98,21 +97,7 @@ def _check_out(out: Path, save: bool) -> None:
         raise VramctlError(
             f"--out {str(out)!r} saves the profile and --no-save saves none: drop one of them"
         )
-    target = out.expanduser()
-    if target.is_dir():
-        raise VramctlError(f"--out {str(out)!r}: a folder; give the profile's file name")
-    parent = target.absolute().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent  # the folders still missing are made when it is saved
-    try:
-        if not parent.is_dir():
-            raise NotADirectoryError(20, "Not a directory")
-        tempfile.TemporaryFile(dir=parent).close()
-    except OSError as exc:
-        raise VramctlError(
-            f"--out {str(out)!r}: cannot write there: {exc.strerror or exc}; "
-            "choose a path in a writable folder"
-        ) from None
+    check_can_write("--out", out, make_parents=True)
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -16,7 +17,15 @@ import typer
 from rich.table import Table
 
 from vramctl import NA, format_bytes
-from vramctl.cli._app import app, check_seconds, console, err, user_errors
+from vramctl.cli._app import (
+    app,
+    check_can_write,
+    check_seconds,
+    console,
+    err,
+    library_log_to,
+    user_errors,
+)
 from vramctl.monitor import (
     Event,
     ExportError,
@@ -54,20 +63,7 @@ def _check_plot(path: Path) -> None:
     """Refuse a plot path that cannot be written now, not after the whole run."""
     if path.suffix.lower() not in (".html", ".htm", ".png"):
         raise ExportError(f"--plot {str(path)!r}: use a .html or .png file name")
-    parent = path.resolve().parent
-    if not parent.is_dir():
-        raise ExportError(f"--plot {str(path)!r}: the directory {str(parent)!r} does not exist")
-    existed = path.exists()
-    try:
-        with path.open("a", encoding="utf-8"):
-            pass
-    except OSError as exc:
-        raise ExportError(
-            f"--plot {str(path)!r}: cannot write there: {exc.strerror or exc}; "
-            "choose a path in a writable directory"
-        ) from None
-    if not existed:
-        path.unlink(missing_ok=True)
+    check_can_write("--plot", path)
 
 
 def _check_levels(kind: str, warning: float, critical: float) -> None:
@@ -274,15 +270,11 @@ def monitor_cmd(
 
     mon.subscribe(on_event)
     # Alerts are shown through the subscriber; keep the library's log lines off the terminal.
-    # A logger that neither propagates nor has a handler falls back to logging.lastResort,
-    # which would print every alert a second time: give it a handler that drops them.
-    library_log = logging.getLogger("vramctl.monitor")
-    silence = logging.NullHandler()
-    library_log.addHandler(silence)
-    library_log.propagate = False
     started = time.monotonic()
     seen = 0
+    library_logs = contextlib.ExitStack()
     try:
+        library_logs.enter_context(library_log_to(logging.NullHandler(), "vramctl.monitor"))
         mon.start()
         while True:
             if taken.acquire(timeout=0.2):
@@ -299,8 +291,7 @@ def monitor_cmd(
             server.close()
         if sink is not None:
             sink.close()
-        library_log.removeHandler(silence)
-        library_log.propagate = True
+        library_logs.close()
     if plot is not None:
         mon.export(plot)
         err.print(f"plot written to {plot}", highlight=False)

@@ -28,7 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vramctl import NA, Device, MemoryState, NotAvailable, ProcessMemory, VramctlError, format_bytes
-from vramctl.cli._app import app, check_seconds, console, user_errors
+from vramctl.cli._app import app, check_seconds, console, library_log_to, user_errors
 from vramctl.cli._render import EncodingSafe, _bar, _pct
 from vramctl.monitor import Event, Monitor
 
@@ -478,15 +478,8 @@ class _LogToEvents(logging.Handler):
 @contextlib.contextmanager
 def _logs_as_events(monitor: Monitor) -> Iterator[None]:
     """Route the library's log records into ``monitor.events`` while the view is up."""
-    logger = logging.getLogger("vramctl")
-    handler = _LogToEvents(monitor)
-    logger.addHandler(handler)
-    propagate, logger.propagate = logger.propagate, False
-    try:
+    with library_log_to(_LogToEvents(monitor)):
         yield
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
 
 
 def _loop(monitor: Monitor, state: TopState, keys: bool) -> None:
