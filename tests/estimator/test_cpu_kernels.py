@@ -7,9 +7,8 @@ import torch
 from torch import nn
 
 import vramctl
+from tests.estimator.real_steps import cpu_step_peak
 from vramctl.estimator import StepSpec, _cpu_kernels
-
-from .test_estimate import _real_cpu_peak
 
 
 class PosConv(nn.Module):
@@ -28,7 +27,7 @@ def test_convolution_scratch_is_measured_and_matches_the_real_step() -> None:
     torch.manual_seed(0)
     model, batch = PosConv(), torch.randn(2, 256, 50)
     est = vramctl.estimate(model, batch, device="cpu")
-    truth = _real_cpu_peak(model, batch, StepSpec())
+    truth = cpu_step_peak(model, batch, StepSpec())
     # oneDNN's weight-gradient scratch for this grouped convolution is several weights.
     assert est.breakdown["workspaces"] > model.conv.weight.nbytes
     assert abs(est.logical_peak - truth) / truth < 0.01
@@ -71,7 +70,7 @@ def test_a_training_lstm_counts_its_onednn_workspace(
         monkeypatch.setattr(_cpu_kernels, "PROBE_BYTES_LIMIT", 0)
     est = vramctl.estimate(model, batch, device="cpu")
     _cpu_kernels.probe_cache_clear()
-    truth = _real_cpu_peak(model, batch, StepSpec())
+    truth = cpu_step_peak(model, batch, StepSpec())
     # The meta kernel returns an empty workspace; the real one is ~64 bytes per
     # (step, sample, hidden unit) per layer, larger than the layer's output.
     workspace = 2 * 24 * 16 * 64 * 60
