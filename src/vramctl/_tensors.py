@@ -1,4 +1,4 @@
-"""Tensor helpers shared by the simulated devices and the estimator's tracer."""
+"""Tensor helpers shared by the simulated devices, the estimator's tracer and the monitor."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
+
+__all__ = ["storage", "tensor_parts", "tensors"]
 
 
 def tensors(tree: Any) -> Iterator[torch.Tensor]:
@@ -24,3 +26,22 @@ def storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def tensor_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors whose storages hold ``t``'s bytes: ``t`` itself, or a sparse
+    tensor's values and indices (values first); none for a meta tensor or another layout."""
+    if t.layout == torch.strided:
+        return (t,)
+    if t.is_meta:
+        return ()
+    try:
+        if t.layout == torch.sparse_coo:
+            return (t._values(), t._indices())
+        if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+            return (t.values(), t.crow_indices(), t.col_indices())
+        if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+            return (t.values(), t.ccol_indices(), t.row_indices())
+    except (RuntimeError, NotImplementedError):
+        pass
+    return ()

@@ -23,10 +23,8 @@ from torch.utils.data import IterableDataset, default_collate
 from vramctl._errors import VramctlError
 from vramctl._tensors import tensors
 from vramctl._units import format_bytes, parse_size
-from vramctl.device._base import Device
-from vramctl.device._discover import get_device
-from vramctl.estimator._maxbatch import max_batch_size
-from vramctl.guard._meter import available_bytes, total_bytes
+from vramctl.device import Device, resolve
+from vramctl.estimator import max_batch_size
 
 __all__ = ["AdaptiveBatcher", "BatchingError", "MapDataset"]
 
@@ -226,7 +224,7 @@ class AdaptiveBatcher:
         rooms: list[int] = []
         if self.device is not None:
             dev = self.device
-            rooms.append(int(available_bytes(dev) - (1.0 - self.target) * total_bytes(dev)))
+            rooms.append(int(dev.available() - (1.0 - self.target) * dev.capacity()))
         if self.budget is not None:
             rooms.append(self.budget)
         return max(0, min(rooms) - self.reserve - self.overhead_bytes)
@@ -437,9 +435,9 @@ def _size(name: str, value: int | float | str) -> int:
 
 
 def _resolve_device(device: Device | str | int | None) -> Device | None:
-    if device is None or isinstance(device, Device):
-        return device
+    if device is None:
+        return None  # no device: the budget alone bounds the batch
     try:
-        return get_device(device)
+        return resolve(device)
     except VramctlError as exc:
         raise BatchingError(f"device: {exc}") from exc

@@ -25,7 +25,6 @@ that would take a batch over closes the batch first.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,10 +34,9 @@ import torch
 
 from vramctl._units import format_bytes
 from vramctl.batching._adaptive import BatchingError
-from vramctl.device._base import Device
-from vramctl.estimator import Target
+from vramctl.device import Device, resolve
+from vramctl.estimator import Target, run_target
 from vramctl.estimator import estimate as estimate_step
-from vramctl.guard import available_bytes, total_bytes
 
 __all__ = ["Budget", "MemoryBudget", "PaddedDuration", "QuadraticDuration"]
 
@@ -277,13 +275,13 @@ class MemoryBudget:
             raise BatchingError(f"anchors must be at least 1, got {anchors}")
         where: Target | Device | str
         if budget_bytes is None:
-            dev = _device(device)
+            dev = resolve(device)
             budget_bytes = _room(dev, target, model)
-            where = _target_of(dev)
+            where = run_target(dev)
         else:
             where = Target("budget", int(budget_bytes), None, cuda=False)
             if device is not None:
-                where = _target_of(_device(device))
+                where = run_target(resolve(device))
         if budget_bytes <= 0:
             raise BatchingError("no memory is left on the device for a batch")
         lo = min_duration if min_duration is not None else max_duration / 8
@@ -292,7 +290,7 @@ class MemoryBudget:
         notes: list[str] = []
         # The estimator's own probes (CPU kernels on real tensors) are host memory, not a
         # batch's: on an active simulated GPU they would count against it.
-        with _host_of(device):
+        with resolve(device).uncounted():
             for seconds in lengths:
 
                 def peak(n: int, seconds: float = seconds) -> float:
@@ -326,45 +324,17 @@ def _anchor_lengths(lo: float, hi: float, k: int) -> list[float]:
     return [*(lo * ratio**i for i in range(k - 1)), hi]
 
 
-def _device(device: Device | str | None) -> Device:
-    from vramctl.device import current_device, get_device
-
-    if device is None:
-        return current_device()
-    return get_device(device) if isinstance(device, str) else device
-
-
-def _host_of(device: Device | str | None) -> contextlib.AbstractContextManager[None]:
-    from vramctl.device._simulate import SimulatedDevice, active_simulation
-
-    sim = device if isinstance(device, SimulatedDevice) else active_simulation()
-    return sim.host() if sim is not None else contextlib.nullcontext()
-
-
-def _target_of(dev: Device) -> Target | Device:
-    """What the estimator is handed for ``dev`` (a simulated GPU counts live storages)."""
-    from vramctl.device._simulate import SimulatedDevice
-
-    if isinstance(dev, SimulatedDevice):
-        return Target(dev.id, total_bytes(dev), None, cuda=False)
-    return dev
-
-
 def _room(dev: Device, target: float, model: torch.nn.Module) -> int:
-    from vramctl.device._simulate import SimulatedDevice
-
     if not 0 < target <= 1:
         raise BatchingError(f"target must be in (0, 1], got {target!r}")
-    total = total_bytes(dev)
-    used = total - available_bytes(dev)
-    if isinstance(dev, SimulatedDevice):
-        # Only what the simulated GPU counts is on it (a model made outside is host memory).
-        held = dev.holds(model)
-    else:
-        held = sum(
-            t.untyped_storage().nbytes()
-            for t in (*model.parameters(), *model.buffers())
-            if t.device.type == dev.torch_device.type
-        )
+    total = dev.capacity()
+    used = total - dev.available()
+    # Only what the device holds counts (a model made outside a simulated GPU is host memory).
+    held = {
+        t.untyped_storage().data_ptr() or id(t): t.untyped_storage().nbytes()
+        for t in (*model.parameters(), *model.buffers())
+        if dev.owns(t)
+    }
+    held_bytes = sum(held.values())
     # The estimate counts the model's own weights: leave them in the budget.
-    return int(target * total) - (used - held)
+    return int(target * total) - (used - held_bytes)

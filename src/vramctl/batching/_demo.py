@@ -39,8 +39,6 @@ from vramctl.batching._adaptive import BatchingError
 from vramctl.batching._budget import MemoryBudget
 from vramctl.batching._process import ProcessResult, ProcessStatus, budget_lengths, process
 from vramctl.device import Device, gpus, simulate
-from vramctl.device._simulate import SimulatedDevice
-from vramctl.guard import PeakMeter, total_bytes
 
 __all__ = ["DemoReport", "demo", "demo_lengths"]
 
@@ -200,7 +198,7 @@ def demo(
             folder = os.fspath(output)
             os.makedirs(folder, exist_ok=True)
         dev, simulated = stack.enter_context(_on(device))
-        name = model or ("wav2vec2-base" if dev.kind in ("cuda", "mig") else "wav2vec2-mini")
+        name = model or ("wav2vec2-base" if dev.is_cuda else "wav2vec2-mini")
         return _demo(clips, name, dev, simulated, folder, squeeze, stage, on_progress)
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -227,14 +225,10 @@ def _demo(
     )
     _write_if_changed(manifest, text)
     longest = max(s for _, s in picked)
-    capacity = total_bytes(dev)
+    capacity = dev.capacity()
 
     stage(f"building {name} (random weights) on {dev.id}")
-    net = build_model(name)
-    if isinstance(dev, SimulatedDevice):
-        dev.adopt(net)
-    else:
-        net = net.to(dev.torch_device)
+    net = dev.adopt(build_model(name))
     params = sum(p.numel() for p in net.parameters())
 
     stage("estimating the batch size of each bucket (fake tensors, no step run)")
@@ -245,7 +239,7 @@ def _demo(
         max_duration=longest,
         device=dev,
         target=0.9,
-        budget_bytes=min(capacity, 2 * 2**30) if dev.kind == "cpu" else None,
+        budget_bytes=None if dev.is_gpu else min(capacity, 2 * 2**30),
     )
     estimate_s = time.perf_counter() - t0
     edges = budget_lengths(longest)
@@ -256,11 +250,9 @@ def _demo(
     for seconds in (edges[1], edges[2], edges[4]):
         n = max(budget.max_count(seconds), 1)
         batch = _make_batch(n, seconds)
-        if not isinstance(dev, SimulatedDevice):
-            batch = batch.to(dev.torch_device)
-        meter = PeakMeter(dev)
+        meter = dev.peak_meter()
         with torch.no_grad(), meter:
-            out = net(batch.clone() if isinstance(dev, SimulatedDevice) else batch)
+            out = net(dev.put(batch))  # a simulated GPU counts its copy inside the meter
             del out
         del batch
         fit.append(
@@ -275,7 +267,7 @@ def _demo(
     ballast: list[torch.Tensor] = []
     share, start, stop = SQUEEZE
     notes: list[str] = []
-    if squeeze and dev.kind == "cpu":
+    if squeeze and not dev.is_gpu:
         squeeze = False
         notes.append("no squeeze on the CPU: the host's memory is not the demo's to take")
     squeeze_bytes = int(share * capacity) if squeeze else 0
@@ -350,7 +342,4 @@ def _write_if_changed(path: str, text: str) -> None:
 
 def _ballast(dev: Device, nbytes: int) -> torch.Tensor:
     """A tensor of ``nbytes`` held on ``dev`` (counted by a simulated GPU)."""
-    size = max(nbytes // 4, 1)
-    if isinstance(dev, SimulatedDevice):
-        return torch.empty(size)
-    return torch.empty(size, device=dev.torch_device)
+    return torch.empty(max(nbytes // 4, 1), device=dev.torch_device)

@@ -35,7 +35,6 @@ that was not finished are run again.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import logging
@@ -54,7 +53,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from vramctl._units import format_bytes
 from vramctl.batching._adaptive import BatchingError
@@ -68,9 +66,7 @@ from vramctl.batching._progress import (
     failures_path,
 )
 from vramctl.batching._sampler import BucketingSampler
-from vramctl.device import Device, get_device, gpus
-from vramctl.device._select import sort_devices
-from vramctl.device._simulate import SimulatedDevice, _Budget, active_simulation
+from vramctl.device import Device, active_simulation, get_device, gpus, sort_devices, use_device
 from vramctl.guard import Guard, StepDoesNotFitError
 
 __all__ = ["ProcessResult", "ProcessStatus", "process", "progress_path"]
@@ -358,8 +354,7 @@ class _Worker:
         self.sample_rate = sample_rate
         self.user_forward = forward
         self._make_model = make_model
-        self.sim = dev if isinstance(dev, SimulatedDevice) else None
-        with _uncounted(self.sim):  # made on the host; counted once, by its own device
+        with dev.uncounted():  # made on the host; counted once, by its own device
             self.model = _place(make_model(), dev)
         self.guard = Guard(self.model, device=dev, forward=self._forward)
         self._cpu: Guard | None = None
@@ -373,11 +368,8 @@ class _Worker:
 
     def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> _Rows:
         waveforms, lengths = batch["waveforms"], batch["lengths"]
-        on_cpu = next(model.parameters(), torch.empty(0)).device.type == "cpu"
-        if self.sim is not None and model is self.model:
-            waveforms = waveforms.clone()  # the simulated copy to the GPU: counted
-        elif not on_cpu:
-            waveforms = waveforms.to(self.dev.torch_device, non_blocking=True)
+        if model is self.model:  # not the CPU fallback's copy
+            waveforms = self.dev.put(waveforms)
         out, frames = _hidden(self.user_forward(model, waveforms, lengths))
         del waveforms
         padded, out_len = int(batch["waveforms"].shape[1]), int(out.shape[1])
@@ -386,17 +378,15 @@ class _Worker:
         if self.frame_rate is None:
             self.frame_rate = _frame_rate(model, padded, out_len, self.sample_rate)
         frames = frames.to("cpu")
-        host = self.sim.host() if self.sim is not None else contextlib.nullcontext()
-        with host:  # outputs leave the device at once: the next piece has the room
+        with self.dev.uncounted():  # outputs leave the device at once: the next piece has room
             rows = [out[i, : int(frames[i])].detach().to("cpu").clone() for i in range(len(out))]
         return _Rows(rows)
 
     def _output_length(self, model: nn.Module, samples: int) -> int:
         """The model's output frames for one input of ``samples`` samples (zeros)."""
         waveforms = torch.zeros(1, samples)
-        on_cpu = next(model.parameters(), torch.empty(0)).device.type == "cpu"
-        if self.sim is None and not on_cpu:
-            waveforms = waveforms.to(self.dev.torch_device)
+        if model is self.model:
+            waveforms = self.dev.put(waveforms)
         with torch.no_grad():
             out, _ = _hidden(self.user_forward(model, waveforms, torch.tensor([samples])))
         return int(out.shape[1])
@@ -408,7 +398,7 @@ class _Worker:
         if items:
             batch = {"waveforms": loaded["waveforms"], "lengths": loaded["lengths"]}
             try:
-                with _counting(self.sim):
+                with self.dev.counting():
                     rows = _Rows.join(self.guard.infer(batch))
             except StepDoesNotFitError as exc:
                 log.warning("%s: %s; running this batch on the CPU", self.dev.id, exc)
@@ -421,7 +411,7 @@ class _Worker:
                 # first batch's ratio (once, and only for a run with long recordings).
                 self._rate_measured = True
                 probe = functools.partial(self._output_length, self.model)
-                with _counting(self.sim):
+                with self.dev.counting():
                     self.frame_rate = _frame_rate(
                         self.model, 0, 0, self.sample_rate, probe, fallback=self.frame_rate
                     )
@@ -437,8 +427,7 @@ class _Worker:
 
     def _on_cpu(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         self.cpu_fallbacks += 1
-        host = self.sim.host() if self.sim is not None else contextlib.nullcontext()
-        with host:
+        with self.dev.uncounted():
             if self._cpu is None:
                 cpu = get_device("cpu")
                 model = self._make_model().to("cpu").eval()
@@ -460,50 +449,11 @@ class _Worker:
         }
 
 
-def _counts(sim: SimulatedDevice) -> bool:
-    """Whether this thread is in ``sim``'s ``with`` block (its counting mode is active)."""
-    return any(
-        isinstance(m, _Budget) and m.device is sim for m in _get_current_dispatch_mode_stack()
-    )
-
-
-@contextlib.contextmanager
-def _counting(sim: SimulatedDevice | None) -> Iterator[None]:
-    """A step on ``sim`` counted by it, in whichever thread runs it.
-
-    The counting mode of a simulated device is per thread: a worker thread (or a run
-    given ``devices=["sim:..."]`` without entering it) would otherwise run uncounted.
-    """
-    if sim is None or _counts(sim):
-        yield
-        return
-    with _Budget(sim):
-        yield
-
-
-@contextlib.contextmanager
-def _uncounted(sim: SimulatedDevice | None) -> Iterator[None]:
-    """For a model made for ``sim``: no simulated device active in this thread counts it.
-
-    With several simulated devices entered (nested), a model made for one would
-    otherwise be counted by all of them; :func:`_place` adopts it on its own.
-    """
-    stack = _get_current_dispatch_mode_stack()
-    if sim is None or not stack or not all(isinstance(m, _Budget) for m in stack):
-        yield
-        return
-    with _disable_current_modes():
-        yield
-
-
 def _place(model: nn.Module, dev: Device) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise BatchingError(f"the model factory must return an nn.Module, got {type(model)}")
-    if isinstance(dev, SimulatedDevice):
-        dev.adopt(model)  # the simulated model.to("cuda")
-    else:
-        model = model.to(dev.torch_device)
-    return model.eval()
+    placed: nn.Module = dev.adopt(model)  # a simulated GPU counts it: its model.to("cuda")
+    return placed.eval()
 
 
 def _peak(dev: Device) -> int:
@@ -769,7 +719,7 @@ def _default_budget(
 
     budgets = []
     for w in workers:
-        cap = _CPU_BUDGET if w.dev.kind == "cpu" else None
+        cap = None if w.dev.is_gpu else _CPU_BUDGET
         mb = MemoryBudget.for_model(
             _Forwarding(w.model, forward),
             make,
@@ -955,11 +905,7 @@ def _run_parallel(
 
     def work(w: _Worker) -> None:
         try:
-            with (
-                torch.cuda.device(w.dev.index)
-                if w.dev.kind in ("cuda", "mig")
-                else contextlib.nullcontext()
-            ):
+            with use_device(w.dev):
                 while not stop.is_set():
                     try:
                         batch = next(loaded)

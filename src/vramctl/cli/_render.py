@@ -123,7 +123,7 @@ def _memory_grid(mem: MemoryState, dev: Device) -> Table:
         ),
     )
     grid.add_row("this process", format_bytes(mem.process_used))
-    if dev.kind != "cpu":
+    if dev.is_gpu:
         grid.add_row(
             "PyTorch",
             f"allocated {format_bytes(mem.allocated)} (peak {format_bytes(mem.peak_allocated)}), "
@@ -180,7 +180,7 @@ def _status_panels(snap: list[dict[str, Any]], every: float | None) -> Group:
         body: list[Any] = [_memory_grid(mem, dev)]
         if procs:
             body.append(Text(""))
-            body.append(_process_table(procs, dev.kind == "cpu"))
+            body.append(_process_table(procs, not dev.is_gpu))
         else:
             body.append(Text("no processes listed", style="dim"))
         panels.append(Panel(Group(*body), title=title, title_align="left", border_style=style))

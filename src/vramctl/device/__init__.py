@@ -9,15 +9,23 @@ from vramctl.device._cuda import CudaDevice
 from vramctl.device._discover import devices, get_device, gpus
 from vramctl.device._health import DeviceHealth, HealthPolicy, HealthState
 from vramctl.device._memory import MemoryState, ProcessMemory
+from vramctl.device._meter import PeakMeter, available_bytes, total_bytes
 from vramctl.device._select import (
     Policy,
     Selection,
     current_device,
     rank_devices,
+    resolve,
     select_device,
+    sort_devices,
     use_device,
 )
-from vramctl.device._simulate import SimulatedDevice, SimulatedOutOfMemoryError, simulate
+from vramctl.device._simulate import (
+    SimulatedDevice,
+    SimulatedOutOfMemoryError,
+    active_simulation,
+    simulate,
+)
 from vramctl.device.catalog import GpuSpec, catalog, gpu_spec
 
 __all__ = [
@@ -30,11 +38,14 @@ __all__ = [
     "HealthPolicy",
     "HealthState",
     "MemoryState",
+    "PeakMeter",
     "Policy",
     "ProcessMemory",
     "Selection",
     "SimulatedDevice",
     "SimulatedOutOfMemoryError",
+    "active_simulation",
+    "available_bytes",
     "catalog",
     "current_device",
     "devices",
@@ -42,7 +53,10 @@ __all__ = [
     "gpu_spec",
     "gpus",
     "rank_devices",
+    "resolve",
     "select_device",
     "simulate",
+    "sort_devices",
+    "total_bytes",
     "use_device",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from vramctl._na import NA, NotAvailable
 from vramctl.device._capability import ComputeCapability
 from vramctl.device._health import DeviceHealth
 from vramctl.device._memory import MemoryState, ProcessMemory
+from vramctl.device._meter import PeakMeter
 from vramctl.device.catalog import GpuSpec
 
 __all__ = ["Device"]
@@ -52,7 +54,97 @@ class Device(abc.ABC):
 
     @property
     def is_gpu(self) -> bool:
-        return self.kind in ("cuda", "mig", "sim")
+        """Whether it holds a GPU's memory (a CUDA GPU, a MIG instance or a simulated GPU)."""
+        return False
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether its tensors are CUDA memory: ``torch.cuda``'s allocator, context and
+        workspaces apply (a CUDA GPU or a MIG instance; not a simulated GPU)."""
+        return False
+
+    @property
+    def is_mig(self) -> bool:
+        """Whether it is a MIG instance (a slice of a GPU) rather than a whole device."""
+        return False
+
+    # -- behaviour: what differs by kind is answered here, never by asking the kind ------
+
+    @abc.abstractmethod
+    def capacity(self) -> int:
+        """The device's capacity as a process sees it, in bytes."""
+
+    @abc.abstractmethod
+    def available(self) -> int:
+        """Bytes this process could allocate now (on CUDA: free plus the allocator's idle cache)."""
+
+    def peak_meter(self) -> PeakMeter:
+        """A context manager that measures the peak memory of its ``with`` block here.
+
+        >>> import torch, vramctl
+        >>> with vramctl.get_device("cpu").peak_meter() as m:
+        ...     x = torch.zeros(1024)
+        >>> m.peak_allocated >= 4096
+        True
+        """
+        return PeakMeter(self)
+
+    @abc.abstractmethod
+    def _peak_begin(self) -> Any:
+        """Start a peak measurement; returns what :meth:`_peak_end` needs."""
+
+    @abc.abstractmethod
+    def _peak_end(self, token: Any) -> tuple[int, int, int]:
+        """End it: ``(peak_used, peak_allocated, net_allocated)``."""
+
+    def oom_count(self) -> int:
+        """How many allocations this device's allocator has refused in this process."""
+        return 0
+
+    def release_cache(self) -> None:
+        """Give memory cached by this process's allocator back (CUDA's ``empty_cache``)."""
+        return None
+
+    @property
+    def active(self) -> bool:
+        """Whether a step run in this thread is counted by the device (False only for a
+        simulated GPU whose ``with`` block this thread is not in)."""
+        return True
+
+    def counting(self) -> contextlib.AbstractContextManager[Any]:
+        """A block whose allocations this device counts, in whichever thread runs it
+        (a simulated GPU enters its counting there; a real device always counts)."""
+        return contextlib.nullcontext()
+
+    def uncounted(self) -> contextlib.AbstractContextManager[Any]:
+        """A block whose allocations are host memory, not this device's (a simulated GPU's
+        ``.to("cpu")``); for a real device the block runs as it is."""
+        return contextlib.nullcontext()
+
+    def adopt(self, obj: Any) -> Any:
+        """Place ``obj`` on this device, as ``.to(device)`` does: a module or tensor is moved
+        (and returned); a simulated GPU counts what it holds instead."""
+        if isinstance(obj, torch.nn.Module | torch.Tensor):
+            return obj.to(self.torch_device)
+        return obj
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        """A batch's tensor on this device: copied there (asynchronously from pinned memory)
+        where it is not the host; a simulated GPU counts a copy."""
+        return t.to(self.torch_device, non_blocking=True)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s memory is this device's."""
+        return t.device == self.torch_device
+
+    @property
+    def can_offload(self) -> bool:
+        """Whether moving tensors to host memory frees this device's memory."""
+        return self.is_gpu
+
+    def offload_activations(self) -> contextlib.AbstractContextManager[Any]:
+        """A block whose tensors saved for backward are kept in host memory."""
+        return contextlib.nullcontext()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready description (no readings; see :meth:`memory`)."""

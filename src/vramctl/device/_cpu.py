@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -13,6 +14,7 @@ from vramctl._na import NA, Bytes
 from vramctl.device._base import Device
 from vramctl.device._health import DeviceHealth, ReadingFailed
 from vramctl.device._memory import MemoryState, ProcessMemory
+from vramctl.device._meter import HostCount
 
 __all__ = ["CpuDevice", "cgroup_memory"]
 
@@ -58,6 +60,26 @@ class CpuDevice(Device):
     @property
     def torch_device(self) -> torch.device:
         return torch.device("cpu")
+
+    def capacity(self) -> int:
+        return int(psutil.virtual_memory().total)
+
+    def available(self) -> int:
+        return int(psutil.virtual_memory().available)
+
+    def _peak_begin(self) -> Any:
+        vm = psutil.virtual_memory()
+        counter = HostCount()
+        counter.__enter__()  # type: ignore[no-untyped-call]
+        return int(vm.total - vm.available), counter
+
+    def _peak_end(self, token: Any) -> tuple[int, int, int]:
+        base, counter = token
+        counter.__exit__(None, None, None)
+        return base + counter.peak, counter.peak, counter.live
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.torch_device)
 
     def _read(self) -> MemoryState:
         vm = psutil.virtual_memory()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -140,6 +141,60 @@ class CudaDevice(Device):
     @property
     def torch_device(self) -> torch.device:
         return torch.device("cuda", self.index)
+
+    @property
+    def is_gpu(self) -> bool:
+        return True
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def is_mig(self) -> bool:
+        return self.kind == "mig"
+
+    # -- behaviour ----------------------------------------------------------------
+
+    def capacity(self) -> int:
+        return int(torch.cuda.mem_get_info(self.index)[1])
+
+    def available(self) -> int:
+        free = int(torch.cuda.mem_get_info(self.index)[0])
+        idx = self.index
+        return free + torch.cuda.memory_reserved(idx) - torch.cuda.memory_allocated(idx)
+
+    def _peak_begin(self) -> Any:
+        idx = self.index
+        torch.cuda.synchronize(idx)
+        torch.cuda.reset_peak_memory_stats(idx)
+        free, total = torch.cuda.mem_get_info(idx)
+        # What other processes and the CUDA context hold: used less this process's reserve.
+        return int(total - free) - torch.cuda.memory_reserved(idx), torch.cuda.memory_allocated(idx)
+
+    def _peak_end(self, token: Any) -> tuple[int, int, int]:
+        base, start = token
+        idx = self.index
+        torch.cuda.synchronize(idx)
+        return (
+            base + torch.cuda.max_memory_reserved(idx),
+            torch.cuda.max_memory_allocated(idx) - start,
+            torch.cuda.memory_allocated(idx) - start,
+        )
+
+    def oom_count(self) -> int:
+        if not torch.cuda.is_initialized():
+            return 0
+        # Read before every guarded attempt: the nested form skips flattening the stats tree.
+        return int(torch.cuda.memory_stats_as_nested_dict(self.index).get("num_ooms", 0))
+
+    def release_cache(self) -> None:
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def offload_activations(self) -> contextlib.AbstractContextManager[Any]:
+        # PyTorch's own: saved tensors go to pinned host memory and come back for backward.
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
     # -- readings -----------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -9,12 +10,12 @@ import pynvml
 import torch
 
 from vramctl._errors import UnknownDeviceError
+from vramctl._units import looks_like_size
 from vramctl.device._base import Device
 from vramctl.device._cpu import CpuDevice
 from vramctl.device._cuda import CudaDevice
 from vramctl.device._nvml import nvml_available, nvml_gpus, nvml_reason
 from vramctl.device._simulate import simulate
-from vramctl.device.catalog import catalog
 
 __all__ = ["DEVICE_FORMS", "devices", "get_device", "gpus"]
 
@@ -22,7 +23,8 @@ log = logging.getLogger("vramctl.device")
 
 DEVICE_FORMS = (
     "an index (0), cuda:N, cuda, cpu, a GPU- or MIG- UUID (or a unique prefix), "
-    "or sim:NAME for a simulated catalog GPU (e.g. sim:T4-16GB)"
+    "or sim:NAME for a simulated GPU: a catalog name (sim:T4-16GB, or T4-16GB) or a size "
+    "(sim:16GiB)"
 )
 
 _lock = threading.Lock()
@@ -76,14 +78,15 @@ def devices(*, include_cpu: bool = True) -> list[Device]:
 
 
 def get_device(spec: Device | int | str) -> Device:
-    """Resolve a device from its index, id, UUID, or ``sim:NAME``.
+    """Resolve a device from its index, id, UUID, a catalog GPU or a size (see :func:`resolve`).
 
     Raises :class:`UnknownDeviceError` naming the value, the devices present and
     the accepted forms.
     """
     if isinstance(spec, Device):
         return spec
-    present = devices()
+    if isinstance(spec, bool) or not isinstance(spec, int | str):
+        raise UnknownDeviceError(f"unknown device {spec!r}: use {DEVICE_FORMS}")
     text = str(spec).strip()
     low = text.lower()
     if low.startswith("sim:"):
@@ -92,6 +95,7 @@ def get_device(spec: Device | int | str) -> Device:
         low = "cuda:0"
     if isinstance(spec, int) or low.isdigit():
         low = f"cuda:{int(low)}"
+    present = devices()
     for dev in present:
         if dev.id == low:
             return dev
@@ -99,11 +103,12 @@ def get_device(spec: Device | int | str) -> Device:
         hits = [d for d in present if isinstance(d.uuid, str) and d.uuid.startswith(text)]
         if len(hits) == 1:
             return hits[0]
+    if not low.startswith(("cuda", "gpu-", "mig-")):
+        if looks_like_size(text):
+            return simulate(text)  # a bad size ("-3GiB") says what is wrong with it
+        with contextlib.suppress(UnknownDeviceError):
+            return simulate(text)  # a catalog GPU ("T4-16GB")
     names = ", ".join(d.id for d in present)
-    hint = ""
-    key = text.lower().replace("-", "")
-    if key and any(key in s.name.lower().replace("-", "") for s in catalog()):
-        hint = f" (for a simulated GPU, write sim:{text})"
     raise UnknownDeviceError(
-        f"unknown device {text!r}{hint}: this machine has {names}; use {DEVICE_FORMS}"
+        f"unknown device {text!r}: this machine has {names}; use {DEVICE_FORMS}"
     )

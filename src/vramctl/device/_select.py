@@ -25,6 +25,7 @@ __all__ = [
     "Selection",
     "current_device",
     "rank_devices",
+    "resolve",
     "select_device",
     "sort_devices",
     "use_device",
@@ -216,15 +217,54 @@ def current_device() -> Device:
     Otherwise the simulated GPU whose ``with`` block is active, then PyTorch's
     current CUDA device once CUDA is initialised, or the CPU.
     """
+    return resolve(None)
+
+
+def resolve(device: Device | int | str | None = None, *, model: Any = None) -> Device:
+    """The device that user input names, by one set of rules for all of vramctl.
+
+    - a :class:`Device`: itself;
+    - an index (``1``, ``"1"``), ``"cuda"``, ``"cuda:1"``, ``"cpu"``, or a ``GPU-``/``MIG-``
+      UUID (or a unique prefix): that device of this machine;
+    - a catalog GPU (``"T4-16GB"``, ``"sim:T4-16GB"``) or a size (``"16GiB"``,
+      ``"sim:16GiB"``): a new simulated GPU of that capacity (enter it to count);
+    - ``None``: the device of the innermost :func:`use_device`, else the simulated GPU
+      whose ``with`` block is active, else the CUDA device holding ``model``'s parameters
+      (a module or an optimizer), else PyTorch's current CUDA device
+      once CUDA is initialised, else the CPU.
+
+    Anything else raises :class:`~vramctl.UnknownDeviceError` naming the accepted forms.
+
+    >>> import vramctl
+    >>> vramctl.device.resolve("cpu").id, vramctl.device.resolve("T4-16GB").id
+    ('cpu', 'sim:T4-16GB')
+    """
+    if device is not None:
+        return get_device(device)
     dev = _current.get()
     if dev is not None:
         return dev
     sim = active_simulation()
     if sim is not None:
         return sim
+    p = _first_parameter(model)
+    if p is not None and p.is_cuda:
+        return get_device(p.device.index or 0)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return get_device(torch.cuda.current_device())
     return get_device("cpu")
+
+
+def _first_parameter(obj: Any) -> torch.Tensor | None:
+    """The first parameter of a module (``parameters()``) or an optimizer (``param_groups``)."""
+    if obj is None:
+        return None
+    if callable(getattr(obj, "parameters", None)):
+        return next(iter(obj.parameters()), None)
+    for group in getattr(obj, "param_groups", ()):
+        for p in group.get("params", ()):
+            return p if isinstance(p, torch.Tensor) else None
+    return None
 
 
 @contextlib.contextmanager
@@ -239,8 +279,8 @@ def use_device(device: Device | int | str) -> Iterator[Device]:
     dev = get_device(device)
     token = _current.set(dev)
     try:
-        if dev.kind in ("cuda", "mig") and dev.index is not None:
-            with torch.cuda.device(dev.index):
+        if dev.is_cuda:
+            with torch.cuda.device(dev.torch_device):
                 yield dev
         else:
             yield dev

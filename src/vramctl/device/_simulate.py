@@ -136,7 +136,7 @@ class _Budget(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         dev = self.device
-        if dev._paused:
+        if getattr(dev._local, "paused", 0):
             return func(*args, **kwargs)
         planned = _planned_bytes(func, args, kwargs, dev)
         if planned is not None and planned > dev.free_bytes:
@@ -197,10 +197,8 @@ class SimulatedDevice(Device):
         self._allocated = 0
         self._peak = 0
         self._mode: _Budget | None = None
-        self._paused = 0
+        self._local = threading.local()  # .paused: this thread's uncounted() depth
         self.ooms = 0
-        #: True for a counter used only to measure (never a current device).
-        self.counting_only = False
 
     # -- Device interface ---------------------------------------------------------
 
@@ -245,6 +243,66 @@ class SimulatedDevice(Device):
         """Start peak tracking again from the current allocation."""
         with self._lock:
             self._peak = self._allocated
+
+    # -- behaviour (see Device) ---------------------------------------------------------
+
+    @property
+    def is_gpu(self) -> bool:
+        return True
+
+    def capacity(self) -> int:
+        return self.total_bytes
+
+    def available(self) -> int:
+        return self.free_bytes
+
+    def _peak_begin(self) -> Any:
+        start = self._allocated
+        self.reset_peak()
+        return start
+
+    def _peak_end(self, token: Any) -> tuple[int, int, int]:
+        return self.reserve + self._peak, self._peak - token, self._allocated - token
+
+    def oom_count(self) -> int:
+        return self.ooms
+
+    @property
+    def active(self) -> bool:
+        return any(
+            isinstance(m, _Budget) and m.device is self for m in _get_current_dispatch_mode_stack()
+        )
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count this block's allocations in this thread too (a worker thread's step)."""
+        if self.active:
+            yield
+            return
+        with _Budget(self):
+            yield
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()  # the simulated copy to the GPU: counted
+
+    def owns(self, t: torch.Tensor) -> bool:
+        st = storage(t)
+        return st is not None and self._tracks(st)
+
+    @contextlib.contextmanager
+    def offload_activations(self) -> Iterator[None]:
+        """Saved tensors are copied out of the budget and back in when backward needs them,
+        which is what ``save_on_cpu`` does to a real GPU's memory."""
+
+        def pack(t: torch.Tensor) -> Any:
+            with self.uncounted():
+                return t.detach().clone()
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            return t.clone()
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
 
     # -- counting -----------------------------------------------------------------
 
@@ -336,18 +394,31 @@ class SimulatedDevice(Device):
         return held
 
     @contextlib.contextmanager
-    def host(self) -> Iterator[None]:
-        """Allocations made inside are host memory, not the simulated GPU's.
+    def uncounted(self) -> Iterator[None]:
+        """Allocations this thread makes inside are host memory, not a simulated GPU's.
 
-        The simulated ``.to("cpu")``: what is made here is not counted, so
-        tensors copied inside (offloaded activations, a CPU fallback) take no
-        budget. Tensors made here and used afterwards stay uncounted.
+        The simulated ``.to("cpu")``: what is made here is not counted, by this device
+        or by any other simulated device active in this thread, so tensors copied
+        inside (offloaded activations, a CPU fallback, a model made for another
+        simulated device) take no budget. Tensors made here and used afterwards stay
+        uncounted.
         """
-        self._paused += 1
+        paused = [self] + [
+            m.device
+            for m in _get_current_dispatch_mode_stack()
+            if isinstance(m, _Budget) and m.device is not self
+        ]
+        for dev in paused:
+            dev._local.paused = getattr(dev._local, "paused", 0) + 1
         try:
             yield
         finally:
-            self._paused -= 1
+            for dev in paused:
+                dev._local.paused -= 1
+
+    def host(self) -> contextlib.AbstractContextManager[None]:
+        """The same as :meth:`uncounted`."""
+        return self.uncounted()
 
     # -- context ------------------------------------------------------------------
 
@@ -367,7 +438,7 @@ class SimulatedDevice(Device):
 def active_simulation() -> SimulatedDevice | None:
     """The innermost simulated device whose ``with`` block this thread is in, if any."""
     for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, _Budget) and not mode.device.counting_only:
+        if isinstance(mode, _Budget):
             return mode.device
     return None
 

@@ -29,6 +29,7 @@ from vramctl.estimator._estimate import (
     Target,
     estimate,
     resolve_target,
+    run_target,
 )
 from vramctl.estimator._maxbatch import MaxBatch, max_batch_size
 
@@ -51,5 +52,6 @@ __all__ = [
     "load_calibration",
     "max_batch_size",
     "resolve_target",
+    "run_target",
     "zoo",
 ]

@@ -282,18 +282,18 @@ def _software() -> dict[str, str]:
 
 
 def _cuda_device(device: Device | str | int | None) -> Device:
-    from vramctl.device import get_device, gpus
+    from vramctl.device import gpus, resolve
 
     if device is None:
-        found = [d for d in gpus() if d.kind == "cuda"]
+        found = [d for d in gpus() if d.is_cuda and not d.is_mig]
         if not found:
             raise CalibrationError(
                 "no CUDA GPU here: `vramctl calibrate` measures a GPU's CUDA context, "
                 "workspaces and allocator (estimates for the CPU need no calibration)"
             )
         return found[0]
-    dev = get_device(device)
-    if dev.kind != "cuda":
+    dev = resolve(device)
+    if not dev.is_cuda or dev.is_mig:
         raise CalibrationError(
             f"{dev.id} is a {dev.kind} device: calibrate a whole CUDA GPU (cuda:N); "
             "estimates for the CPU or a simulated GPU need no calibration"

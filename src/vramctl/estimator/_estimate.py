@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from vramctl._errors import InvalidSizeError, UnknownDeviceError, VramctlError
+from vramctl._step import call_model
 from vramctl._tensors import tensors
 from vramctl._units import format_bytes, looks_like_size, parse_size
 from vramctl.device._base import Device
@@ -105,6 +106,18 @@ def resolve_target(
     return dataclasses.replace(target, calibration=found) if found is not None else target
 
 
+def run_target(device: Device) -> Target | Device:
+    """What the estimator is handed for a step that really runs on ``device``.
+
+    A CUDA device is estimated as itself (its context, workspaces and caching
+    allocator are modelled). Any other device (the CPU, a simulated GPU) counts the
+    live tensor storages of this host's CPU kernels, with none of CUDA's extras.
+    """
+    if device.is_cuda:
+        return device
+    return Target(device.id if device.is_gpu else "cpu", device.capacity(), None, cuda=False)
+
+
 def _resolve_device(device: Device | str | int | None) -> Target:
     from vramctl.device import get_device, gpus
 
@@ -137,7 +150,7 @@ def _resolve_device(device: Device | str | int | None) -> Target:
     if not isinstance(total, int):
         raise VramctlError(f"cannot read the memory total of {device.id}")
     cc = device.capability if isinstance(device.capability, ComputeCapability) else None
-    if device.spec is not None and device.kind == "sim":
+    if device.spec is not None and not device.is_cuda:  # a simulated catalog GPU
         return Target(device.spec.name, total, device.spec.capability, True)
     return Target(device.name if device.is_gpu else "cpu", total, cc, device.is_gpu)
 
@@ -321,15 +334,6 @@ class StepSpec:
         # A typical loss: it holds about as much as MSE or cross-entropy over the output
         # (an output-sized result and output-sized gradients), where a bare mean holds none.
         return first.float().square().mean()
-
-
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """Call ``model`` on a batch: a mapping is keyword arguments, a tuple or list positional."""
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, tuple | list):
-        return model(*batch)
-    return model(batch)
 
 
 def prepare_model(model: nn.Module, spec: StepSpec) -> None:

@@ -37,9 +37,8 @@ from typing import Any
 
 import torch
 
-from vramctl.device._base import Device
+from vramctl.device import Device
 from vramctl.fit._result import SCHEMA
-from vramctl.guard import available_bytes, total_bytes
 
 __all__ = [
     "BANDS",
@@ -185,13 +184,13 @@ def input_signature(batch: Any) -> Any:
 
 
 def device_identity(device: Device) -> dict[str, Any]:
-    return {"id": device.id, "name": device.name, "total": total_bytes(device)}
+    return {"id": device.id, "name": device.name, "total": device.capacity()}
 
 
 def free_band(device: Device) -> int:
     """Available bytes rounded down to a 1/32 of the device's total."""
-    total = total_bytes(device)
-    return int(available_bytes(device) * BANDS // max(total, 1))
+    total = device.capacity()
+    return int(device.available() * BANDS // max(total, 1))
 
 
 def key_digest(key: Mapping[str, Any]) -> str:

@@ -4,7 +4,7 @@ The estimator predicts the answer without running anything; real steps then
 check it, because what a device really holds differs from any model of it
 (the CUDA context, kernels' workspaces, a simulated GPU's CPU kernels). A probe
 runs ``step(make_batch(b))`` for real and measures its peak device memory with
-:class:`vramctl.guard.PeakMeter`; ``b`` fits when the peak stays within
+:meth:`Device.peak_meter <vramctl.Device.peak_meter>`; ``b`` fits when the peak stays within
 ``target * total`` and nothing runs out of memory. Peak memory is a convex,
 piecewise-affine function of the batch size (fixed weights and optimizer state,
 activations per sample), so three probes usually settle it:
@@ -44,19 +44,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from vramctl._units import format_bytes
-from vramctl.device._base import Device
-from vramctl.device._discover import get_device
-from vramctl.device._select import current_device
-from vramctl.device._simulate import SimulatedDevice, active_simulation
+from vramctl.device import Device, resolve
 from vramctl.fit import _cache
-from vramctl.fit._probe import Prober, host, preserved, rng_kept
+from vramctl.fit._probe import Prober, preserved, rng_kept
 from vramctl.fit._result import FitError, FitResult
 from vramctl.fit._search import Search
 from vramctl.fit._seed import as_called, batch_structure, predict
-from vramctl.guard import available_bytes, is_oom, total_bytes
+from vramctl.guard import is_oom
 
 __all__ = ["DEFAULT_START", "MAX_PROBES", "TOLERANCE", "fit_batch_size"]
 
@@ -75,21 +71,10 @@ def _resolve_device(
     device: Device | str | int | None, step: Any, model: torch.nn.Module | None
 ) -> Device:
     if device is None:
-        device = active_simulation()
-    if device is None:
-        found = getattr(step, "device", None)
-        if isinstance(found, Device):
-            device = found
-    if device is None and model is not None:
-        p = next(iter(model.parameters()), None)
-        if p is not None and p.device.type == "cuda":
-            device = get_device(p.device.index or 0)
-    if device is None:
-        device = current_device()
-    dev = device if isinstance(device, Device) else get_device(device)
-    if isinstance(dev, SimulatedDevice) and all(
-        getattr(m, "device", None) is not dev for m in _get_current_dispatch_mode_stack()
-    ):
+        found = getattr(step, "device", None)  # a Guard used as the step knows its device
+        device = found if isinstance(found, Device) else None
+    dev = resolve(device, model=model)
+    if not dev.active:
         raise FitError(
             f"{dev.id} is not active: call fit_batch_size inside its block "
             f"(with vramctl.simulate(...) as gpu: fit_batch_size(step, make_batch, device=gpu))"
@@ -129,7 +114,7 @@ def fit_batch_size(
 
     **Probing runs real steps**, which change the weights, buffers and optimizer
     state: they are copied before probing (to host memory; on a simulated GPU
-    inside ``device.host()``, so the copies take none of its budget) and put
+    inside ``device.uncounted()``, so the copies take none of its budget) and put
     back afterwards, with the train/eval flags and the random number generators.
     Gradients are set to None. Each probe runs ``steps_per_probe`` steps on one
     batch (the first step also makes the optimizer's state) and fits when its
@@ -220,11 +205,11 @@ def _fit(
     estimate_options: dict[str, Any],
     t0: float,
 ) -> FitResult:
-    budget = int(target * total_bytes(dev))
+    budget = int(target * dev.capacity())
     band = _cache.free_band(dev)  # before make_batch(1) holds anything
     signature, sample_bytes, structure = _sample(make_batch, dev)
     # Every sample's input is on the device: no more samples fit than the room has inputs.
-    room = budget - (total_bytes(dev) - available_bytes(dev))
+    room = budget - (dev.capacity() - dev.available())
     ceiling = room // sample_bytes if sample_bytes else None
     if upper is not None:
         ceiling = upper if ceiling is None else min(ceiling, upper)
@@ -320,7 +305,7 @@ def _nothing_fits(search: Search, dev: Device, budget: int, target: float) -> st
         seen = "ran out of memory"
     return (
         f"not even batch size 1 fits on {dev.id}: its step {seen}, over the budget of "
-        f"{format_bytes(budget)} (target {target:g} of {format_bytes(total_bytes(dev))}). "
+        f"{format_bytes(budget)} (target {target:g} of {format_bytes(dev.capacity())}). "
         "Free memory held elsewhere, raise target, or make the step smaller "
         "(mixed precision, gradient checkpointing, a smaller model or a larger device)."
     )
@@ -345,7 +330,7 @@ def _int_or_none(value: Any) -> int | None:
 def _sample(make_batch: Callable[[int], Any], device: Device) -> tuple[Any, int, str]:
     """The input signature of ``make_batch(1)``, its bytes on ``device``, and its structure."""
     try:
-        with host(device):
+        with device.uncounted():
             sample = make_batch(1)
             signature = _cache.input_signature(sample)
             structure = batch_structure(sample)

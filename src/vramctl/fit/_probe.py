@@ -1,7 +1,7 @@
 """Running one real probe, and keeping the model's state safe while probes run.
 
 A probe builds one batch, runs ``step`` on it a few times under a
-:class:`vramctl.guard.PeakMeter`, and reports the peak device-level used bytes,
+:meth:`Device.peak_meter <vramctl.Device.peak_meter>`, and reports the peak device-level used bytes,
 or an out-of-memory error. What a failed probe held is freed outside the
 ``except`` block (its frames are cleared first), so nothing it made is alive
 when the next probe starts.
@@ -27,13 +27,12 @@ from typing import Any
 
 import torch
 
-from vramctl.device._base import Device
-from vramctl.device._simulate import SimulatedDevice
+from vramctl.device import Device
 from vramctl.fit._result import FitError
 from vramctl.fit._search import Probe
-from vramctl.guard import OomCounters, PeakMeter, available_bytes, is_oom, release, total_bytes
+from vramctl.guard import OomCounters, is_oom, release
 
-__all__ = ["Prober", "host", "preserved", "rng_kept", "to_host"]
+__all__ = ["Prober", "preserved", "rng_kept", "to_host"]
 
 
 _MISSING = object()
@@ -63,8 +62,7 @@ def _settle(device: Device) -> None:
     collection, slow in a large process, is made only after an OOM: ``release``.)
     """
     gc.collect(1)
-    if device.kind in ("cuda", "mig") and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    device.release_cache()
 
 
 def _requested(exc: BaseException) -> int:
@@ -108,9 +106,9 @@ class Prober:
         dev = self.device
         _set_pieces(self.step, self.pieces)
         _settle(dev)
-        base = total_bytes(dev) - available_bytes(dev)
+        base = dev.capacity() - dev.available()
         counters = OomCounters.read(dev)
-        meter = PeakMeter(dev)
+        meter = dev.peak_meter()
         failure: BaseException | None = None
         try:
             with meter:
@@ -158,23 +156,18 @@ def to_host(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-def host(device: Device) -> contextlib.AbstractContextManager[Any]:
-    """On a simulated GPU, its ``host()`` block (what is made there is not counted)."""
-    return device.host() if isinstance(device, SimulatedDevice) else contextlib.nullcontext()
-
-
 @contextlib.contextmanager
 def rng_kept(device: Device) -> Iterator[None]:
     """Put the CPU (and the device's CUDA) random number generator back afterwards."""
     cpu = torch.get_rng_state()
-    index = device.index if device.kind in ("cuda", "mig") else None
-    gpu = torch.cuda.get_rng_state(index) if index is not None else None
+    where = device.torch_device
+    gpu = torch.cuda.get_rng_state(where) if device.is_cuda else None
     try:
         yield
     finally:
         torch.set_rng_state(cpu)
-        if gpu is not None and index is not None:
-            torch.cuda.set_rng_state(gpu, index)
+        if gpu is not None:
+            torch.cuda.set_rng_state(gpu, where)
 
 
 @contextlib.contextmanager
@@ -189,7 +182,7 @@ def preserved(
     Train/eval flags come back too, gradients are set to None, and a
     :class:`vramctl.Guard` used as the step gets back the piece size it had.
     """
-    with host(device):
+    with device.uncounted():
         model_state = to_host(model.state_dict()) if model is not None else None
         opt_state = to_host(optimizer.state_dict()) if optimizer is not None else None
     modes = [(m, m.training) for m in model.modules()] if model is not None else []
@@ -203,8 +196,7 @@ def preserved(
         if optimizer is not None and opt_state is not None:
             optimizer.load_state_dict(opt_state)
             optimizer.zero_grad(set_to_none=True)
-            if isinstance(device, SimulatedDevice):
-                device.adopt(optimizer)  # the restored state was copied outside the budget
+            device.adopt(optimizer)  # a simulated GPU: the state was restored outside its count
         for m, training in modes:
             m.training = training
         _set_pieces(step, pieces)

@@ -22,15 +22,9 @@ from typing import Any
 
 import torch
 
-from vramctl.device._base import Device
-from vramctl.device._capability import ComputeCapability
-from vramctl.device._simulate import SimulatedDevice
-from vramctl.estimator import Target, max_batch_size
-from vramctl.estimator._calibration import find_calibration
-from vramctl.estimator._cuda_model import constants
-from vramctl.estimator._estimate import call_model
-from vramctl.fit._probe import host
-from vramctl.guard import available_bytes, total_bytes
+from vramctl._step import call_model
+from vramctl.device import Device
+from vramctl.estimator import Target, max_batch_size, resolve_target, run_target
 
 __all__ = ["as_called", "batch_structure", "predict"]
 
@@ -136,16 +130,10 @@ def _unusable(
         # from the GPU's calibration profile where there is one.
         context = 0
         if reserved:
-            cc = _capability(device)
-            context = constants(device.name, cc, find_calibration(device.name, cc)).context_bytes
+            context = resolve_target(device).constants.context_bytes
     held = _held_bytes(model, optimizer, on_gpu=True)
     unusable = mem.used - context - (reserved - allocated) - held
     return max(0, unusable), mem.total
-
-
-def _capability(device: Device) -> ComputeCapability | None:
-    cc = device.capability
-    return cc if isinstance(cc, ComputeCapability) else None
 
 
 def _estimator_target(
@@ -167,21 +155,19 @@ def _estimator_target(
     (a target without CUDA's extras, whose kernel scratch is measured here),
     with the share of its capacity left for this step.
     """
-    if device.kind in ("cuda", "mig"):
+    if device.is_cuda:
         reading = _unusable(device, model, optimizer)
         if reading is None:
             return device, target
         unusable, total = reading
         room = int(target * total) - unusable
         return (device, room / total) if room > 0 else None
-    total = total_bytes(device)
-    used = total - available_bytes(device)
+    total = device.capacity()
+    used = total - device.available()
     room = int(target * total) - (used - _held_bytes(model, optimizer))
     if room <= 0:
         return None
-    if isinstance(device, SimulatedDevice):
-        return Target(device.id, total, None, cuda=False), room / total
-    return device, room / total
+    return run_target(device), room / total
 
 
 def predict(
@@ -203,7 +189,7 @@ def predict(
         where = _estimator_target(device, target, model, optimizer)
         if where is None:
             return None, None, "no room left for the step: the estimate was skipped"
-        with host(device):
+        with device.uncounted():
             est = max_batch_size(
                 model, make_batch, device=where[0], target_utilization=where[1], **kwargs
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from vramctl.device import PeakMeter, available_bytes, total_bytes
 from vramctl.guard._guard import (
     Guard,
     GuardedFunction,
@@ -12,7 +13,6 @@ from vramctl.guard._guard import (
     guarded,
     remove_listener,
 )
-from vramctl.guard._meter import PeakMeter, available_bytes, total_bytes
 from vramctl.guard._offload import can_offload, offload_activations
 from vramctl.guard._oom import OomCounters, is_oom, release
 from vramctl.guard._report import MemoryReport, StepDoesNotFitError, memory_report

@@ -40,12 +40,10 @@ import torch
 from torch import nn
 from torch.amp.grad_scaler import GradScaler
 
+from vramctl._step import call_model
+from vramctl.device import resolve
 from vramctl.device._base import Device
-from vramctl.device._discover import get_device
-from vramctl.device._select import current_device
-from vramctl.estimator._estimate import call_model
 from vramctl.guard._dist import agree, average_gradients
-from vramctl.guard._meter import available_bytes
 from vramctl.guard._offload import can_offload, offload_activations
 from vramctl.guard._oom import OomCounters, is_oom, release
 from vramctl.guard._report import StepDoesNotFitError, memory_report
@@ -206,7 +204,7 @@ class Guard:
         self.weight_fn = weight_fn
         self.scaler = scaler
         self.clip_grad_norm = clip_grad_norm
-        self.device = _resolve_device(device, model, optimizer)
+        self.device = resolve(device, model=model if model is not None else optimizer)
         #: Largest number of samples per piece (None: the whole batch).
         self.piece_limit = piece_limit
         self.offload = offload and can_offload(self.device)
@@ -711,20 +709,6 @@ def guarded(
 # -- helpers ------------------------------------------------------------------------
 
 
-def _resolve_device(
-    device: Device | str | int | None,
-    model: nn.Module | None,
-    optimizer: torch.optim.Optimizer | None,
-) -> Device:
-    if device is not None:
-        return get_device(device)
-    for p in _params(model, optimizer):
-        if p.is_cuda:
-            return get_device(p.device.index or 0)
-        break
-    return current_device()
-
-
 def _unwrap(model: nn.Module | None) -> nn.Module | None:
     inner = getattr(model, "module", None)
     return inner if isinstance(inner, nn.Module) else model
@@ -788,7 +772,7 @@ def _check_arguments(
 
 def _available(device: Device) -> int | None:
     try:
-        return available_bytes(device)
+        return device.available()
     except Exception:
         return None
 

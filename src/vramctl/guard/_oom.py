@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vramctl.device._base import Device
-from vramctl.device._simulate import SimulatedDevice
+from vramctl.device import Device
 
 __all__ = ["OomCounters", "is_oom", "release"]
 
@@ -47,28 +46,15 @@ _MESSAGES = (
 class OomCounters:
     """Allocator OOM counters read before an attempt, to tell an OOM by its effect."""
 
-    cuda: int = 0
-    sim: int = 0
+    ooms: int = 0
 
     @classmethod
     def read(cls, device: Device | None) -> OomCounters:
-        return cls(cuda=_cuda_ooms(device), sim=_sim_ooms(device))
+        return cls(ooms=device.oom_count() if device is not None else 0)
 
     def rose(self, device: Device | None) -> bool:
         """True when an allocator refused an allocation since :meth:`read`."""
-        return _cuda_ooms(device) > self.cuda or _sim_ooms(device) > self.sim
-
-
-def _cuda_ooms(device: Device | None) -> int:
-    if device is None or device.kind not in ("cuda", "mig") or not torch.cuda.is_initialized():
-        return 0
-    # Read before every attempt: the nested form skips flattening the whole stats tree.
-    stats = torch.cuda.memory_stats_as_nested_dict(device.index)
-    return int(stats.get("num_ooms", 0))
-
-
-def _sim_ooms(device: Device | None) -> int:
-    return device.ooms if isinstance(device, SimulatedDevice) else 0
+        return device is not None and device.oom_count() > self.ooms
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -114,5 +100,5 @@ def release(exc: BaseException | None = None, device: Device | None = None) -> N
                 traceback.clear_frames(err.__traceback__)
                 err.__traceback__ = None
     gc.collect()
-    if device is not None and device.kind in ("cuda", "mig") and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    if device is not None:
+        device.release_cache()

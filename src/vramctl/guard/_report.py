@@ -12,9 +12,7 @@ import torch
 from vramctl._errors import VramctlError
 from vramctl._tensors import storage
 from vramctl._units import format_bytes
-from vramctl.device._base import Device
-from vramctl.device._memory import MemoryState
-from vramctl.device._simulate import SimulatedDevice
+from vramctl.device import Device, MemoryState
 
 __all__ = ["MemoryReport", "StepDoesNotFitError", "memory_report"]
 
@@ -97,15 +95,6 @@ class StepDoesNotFitError(VramctlError, torch.OutOfMemoryError):
         self.report = report
 
 
-def _on_device(t: torch.Tensor, device: Device) -> bool:
-    if isinstance(device, SimulatedDevice):
-        st = storage(t)
-        return st is not None and device._tracks(st)
-    if device.kind in ("cuda", "mig"):
-        return t.is_cuda and t.device.index == device.index
-    return t.device.type == "cpu"
-
-
 def _names(
     model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None
 ) -> dict[int, str]:
@@ -167,7 +156,7 @@ def memory_report(
 
 def _note(obj: object, device: Device, names: dict[int, str], seen: dict[int, TensorInfo]) -> None:
     try:
-        if not isinstance(obj, torch.Tensor) or not _on_device(obj, device):
+        if not isinstance(obj, torch.Tensor) or not device.owns(obj):
             return
         st = storage(obj)
     except Exception:

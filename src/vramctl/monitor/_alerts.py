@@ -179,9 +179,8 @@ class UsageRule:
         self.name = name or ("host_memory" if kind == "cpu" else "memory")
 
     def applies(self, device: str) -> bool:
-        if self.kind is None:
-            return True
-        return (device == "cpu") == (self.kind == "cpu")
+        scope = "cpu" if device == "cpu" else "gpu"  # a device id: host memory or a GPU's
+        return self.kind is None or self.kind == scope
 
     def evaluate(self, sample: Sample, recent: Sequence[Sample]) -> Finding | None:
         mem = sample.memory

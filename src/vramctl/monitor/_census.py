@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves
 
+from vramctl._tensors import tensor_parts
 from vramctl._units import format_bytes
 
 __all__ = [
@@ -193,25 +194,6 @@ def _storage_key(t: torch.Tensor) -> int | None:
         return int(t.untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
         return None  # sparse, nested, or a wrapper subclass without storage
-
-
-def tensor_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The strided tensors whose storages hold ``t``'s bytes: ``t`` itself, or a sparse
-    tensor's values and indices (values first); none for a meta tensor or another layout."""
-    if t.layout == torch.strided:
-        return (t,)
-    if t.is_meta:
-        return ()
-    try:
-        if t.layout == torch.sparse_coo:
-            return (t._values(), t._indices())
-        if t.layout in (torch.sparse_csr, torch.sparse_bsr):
-            return (t.values(), t.crow_indices(), t.col_indices())
-        if t.layout in (torch.sparse_csc, torch.sparse_bsc):
-            return (t.values(), t.ccol_indices(), t.row_indices())
-    except (RuntimeError, NotImplementedError):
-        pass
-    return ()
 
 
 #: Ops whose output may be their input, yet is a tensor made by the user's code.

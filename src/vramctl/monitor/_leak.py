@@ -44,6 +44,7 @@ import torch
 
 from vramctl._errors import VramctlError
 from vramctl._units import format_bytes, parse_size
+from vramctl.device import resolve
 from vramctl.monitor._census import (
     CENSUS_MAX_RECORD_STEPS,
     CENSUS_SURVIVE_STEPS,
@@ -127,33 +128,22 @@ class LeakReport:
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
+    """The torch device to watch: resolved by :func:`vramctl.device.resolve`'s rules."""
     if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, torch.device):
+        device = str(device)
+    if str(device).strip().lower().startswith("cuda") and not torch.cuda.is_available():
+        raise LeakDetectorError(f"{device!r}: CUDA is not available on this machine; use 'cpu'")
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
+        dev = resolve(device)
+    except VramctlError as exc:
+        raise LeakDetectorError(f"{exc}; the leak detector reads memory: use 'cpu' or 'cuda:N'") from exc
+    if dev.is_gpu and not dev.is_cuda:
         raise LeakDetectorError(
-            f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'"
-        ) from exc
-    if dev.type == "cpu":
-        return torch.device("cpu")
-    if dev.type != "cuda":
-        raise LeakDetectorError(
-            f"the leak detector reads CPU and CUDA memory, not {dev.type!r}: use 'cpu' or 'cuda:N'"
+            f"the leak detector reads CPU and CUDA memory, not {dev.id}: use 'cpu' or 'cuda:N'"
         )
-    if not torch.cuda.is_available():
-        raise LeakDetectorError(
-            f"{device!r}: CUDA is not available on this machine; use device='cpu'"
-        )
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    if not 0 <= index < torch.cuda.device_count():
-        raise LeakDetectorError(
-            f"{device!r}: this process sees {torch.cuda.device_count()} CUDA device(s), "
-            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
-        )
-    return torch.device("cuda", index)
+    return dev.torch_device
 
 
 # -- the detector ----------------------------------------------------------------------------

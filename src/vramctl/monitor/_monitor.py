@@ -180,7 +180,7 @@ class Monitor:
     def _processes(self, dev: Device) -> tuple[ProcessMemory, ...]:
         if self.processes == 0:
             return ()
-        if dev.kind != "cpu":
+        if dev.is_gpu:
             return tuple(dev.processes(limit=self.processes))
         at, rows = self._cpu_procs
         now = time.monotonic()
@@ -293,8 +293,8 @@ class Monitor:
         import torch
 
         for d in self.devices:
-            if d.kind in ("cuda", "mig") and torch.cuda.is_initialized():
-                return f"cuda:{d.index}"
+            if d.is_cuda and torch.cuda.is_initialized():
+                return str(d.torch_device)
         return "cpu"
 
     def _make_detector(self) -> LeakDetector:

@@ -21,18 +21,12 @@ import contextlib
 import math
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from vramctl._tensors import storage, tensors
 from vramctl._units import format_bytes
-from vramctl.device import Device, SimulatedDevice, current_device, get_device
-from vramctl.monitor._census import tensor_parts
+from vramctl.device import Device, resolve
 
 __all__ = ["OpStats", "Profiler", "profile", "profiler"]
 
@@ -76,90 +70,20 @@ class OpStats:
         }
 
 
-class _StorageCount(TorchDispatchMode):
-    """Counts bytes of the storages created while it is active, and their peak."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.live = 0
-        self.peak = 0
-        self._lock = threading.Lock()
-
-    def _release(self, nbytes: int) -> None:
-        with self._lock:
-            self.live -= nbytes
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        # torch.tensor(data) makes its tensor outside the dispatcher, then lifts it: new
-        # (torch.from_numpy lifts too, but its memory is numpy's and was there already).
-        fresh = str(getattr(func, "name", lambda: "")()).startswith(_FRESH_OPS)
-        seen = set() if fresh else {id(s) for t in tensors((args, kwargs)) for s in _storages(t)}
-        for t in tensors(out):
-            if t.device.type != "cpu":
-                continue
-            for st in _storages(t):
-                if id(st) in seen or (fresh and not st.resizable()):
-                    continue  # (not resizable: memory torch did not allocate, torch.from_numpy)
-                seen.add(id(st))
-                nbytes = st.nbytes()
-                weakref.finalize(st, self._release, nbytes)
-                with self._lock:
-                    self.live += nbytes
-                    self.peak = max(self.peak, self.live)
-        return out
-
-
-#: Ops whose output is their input, yet a tensor made by the block (``torch.tensor(data)``).
-_FRESH_OPS = ("aten::lift_fresh", "aten::lift")
-
-
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The storages holding a tensor's bytes: its own, or a sparse tensor's values and indices'."""
-    return [st for p in tensor_parts(t) if (st := storage(p)) is not None]
-
-
 def _target(device: Device | str | int | None) -> Device:
-    if device is None:
-        return current_device()
-    return get_device(device)
+    return resolve(device)
 
 
 @contextlib.contextmanager
 def _measure(device: Device) -> Iterator[list[int]]:
     """Yields a list that holds ``[peak_delta, net_delta]`` after the block."""
     result = [0, 0]
-    if isinstance(device, SimulatedDevice):
-        start = device.allocated_bytes
-        device.reset_peak()
-        try:
-            yield result
-        finally:
-            result[:] = [device.peak_bytes - start, device.allocated_bytes - start]
-        return
-    if device.kind in ("cuda", "mig") and torch.cuda.is_available():
-        index = device.index
-        start = torch.cuda.memory_allocated(index)
-        torch.cuda.reset_peak_memory_stats(index)
-        try:
-            yield result
-        finally:
-            torch.cuda.synchronize(index)
-            end = torch.cuda.memory_allocated(index)
-            result[:] = [torch.cuda.max_memory_allocated(index) - start, end - start]
-        return
-    counter = _StorageCount()
+    meter = device.peak_meter()
     try:
-        with counter:
+        with meter:
             yield result
     finally:
-        result[:] = [counter.peak, counter.live]
+        result[:] = [meter.peak_allocated, meter.net_allocated]
 
 
 class Profiler:

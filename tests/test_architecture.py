@@ -1,0 +1,70 @@
+"""The package's shape: callers outside the device layer never ask what kind a device is."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "vramctl"
+
+#: A device's kind tested outside the device layer: isinstance against a device class, or
+#: ``.kind`` compared with a device kind ("cuda", "mig", "cpu", "sim").
+_KINDS = r"""["'](?:cuda|mig|cpu|sim)["']"""
+_PATTERNS = {
+    "isinstance of a device class": re.compile(
+        r"isinstance\([^)]*\b(?:Simulated|Cuda|Cpu)Device\b"
+    ),
+    "a device kind compared": re.compile(
+        rf"\.kind\s*(?:==|!=|\bin\b|\bnot in\b)\s*[(\[{{]?\s*{_KINDS}"
+    ),
+    "a device kind compared (reversed)": re.compile(rf"{_KINDS}\s*(?:==|!=)\s*\w+\.kind\b"),
+}
+
+
+def _outside_device_layer() -> list[Path]:
+    files = sorted(SRC.rglob("*.py"))
+    return [p for p in files if (SRC / "device") not in p.parents]
+
+
+def _offences(text: str) -> list[str]:
+    return [name for name, rx in _PATTERNS.items() if rx.search(text)]
+
+
+def test_no_caller_branches_on_the_kind_of_device() -> None:
+    found = []
+    for path in _outside_device_layer():
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for what in _offences(line):
+                found.append(f"{path.relative_to(SRC.parent)}:{n}: {what}: {line.strip()}")
+    assert not found, "ask the Device (a method or property), not its kind:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "if isinstance(dev, SimulatedDevice):",
+        "return device if isinstance(device, (SimulatedDevice, CpuDevice)) else None",
+        'if device.kind in ("cuda", "mig"):',
+        'if dev.kind == "cpu":',
+        "if w.dev.kind != 'sim':",
+        'if "cpu" == dev.kind:',
+        'if d.kind not in ("cuda",):',
+    ],
+)
+def test_the_check_sees_kind_branches(line: str) -> None:
+    assert _offences(line)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'if event.kind == "alert":',
+        "if self.kind is None or self.kind == scope:",
+        "if dev.is_cuda and not dev.is_mig:",
+        'f"{dev.id} is a {dev.kind} device"',
+    ],
+)
+def test_the_check_passes_other_kinds(line: str) -> None:
+    assert not _offences(line)
