@@ -59,6 +59,15 @@ def test_json_lines_samples_and_alerts(tmp_path: Path) -> None:
     assert "uPlot" in plot.read_text()
 
 
+def test_png_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="PNG plots need matplotlib: the [plot] extra")
+    plot = tmp_path / "mem.png"
+    args = ["monitor", "-d", "sim:T4-16GB", "-i", "0.05", "-n", "2", "--plot", str(plot)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert plot.stat().st_size > 1000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_human_output_has_lines_alerts_and_peaks(gpus: list[FakeGpu]) -> None:
     gpus[0].used = int(gpus[0].total * 0.9)
     result = runner.invoke(app, ["monitor", "-d", "0", "-i", "0.05", "-n", "2"])

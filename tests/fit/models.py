@@ -1,16 +1,18 @@
-"""Small real models for the fit tests, and a real search for the true largest batch."""
+"""Small real models for the fit tests, and the true largest batch, found by real OOMs."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
 
-from vramctl.device import Device
-from vramctl.guard import PeakMeter
+import vramctl
 
 
 class TokenMlp(nn.Module):
@@ -61,60 +63,95 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any], 
     return step
 
 
-def fits(
-    gpu: Device,
+#: A room of a given budget: ``room(budget, held)`` makes a device on which this process can
+#: hold at most ``budget`` bytes, ``held`` (the model and optimizer) counted in it, and yields a
+#: function that reads how many allocations its allocator has refused so far.
+Room = Callable[[int, list[Any]], AbstractContextManager[Callable[[], int]]]
+
+
+@contextlib.contextmanager
+def simulated(budget: int, held: list[Any]) -> Iterator[Callable[[], int]]:
+    """A fresh ``vramctl.simulate(budget)`` holding ``held``: its OOMs are real refusals."""
+    with vramctl.simulate(budget) as gpu:
+        for obj in held:
+            gpu.adopt(obj)
+        yield lambda: gpu.ooms
+
+
+def true_max(
     model: nn.Module,
-    step: Callable[[Any], None],
+    optimizer: torch.optim.Optimizer,
+    make_step: Callable[[nn.Module, torch.optim.Optimizer], Callable[[Any], Any]],
     make_batch: Callable[[int], Any],
-    b: int,
     budget: int,
+    *,
+    near: int,
     steps: int = 2,
-) -> bool:
-    """Run ``steps`` real steps on one batch of ``b``: True when the peak stays within ``budget``.
+    room: Room = simulated,
+) -> int:
+    """The true largest batch: the largest ``b`` whose real steps do not run out of memory.
 
-    The same measurement a probe makes, written out independently of it.
+    Each try starts from the weights and optimizer state the model has now, in a fresh
+    ``room(budget, [model, optimizer])`` (by default a simulated GPU of ``budget`` bytes, the
+    budget ``fit_batch_size`` targets), and runs ``steps`` real steps of
+    ``make_step(model, optimizer)`` on one batch of ``b`` (made inside the room, as a probe
+    makes it). It fails when a ``torch.OutOfMemoryError`` comes out, or the room's allocator
+    refused an allocation that the step caught (a Guard splits instead of raising). No
+    vramctl meter is read: only real OOMs decide. The search gallops from ``near`` (up on a
+    success, down on a failure) until a size that runs and a larger one that does not are
+    found, then bisects between them. The model and optimizer are left as they were.
     """
-    failed = False
-    if gpu.kind == "cuda":
-        torch.cuda.empty_cache()
-    meter = PeakMeter(gpu)
+    assert vramctl.current_device().kind != "sim", "call it outside any simulated device"
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    opt_state = copy.deepcopy(_to_cpu(optimizer.state_dict()))
+
+    def restore() -> None:
+        model.load_state_dict(weights)
+        optimizer.load_state_dict(copy.deepcopy(opt_state))
+        model.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+
+    def runs(b: int) -> bool:
+        restore()
+        with room(budget, [model, optimizer]) as refused:
+            before = refused()
+            try:
+                step = make_step(model, optimizer)
+                x = make_batch(b)
+                for _ in range(steps):
+                    step(x)
+                del x, step
+            except torch.OutOfMemoryError:
+                return False
+            return refused() == before
+
     try:
-        with meter:
-            x = make_batch(b)
-            for _ in range(steps):
-                step(x)
-            del x
-    except torch.OutOfMemoryError:
-        failed = True
-    gc.collect()
-    model.zero_grad(set_to_none=True)
-    if gpu.kind == "cuda":
-        torch.cuda.empty_cache()
-    return not failed and meter.peak_used <= budget
+        b = max(1, near)
+        gap = max(1, b // 8)
+        if runs(b):
+            lo, hi = b, b + gap
+            while runs(hi):
+                lo, gap = hi, 2 * gap
+                hi = lo + gap
+        else:
+            lo, hi = max(0, b - gap), b
+            while lo > 0 and not runs(lo):
+                hi, gap = lo, 2 * gap
+                lo = max(0, hi - gap)
+        while hi - lo > 1:  # lo runs (or is 0), hi does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if runs(mid) else (lo, mid)
+        return lo
+    finally:
+        restore()
 
 
-def true_max(probe: Callable[[int], bool], near: int) -> int:
-    """The largest b with ``probe(b)``, by a real search: grow or shrink from ``near``, bisect."""
-    lo, hi = 0, None
-    b = max(1, near)
-    while hi is None or lo == 0:
-        if probe(b):
-            lo = b
-            if hi is not None:
-                break
-            b = b + max(1, b // 16)
-        else:
-            hi = b
-            if lo:
-                break
-            b = max(1, b - max(1, b // 16))
-            if b == hi:
-                break
-    assert hi is not None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if probe(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

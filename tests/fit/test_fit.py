@@ -16,7 +16,6 @@ from tests.fit.models import (
     SmallCnn,
     TokenMlp,
     cnn_batch,
-    fits,
     mlp_batch,
     train_step,
     true_max,
@@ -71,9 +70,8 @@ def test_within_3_percent_of_the_true_max_in_3_probes(name: str) -> None:
         assert torch.equal(torch.get_rng_state(), rng)
         assert all(p.grad is None for p in model.parameters())
 
-        truth = true_max(
-            lambda b: fits(gpu, model, step, make_batch, b, fit.budget), fit.batch_size
-        )
+    # The truth by real OOMs, each try on a fresh simulated GPU of the budget fit targets.
+    truth = true_max(model, opt, train_step, make_batch, fit.budget, near=fit.batch_size)
     assert 50 <= truth <= 500
     assert fit.source == "probe"
     assert fit.predicted is not None and fit.predicted > 0
@@ -147,18 +145,20 @@ def test_a_guard_is_estimated_as_it_calls_the_model() -> None:
     def make_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(n, 16, 64), torch.randn(n, 16, 1)
 
-    with vramctl.simulate("24MiB") as gpu:
-        gpu.adopt(model)
-        guard = vramctl.guard.Guard(
+    def guard_of(model: nn.Module, opt: torch.optim.Optimizer) -> vramctl.Guard:
+        return vramctl.guard.Guard(  # on the device active where it is made
             model,
             opt,
             loss_fn=lambda out, batch: (out - batch[1]).square().mean(),
             forward=lambda m, batch: m(batch[0]),
-            device=gpu,
         )
+
+    with vramctl.simulate("24MiB") as gpu:
+        gpu.adopt(model)
+        guard = guard_of(model, opt)
+        assert guard.device is gpu
         fit = fit_batch_size(guard, make_batch, cache=False)
-        budget = fit.budget
-        truth = true_max(lambda b: fits(gpu, model, guard, make_batch, b, budget), fit.batch_size)
+    truth = true_max(model, opt, guard_of, make_batch, fit.budget, near=fit.batch_size)
     assert fit.notes == ()  # the estimate did not fail
     assert fit.predicted is not None and fit.predicted > 0
     assert len(fit.probes) <= 3
@@ -171,7 +171,7 @@ def test_without_a_model_it_searches_from_start() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         step = train_step(model, opt)
         fit = fit_batch_size(step, mlp_batch, device=gpu, cache=False)
-        truth = true_max(lambda b: fits(gpu, model, step, mlp_batch, b, fit.budget), fit.batch_size)
+    truth = true_max(model, opt, train_step, mlp_batch, fit.budget, near=fit.batch_size)
     assert fit.predicted is None
     assert fit.probes[0][0] == 1
     assert 0.97 * truth <= fit.batch_size <= truth

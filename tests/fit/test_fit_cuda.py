@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import vramctl
-from tests.fit.models import fits, train_step, true_max
+from tests.fit.models import train_step, true_max
 from vramctl.fit import fit_batch_size
 
 pytestmark = pytest.mark.cuda
@@ -39,6 +42,31 @@ def target_for(dev: vramctl.Device, room: int) -> float:
     return min(1.0, (total - free + room) / total)
 
 
+def capped_to(dev: vramctl.Device) -> Callable[[int, list[Any]], Any]:
+    """A room on ``dev`` where the allocator refuses what would take its used memory past a
+    budget: ``torch.cuda.set_per_process_memory_fraction`` caps this process's reserved memory
+    at the budget less what is held outside the allocator (the CUDA context, other processes).
+    What ``held`` (the model and optimizer) holds is on the GPU already, in the reserved memory.
+    """
+
+    @contextlib.contextmanager
+    def room(budget: int, held: list[Any]) -> Iterator[Callable[[], int]]:
+        i = dev.index
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(i)
+        outside = total - free - torch.cuda.memory_reserved(i)
+        torch.cuda.set_per_process_memory_fraction((budget - outside) / total, i)
+        try:
+            yield lambda: int(torch.cuda.memory_stats(i).get("num_ooms", 0))
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, i)
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    return room
+
+
 @pytest.fixture
 def gpu() -> vramctl.Device:
     gc.collect()
@@ -65,8 +93,9 @@ def test_within_3_percent_of_a_real_search(gpu: vramctl.Device) -> None:
     for i, state in before["opt"]["state"].items():
         for k, v in state.items():
             assert torch.equal(opt.state_dict()["state"][i][k], v)
-    budget = fit.budget
-    truth = true_max(lambda b: fits(gpu, model, step, batch, b, budget), fit.batch_size)
+    truth = true_max(
+        model, opt, train_step, batch, fit.budget, near=fit.batch_size, room=capped_to(gpu)
+    )
     assert truth >= 20
     assert 0.97 * truth <= fit.batch_size <= truth
     assert fit.predicted is not None

@@ -230,16 +230,47 @@ def test_export_to_an_unwritable_path_is_a_clear_error(tmp_path: Path) -> None:
         mon.export(tmp_path / "missing" / "mem.html")
 
 
-def test_png_plot_names_its_extra_when_matplotlib_is_missing(tmp_path: Path) -> None:
-    from importlib.util import find_spec
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
+
+def test_png_plot_is_an_image_with_a_panel_per_device(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="PNG plots need matplotlib: the [plot] extra")
+    import matplotlib.image
+    import numpy as np
+
+    sim = vramctl.simulate("T4-16GB")
+    mon = Monitor(["cpu", sim], interval=1.0, rules=[])
+    for _ in range(3):
+        mon.sample()
+    path = mon.export(tmp_path / "mem.png")
+    data = path.read_bytes()
+    assert len(data) > 1000 and data[:8] == PNG_SIGNATURE
+    image = matplotlib.image.imread(path)  # decodes the whole file
+    height, width, channels = image.shape
+    assert channels in (3, 4) and width >= 500
+    assert height * 10 == width * 6  # two panels of 10 x 3 inches
+    rgb = (image[..., :3] * 255).round().astype(int).reshape(-1, 3)
+    assert len(np.unique(rgb, axis=0)) > 10  # not blank: text, axes and lines
+    first_series = np.array([0x1F, 0x77, 0xB4])  # matplotlib's first colour (C0)
+    assert (np.abs(rgb - first_series).sum(axis=1) <= 6).sum() > 100
+
+    one = Monitor(["cpu"], interval=1.0, rules=[])
+    one.sample()
+    h, w, _ = matplotlib.image.imread(one.export(tmp_path / "one.png")).shape
+    assert h * 10 == w * 3  # one panel
+
+
+def test_png_plot_names_its_extra_when_matplotlib_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vramctl.monitor._plot as plot
+
+    monkeypatch.setattr(plot, "find_spec", lambda name: None)
     mon = Monitor(["cpu"], interval=1.0, rules=[])
     mon.sample()
-    if find_spec("matplotlib") is None:
-        with pytest.raises(ExportError, match=r"vramctl\[plot\]"):
-            mon.export(tmp_path / "mem.png")
-    else:
-        assert mon.export(tmp_path / "mem.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ExportError, match=r"vramctl\[plot\]"):
+        mon.export(tmp_path / "mem.png")
+    assert not (tmp_path / "mem.png").exists()
 
 
 def test_load_jsonl_names_the_bad_line(tmp_path: Path) -> None:
