@@ -50,8 +50,17 @@ import psutil
 import torch
 
 from vramctl import format_bytes
-from vramctl.estimator import Calibration, StepSpec, calibrate, estimate, load_calibration, zoo
-from vramctl.estimator._estimate import prepare_model, run_step, warm_optimizer
+from vramctl.estimator import (
+    Calibration,
+    StepSpec,
+    calibrate,
+    estimate,
+    load_calibration,
+    prepare_model,
+    run_step,
+    warm_optimizer,
+    zoo,
+)
 
 #: (model, length keyword, length) for the rows; lengths kept small so real CPU runs are quick.
 ZOO = [

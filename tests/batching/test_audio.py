@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import vramctl._optional
 from vramctl import VramctlError
-from vramctl.batching import _audio
 from vramctl.batching._audio import AudioBatches, AudioError, load_audio, synthesize
 from vramctl.batching._chunk import Stitcher, chunk_items
 from vramctl.batching._manifest import Item
@@ -121,7 +121,7 @@ def test_missing_file_names_item_and_path(tmp_path: Path) -> None:
 def test_other_formats_need_soundfile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "a.flac"
     path.write_bytes(b"not really flac")
-    monkeypatch.setattr(_audio, "find_spec", lambda name: None)
+    monkeypatch.setattr(vramctl._optional, "find_spec", lambda name: None)
     with pytest.raises(AudioError, match=r"'a'.*a\.flac.*soundfile"):
         load_audio(Item("a", 1.0, path=str(path)))
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from vramctl import ComputeCapability, UnknownDeviceError, catalog, gpu_spec
-from vramctl.device.catalog import match_gpu_name
+from vramctl.device._catalog import match_gpu_name
 
 REQUIRED = {
     "H100-80GB",

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import vramctl
-from vramctl.device.catalog import gpu_spec
+from vramctl.device import gpu_spec
 from vramctl.estimator import (
     Calibration,
     CalibrationError,

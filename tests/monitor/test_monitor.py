@@ -263,9 +263,9 @@ def test_png_plot_is_an_image_with_a_panel_per_device(tmp_path: Path) -> None:
 def test_png_plot_names_its_extra_when_matplotlib_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import vramctl.monitor._plot as plot
+    import vramctl._optional as optional
 
-    monkeypatch.setattr(plot, "find_spec", lambda name: None)
+    monkeypatch.setattr(optional, "find_spec", lambda name: None)
     mon = Monitor(["cpu"], interval=1.0, rules=[])
     mon.sample()
     with pytest.raises(ExportError, match=r"vramctl\[plot\]"):

@@ -35,13 +35,13 @@ import sys
 import wave
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from importlib.util import find_spec
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from vramctl._errors import VramctlError
+from vramctl._optional import available
 from vramctl.batching._manifest import Item
 
 __all__ = ["AudioBatches", "AudioError", "load_audio", "synthesize"]
@@ -85,12 +85,12 @@ def load_audio(item: Item, sample_rate: int = 16000) -> torch.Tensor:
             try:
                 return _from_wav(item, path, sample_rate)
             except (wave.Error, EOFError, _UnsupportedWav) as exc:
-                if find_spec("soundfile") is None:
+                if not available("soundfile"):
                     raise AudioError(
                         f"item {item.id!r}: {path!r} is not a PCM wav the wave module reads "
                         f"({exc}); pip install soundfile to read it"
                     ) from exc
-        if find_spec("soundfile") is None:
+        if not available("soundfile"):
             raise AudioError(
                 f"item {item.id!r}: cannot read {ext or 'extensionless'} file {path!r} "
                 "without soundfile (pip install soundfile), or use .wav or .npy"

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramctl._optional import require
 from vramctl._units import format_bytes
 from vramctl.batching._adaptive import BatchingError
 from vramctl.batching._budget import MemoryBudget
@@ -77,10 +78,7 @@ def build_model(name: str) -> nn.Module:
     """A wav2vec 2.0 encoder (``Wav2Vec2Model``) from its config, with random weights."""
     if name not in MODELS:
         raise BatchingError(f"unknown demo model {name!r}: use {' or '.join(MODELS)}")
-    try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - the zoo extra brings it
-        raise BatchingError("the demo needs transformers: pip install 'vramctl[zoo]'") from exc
+    transformers = require("transformers", extra="zoo", what="the demo", error=BatchingError)
     torch.manual_seed(0)
     config = transformers.Wav2Vec2Config(**MODELS[name])
     model: nn.Module = transformers.Wav2Vec2Model(config)

@@ -36,10 +36,10 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from importlib.util import find_spec
 from typing import Any, BinaryIO
 
 from vramctl._errors import VramctlError
+from vramctl._optional import available, require
 
 __all__ = ["Item", "Manifest", "ManifestError", "ManifestProblem", "items_from"]
 
@@ -59,11 +59,18 @@ _SAMPLES_FIELDS = ("num_samples", "samples")
 _POSIX = os.name == "posix"
 #: The UTF-8 byte order mark some editors put at the start of a file.
 _BOM = b"\xef\xbb\xbf"
-_loads: Callable[[str | bytes], Any]
-try:  # orjson parses a line in a fraction of json's time; optional
-    from orjson import loads as _loads
-except ImportError:  # pragma: no cover - exercised where orjson is absent
-    _loads = json.loads
+
+
+def _json_loads() -> Callable[[str | bytes], Any]:
+    """orjson's ``loads`` (a line in a fraction of json's time) where it is installed."""
+    if available("orjson"):
+        import orjson
+
+        return orjson.loads
+    return json.loads
+
+
+_loads = _json_loads()
 
 
 class ManifestError(VramctlError, ValueError):
@@ -141,9 +148,12 @@ class Manifest:
             raise ManifestError(
                 f"manifest {self.path}: unknown format {self.format!r} (jsonl, csv or lhotse)"
             )
-        if self.format == "lhotse" and find_spec("lhotse") is None:
-            raise ManifestError(
-                f"manifest {self.path} is a Lhotse CutSet: pip install lhotse to read it"
+        if self.format == "lhotse":
+            require(
+                "lhotse",
+                extra="audio",
+                what=f"manifest {self.path} (a Lhotse CutSet)",
+                error=ManifestError,
             )
         self.sample_rate = sample_rate
         self.root = os.path.dirname(os.path.abspath(self.path))
@@ -393,7 +403,7 @@ def _guess_format(path: str) -> str:
         return "csv"
     if low.endswith((".jsonl", ".json", ".ndjson")):
         base = os.path.basename(low)
-        if base.startswith("cuts") and find_spec("lhotse") is not None:
+        if base.startswith("cuts") and available("lhotse"):
             return "lhotse"
         return "jsonl"
     return "jsonl"

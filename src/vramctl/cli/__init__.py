@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from importlib.util import find_spec
 from types import FrameType
 
 __all__ = ["main"]
@@ -13,13 +12,13 @@ __all__ = ["main"]
 
 def main() -> None:
     """Entry point of the ``vramctl`` command."""
-    missing = [m for m in ("typer", "rich") if find_spec(m) is None]
-    if missing:
-        sys.stderr.write(
-            f"error: the vramctl command needs {' and '.join(missing)}: "
-            "pip install 'vramctl[cli]'\n"
-        )
-        raise SystemExit(2)
+    from vramctl._optional import EXTRAS, MissingDependencyError, require
+
+    try:
+        require(EXTRAS["cli"], extra="cli", what="the vramctl command")
+    except MissingDependencyError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(2) from None
     from vramctl.cli._app import app
 
     _terminate_like_ctrl_c()

@@ -1,144 +1,35 @@
-"""Typer application: ``vramctl status``, ``devices``, ``catalog`` and ``estimate``."""
+"""``vramctl status``, ``devices``, ``catalog`` and ``estimate``.
+
+The other commands live in their own modules, which register themselves on the shared
+``app`` (``_common``) when this module imports them.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import json
-import logging
 import math
-import os
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 import vramctl
 from vramctl import NA, VramctlError, format_bytes
+from vramctl.cli import _batch, _calibrate, _dashboard, _monitor, _top  # noqa: F401 (commands)
+from vramctl.cli._common import (
+    app,
+    check_seconds,
+    console,
+    emit_json,
+    err,
+    parse_batches,
+    user_errors,
+)
 from vramctl.cli._render import snapshot, status_json, status_view
 from vramctl.device import Policy
 
-app = typer.Typer(
-    name="vramctl",
-    help=(
-        "See, predict, fit and share GPU memory for PyTorch work.\n\n"
-        "Every command works without a GPU: the CPU is a device whose memory is the host's."
-    ),
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
-)
-console = Console()
-err = Console(stderr=True)
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def user_errors(fn: F) -> F:
-    """Print vramctl's bad-input errors as one line and exit 2, without a traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except VramctlError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-
-    return wrapper  # type: ignore[return-value]
-
-
-def check_seconds(option: str, value: float, example: str, *, zero: bool = False) -> float:
-    """``value`` of ``option`` as a finite number of seconds, positive (or 0 with ``zero``)."""
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
-        what = "0 or more" if zero else "a positive number of"
-        raise VramctlError(f"{option} {value:g}: give {what} seconds, e.g. {option} {example}")
-    return value
-
-
-def check_can_write(
-    option: str, path: str | Path, *, folder: bool = False, make_parents: bool = False
-) -> None:
-    """Refuse, before any work, an output the command could only fail to write at its end.
-
-    ``folder``: ``path`` is a folder, made here if missing. Else it is a file: its folder
-    must exist (``make_parents``: the nearest existing one is probed, as the missing ones
-    are made when it is written). A probe file is made and removed in that folder.
-    """
-    shown = str(path)
-    target = Path(path).expanduser()
-    if folder:
-        if target.exists() and not target.is_dir():
-            raise VramctlError(f"{option} {shown!r}: a file, not a folder; give a folder's path")
-        place = target
-    else:
-        if target.is_dir():
-            raise VramctlError(f"{option} {shown!r}: a folder; give a file name")
-        place = target.absolute().parent
-        if make_parents:
-            while not place.exists() and place != place.parent:
-                place = place.parent
-        elif not place.is_dir():
-            raise VramctlError(f"{option} {shown!r}: the folder {str(place)!r} does not exist")
-    try:
-        if folder:
-            place.mkdir(parents=True, exist_ok=True)
-        if not place.is_dir():
-            raise NotADirectoryError(20, "Not a directory")
-        tempfile.TemporaryFile(dir=place).close()
-        if not folder and target.exists() and not os.access(target, os.W_OK):
-            raise PermissionError(13, "Permission denied")
-    except OSError as exc:
-        raise VramctlError(
-            f"{option} {shown!r}: cannot write there: {exc.strerror or exc}; "
-            "choose a path in a writable folder"
-        ) from None
-
-
-@contextlib.contextmanager
-def library_log_to(handler: logging.Handler, name: str = "vramctl") -> Iterator[None]:
-    """While the block runs, the library's log records go to ``handler`` only.
-
-    (A logger that neither propagates nor has a handler would fall back to
-    ``logging.lastResort`` and print on stderr: ``logging.NullHandler()`` drops them.)
-    """
-    logger = logging.getLogger(name)
-    logger.addHandler(handler)
-    propagate, logger.propagate = logger.propagate, False
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
-
-
-def _version(value: bool) -> None:
-    if value:
-        typer.echo(f"vramctl {vramctl.__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: Annotated[
-        bool,
-        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
-    ] = False,
-) -> None:
-    """See, predict, fit and share GPU memory for PyTorch work."""
-
-
-def _emit_json(doc: dict[str, Any], *, indent: bool) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2 if indent else None) + "\n")
-    sys.stdout.flush()
+__all__ = ["app"]
 
 
 @app.command()
@@ -190,7 +81,7 @@ def status(
     if watch is None:
         snap = snapshot(devs, limit)
         if as_json:
-            _emit_json(status_json(snap), indent=True)
+            emit_json(status_json(snap), indent=True)
         else:
             console.print(status_view(snap))
         return
@@ -199,7 +90,7 @@ def status(
     try:
         if as_json:
             while True:
-                _emit_json(status_json(snapshot(devs, limit)), indent=False)
+                emit_json(status_json(snapshot(devs, limit)), indent=False)
                 readings += 1
                 if count is not None and readings >= count:
                     return
@@ -267,7 +158,7 @@ def devices_cmd(
         devs = vramctl.devices()
         if as_json:
             rows = [{**d.to_dict(), "memory": d.memory().to_dict()} for d in devs]
-            _emit_json({"schema": "vramctl.devices/1", "devices": rows}, indent=True)
+            emit_json({"schema": "vramctl.devices/1", "devices": rows}, indent=True)
             return
         table = Table(title="devices", title_justify="left")
         for col in ("id", "name", "kind", "total", "free", "compute", "health"):
@@ -293,7 +184,7 @@ def devices_cmd(
         target=0.9 if target is None else target,
     )
     if as_json:
-        _emit_json({"schema": "vramctl.selection/1", **sel.to_dict()}, indent=True)
+        emit_json({"schema": "vramctl.selection/1", **sel.to_dict()}, indent=True)
         return
     console.print(f"[bold]{sel.device.id}[/]  {sel.device.name}")
     console.print(f"why: {sel.reason}", highlight=False, soft_wrap=True)
@@ -307,7 +198,7 @@ def catalog(
     """List the GPU catalog used by simulated devices (sim:NAME) and the estimator."""
     specs = vramctl.catalog()
     if as_json:
-        _emit_json(
+        emit_json(
             {"schema": "vramctl.catalog/1", "gpus": [s.to_dict() for s in specs]}, indent=True
         )
         return
@@ -405,7 +296,6 @@ def estimate_cmd(
             --device A10G-24GB --max-batch
     """
     from vramctl.estimator import zoo
-    from vramctl.estimator._estimate import parse_batches
 
     if list_models:
         _list_zoo(zoo, as_json)
@@ -415,7 +305,7 @@ def estimate_cmd(
     sizes = parse_batches(batch)
     batch_source: Any = None
     if batch_fn is not None:
-        from vramctl.estimator._estimate import load_model_source
+        from vramctl.estimator import load_model_source
 
         _, batch_source = load_model_source(batch_fn)
     common: dict[str, Any] = {
@@ -439,7 +329,7 @@ def estimate_cmd(
             spin.update(f"searching the largest batch for {model}")
             best = vramctl.max_batch_size(model, batch_source, lengths=max_length, **common)
     if as_json:
-        _emit_json(
+        emit_json(
             {
                 "schema": "vramctl.estimate/1",
                 "estimates": [e.to_dict() for e in results],
@@ -490,7 +380,7 @@ def estimate_cmd(
         if best.max_length is not None:
             ceiling = ""
             if best.length_at_ceiling:
-                from vramctl.estimator._maxbatch import LENGTH_BOUND
+                from vramctl.estimator import LENGTH_BOUND
 
                 bound = LENGTH_BOUND.get(best.length_arg or "", math.inf)
                 ceiling = (
@@ -509,7 +399,7 @@ def _calibration_arg(text: str | None) -> Any:
         return None
     if text.strip().lower() in ("off", "none", "builtin", "built-in"):
         return False
-    from vramctl.estimator._calibration import load_calibration
+    from vramctl.estimator import load_calibration
 
     # Read the profile now: a missing or broken file is an error for every --device,
     # not only for the GPU targets that use the constants.
@@ -519,7 +409,7 @@ def _calibration_arg(text: str | None) -> Any:
 def _list_zoo(zoo: Any, as_json: bool) -> None:
     models = [zoo.get(n) for n in zoo.names()]
     if as_json:
-        _emit_json(
+        emit_json(
             {
                 "schema": "vramctl.zoo/1",
                 "models": [
@@ -536,7 +426,3 @@ def _list_zoo(zoo: Any, as_json: bool) -> None:
     for m in models:
         table.add_row(m.name, m.inputs, m.description)
     console.print(table)
-
-
-# The batching, calibrate, monitor, top and dashboard commands register themselves on ``app``.
-from vramctl.cli import _batch, _calibrate, _dashboard, _monitor, _top  # noqa: E402, F401

@@ -19,11 +19,11 @@ from rich.progress import (
 from rich.table import Table
 
 from vramctl import VramctlError, format_bytes
-from vramctl.cli._app import (
-    _emit_json,
+from vramctl.cli._common import (
     app,
     check_can_write,
     console,
+    emit_json,
     err,
     library_log_to,
     user_errors,
@@ -89,8 +89,7 @@ def _load_model(spec: str) -> Callable[[], Any]:
     from torch import nn
 
     from vramctl.batching._demo import MODELS, build_model
-    from vramctl.estimator import zoo
-    from vramctl.estimator._estimate import load_model_source
+    from vramctl.estimator import load_model_source, zoo
 
     if spec in MODELS:
         return lambda: build_model(spec)
@@ -270,7 +269,7 @@ def process_cmd(
             on_progress=update,
         )
     if as_json:
-        _emit_json({"schema": "vramctl.process/1", **result.to_dict()}, indent=True)
+        emit_json({"schema": "vramctl.process/1", **result.to_dict()}, indent=True)
         return
     console.print(
         f"[bold]{result.done}[/] recordings done, {result.failed} failed, "
@@ -350,7 +349,7 @@ def demo_cmd(
     if output is None:
         doc["output"] = None  # a temporary folder, removed
     if as_json:
-        _emit_json({"schema": "vramctl.demo/1", **doc}, indent=True)
+        emit_json({"schema": "vramctl.demo/1", **doc}, indent=True)
         return
     _print_demo(doc)
 

@@ -9,14 +9,16 @@ import typer
 from rich.table import Table
 
 from vramctl import VramctlError, format_bytes
-from vramctl.cli._app import _emit_json, app, check_can_write, console, err, user_errors
-from vramctl.estimator import _cuda_model
-from vramctl.estimator._calibration import (
+from vramctl.cli._common import app, check_can_write, console, emit_json, err, user_errors
+from vramctl.estimator import (
     Calibration,
+    builtin_calibration,
     calibration_dir,
     constant_rows,
     list_calibrations,
 )
+
+__all__ = ["calibrate"]
 
 
 def _value(name: str, v: Any) -> str:
@@ -28,7 +30,7 @@ def _value(name: str, v: Any) -> str:
 
 
 def _print_profile(cal: Calibration) -> None:
-    builtin = _cuda_model.builtin(cal.device, cal.capability)
+    builtin = builtin_calibration(cal.device, cal.capability)
     table = Table(title=f"CUDA constants of {cal.describe()}", title_justify="left")
     table.add_column("constant")
     table.add_column("built-in", justify="right")
@@ -57,7 +59,7 @@ def _print_profile(cal: Calibration) -> None:
 def _list(as_json: bool) -> None:
     found = list_calibrations()
     if as_json:
-        _emit_json(
+        emit_json(
             {
                 "schema": "vramctl.calibrations/1",
                 "directory": str(calibration_dir()),
@@ -152,7 +154,7 @@ def calibrate(
     with err.status("measuring the GPU's CUDA constants in a fresh process", spinner="dots"):
         cal = run_calibration(device, path=out, save=save)
     if as_json:
-        _emit_json({**cal.to_dict(), "path": str(cal.path) if cal.path else None}, indent=True)
+        emit_json({**cal.to_dict(), "path": str(cal.path) if cal.path else None}, indent=True)
         return
     _print_profile(cal)
     if cal.path is not None:

@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import threading
 import webbrowser
-from importlib.util import find_spec
 from typing import Annotated
 
 import typer
 
-from vramctl import VramctlError
-from vramctl.cli._app import app, check_seconds, console, err, user_errors
+from vramctl._optional import EXTRAS, require
+from vramctl.cli._common import app, check_seconds, console, err, user_errors
 
 __all__ = ["dashboard_cmd"]
 
 
 def _need_server() -> None:
-    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if find_spec(m) is None]
-    if missing:
-        raise VramctlError(
-            f"the dashboard needs {', '.join(missing)}: pip install 'vramctl[server]'"
-        )
+    require(EXTRAS["server"], extra="server", what="the dashboard")
 
 
 def _wait_for_interrupt() -> None:

@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 
 from vramctl import NA, format_bytes
-from vramctl.cli._app import (
+from vramctl.cli._common import (
     app,
     check_can_write,
     check_seconds,
@@ -40,6 +40,8 @@ from vramctl.monitor import (
     parse_address,
     serve_prometheus,
 )
+
+__all__ = ["monitor_cmd"]
 
 _LEVEL_STYLE = {
     Level.INFO: "cyan",

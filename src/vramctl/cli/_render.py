@@ -16,6 +16,8 @@ import vramctl
 from vramctl import NA, Device, MemoryState, ProcessMemory, format_bytes
 from vramctl.device import HealthState
 
+__all__ = ["STATUS_SCHEMA", "snapshot", "status_json", "status_view"]
+
 STATUS_SCHEMA = "vramctl.status/1"
 
 _HEALTH_STYLE = {

@@ -28,7 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vramctl import NA, Device, MemoryState, NotAvailable, ProcessMemory, VramctlError, format_bytes
-from vramctl.cli._app import app, check_seconds, console, library_log_to, user_errors
+from vramctl.cli._common import app, check_seconds, console, library_log_to, user_errors
 from vramctl.cli._render import EncodingSafe, _bar, _pct
 from vramctl.monitor import Event, Monitor
 

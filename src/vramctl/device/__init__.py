@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from vramctl.device._base import Device
 from vramctl.device._capability import ComputeCapability
+from vramctl.device._catalog import GpuSpec, catalog, gpu_spec, match_gpu_name
 from vramctl.device._cpu import CpuDevice
 from vramctl.device._cuda import CudaDevice
 from vramctl.device._discover import devices, get_device, gpus
@@ -26,7 +27,6 @@ from vramctl.device._simulate import (
     active_simulation,
     simulate,
 )
-from vramctl.device.catalog import GpuSpec, catalog, gpu_spec
 
 __all__ = [
     "ComputeCapability",
@@ -52,6 +52,7 @@ __all__ = [
     "get_device",
     "gpu_spec",
     "gpus",
+    "match_gpu_name",
     "rank_devices",
     "resolve",
     "select_device",

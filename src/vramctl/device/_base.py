@@ -10,10 +10,10 @@ import torch
 
 from vramctl._na import NA, NotAvailable
 from vramctl.device._capability import ComputeCapability
+from vramctl.device._catalog import GpuSpec
 from vramctl.device._health import DeviceHealth
 from vramctl.device._memory import MemoryState, ProcessMemory
 from vramctl.device._meter import PeakMeter
-from vramctl.device.catalog import GpuSpec
 
 __all__ = ["Device"]
 

@@ -15,10 +15,10 @@ import torch
 from vramctl._na import NA, Bytes, NotAvailable, or_na
 from vramctl.device._base import Device
 from vramctl.device._capability import ComputeCapability
+from vramctl.device._catalog import match_gpu_name
 from vramctl.device._health import DeviceHealth, HealthPolicy, ReadingFailed
 from vramctl.device._memory import MemoryState, ProcessMemory
 from vramctl.device._nvml import NvmlGpu, optional
-from vramctl.device.catalog import match_gpu_name
 
 __all__ = ["CudaDevice", "allocator_stats"]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 
@@ -12,6 +11,7 @@ import torch
 from vramctl._errors import UnknownDeviceError
 from vramctl._units import looks_like_size
 from vramctl.device._base import Device
+from vramctl.device._catalog import catalog
 from vramctl.device._cpu import CpuDevice
 from vramctl.device._cuda import CudaDevice
 from vramctl.device._nvml import nvml_available, nvml_gpus, nvml_reason
@@ -103,12 +103,15 @@ def get_device(spec: Device | int | str) -> Device:
         hits = [d for d in present if isinstance(d.uuid, str) and d.uuid.startswith(text)]
         if len(hits) == 1:
             return hits[0]
+    names = ", ".join(d.id for d in present)
+    catalog_names = ""
     if not low.startswith(("cuda", "gpu-", "mig-")):
         if looks_like_size(text):
             return simulate(text)  # a bad size ("-3GiB") says what is wrong with it
-        with contextlib.suppress(UnknownDeviceError):
+        try:
             return simulate(text)  # a catalog GPU ("T4-16GB")
-    names = ", ".join(d.id for d in present)
+        except UnknownDeviceError:
+            catalog_names = "; catalog GPUs: " + ", ".join(s.name for s in catalog())
     raise UnknownDeviceError(
-        f"unknown device {text!r}: this machine has {names}; use {DEVICE_FORMS}"
+        f"unknown device {text!r}: this machine has {names}; use {DEVICE_FORMS}{catalog_names}"
     )

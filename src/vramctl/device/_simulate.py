@@ -37,14 +37,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from vramctl._errors import VramctlError
+from vramctl._errors import InvalidSizeError, VramctlError
 from vramctl._na import NA
 from vramctl._tensors import storage, tensors
 from vramctl._units import format_bytes, looks_like_size, parse_size
 from vramctl.device._base import Device
+from vramctl.device._catalog import GpuSpec, gpu_spec
 from vramctl.device._health import DeviceHealth
 from vramctl.device._memory import MemoryState, ProcessMemory
-from vramctl.device.catalog import GpuSpec, gpu_spec
 
 __all__ = ["SimulatedDevice", "SimulatedOutOfMemoryError", "active_simulation", "simulate"]
 
@@ -167,7 +167,16 @@ class _Budget(TorchDispatchMode):
 
 
 def _compact(n: int) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (
+        ("TiB", 2**40),
+        ("GiB", 2**30),
+        ("TB", 10**12),
+        ("GB", 10**9),
+        ("MiB", 2**20),
+        ("MB", 10**6),
+        ("KiB", 2**10),
+        ("KB", 10**3),
+    ):
         if n % scale == 0:
             return f"{n // scale}{unit}"
     return f"{n}B"
@@ -468,7 +477,7 @@ def simulate(device: str | int, *, reserve: int | str = 0) -> SimulatedDevice:
         total = parse_size(device)
     reserve_bytes = parse_size(reserve)
     if total <= 0:
-        raise VramctlError(f"a simulated device needs a positive size, got {device!r}")
+        raise InvalidSizeError(f"a simulated device needs a positive size, got {device!r}")
     if reserve_bytes >= total:
         raise VramctlError(
             f"reserve {format_bytes(reserve_bytes)} leaves nothing of {format_bytes(total)}"

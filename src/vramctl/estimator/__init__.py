@@ -18,22 +18,27 @@ from vramctl.estimator._calibration import (
     Calibration,
     CalibrationError,
     calibration_dir,
+    constant_rows,
     find_calibration,
     list_calibrations,
     load_calibration,
 )
-from vramctl.estimator._estimate import (
-    Estimate,
+from vramctl.estimator._cuda_model import builtin as builtin_calibration
+from vramctl.estimator._estimate import estimate
+from vramctl.estimator._maxbatch import LENGTH_BOUND, MaxBatch, max_batch_size
+from vramctl.estimator._result import Estimate
+from vramctl.estimator._spec import (
     EstimateError,
     StepSpec,
-    Target,
-    estimate,
-    resolve_target,
-    run_target,
+    load_model_source,
+    prepare_model,
+    run_step,
+    warm_optimizer,
 )
-from vramctl.estimator._maxbatch import MaxBatch, max_batch_size
+from vramctl.estimator._target import Target, resolve_target, run_target
 
 __all__ = [
+    "LENGTH_BOUND",
     "AllocatorConfig",
     "AllocatorOutOfMemory",
     "CachingAllocatorModel",
@@ -44,14 +49,20 @@ __all__ = [
     "MaxBatch",
     "StepSpec",
     "Target",
+    "builtin_calibration",
     "calibrate",
     "calibration_dir",
+    "constant_rows",
     "estimate",
     "find_calibration",
     "list_calibrations",
     "load_calibration",
+    "load_model_source",
     "max_batch_size",
+    "prepare_model",
     "resolve_target",
+    "run_step",
     "run_target",
+    "warm_optimizer",
     "zoo",
 ]

@@ -49,8 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramctl.device._base import Device
-from vramctl.device._capability import ComputeCapability
+from vramctl.device import ComputeCapability, Device
 from vramctl.estimator import _cuda_model
 from vramctl.estimator._calibration import Calibration, CalibrationError, fit_constants
 

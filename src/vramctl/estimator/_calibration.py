@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from vramctl._errors import VramctlError
-from vramctl.device._capability import ComputeCapability
+from vramctl.device import ComputeCapability
 from vramctl.estimator._allocator import AllocatorConfig
 
 __all__ = [
@@ -301,7 +301,7 @@ def list_calibrations(config_dir: str | os.PathLike[str] | None = None) -> list[
 
 
 def _catalog_name(device: str) -> str | None:
-    from vramctl.device.catalog import gpu_spec, match_gpu_name
+    from vramctl.device import gpu_spec, match_gpu_name
 
     spec = match_gpu_name(device)
     if spec is None:

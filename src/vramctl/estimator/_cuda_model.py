@@ -28,9 +28,11 @@ the same compute capability, uses the profile instead (:func:`constants`).
 
 from __future__ import annotations
 
-from vramctl.device._capability import ComputeCapability
+from vramctl.device import ComputeCapability
 from vramctl.estimator._allocator import AllocatorConfig
 from vramctl.estimator._calibration import Calibration
+
+__all__ = ["builtin", "constants", "context_bytes", "cublas_workspace_bytes"]
 
 MiB = 2**20
 

@@ -17,19 +17,16 @@ from typing import Any
 
 import torch
 
-from vramctl.device._base import Device
+from vramctl.device import Device
 from vramctl.estimator import zoo
 from vramctl.estimator._allocator import AllocatorConfig
 from vramctl.estimator._calibration import CalibrationSource
-from vramctl.estimator._estimate import (
-    Estimate,
-    EstimateError,
-    ModelSource,
-    Target,
-    open_session,
-)
+from vramctl.estimator._result import Estimate
+from vramctl.estimator._session import open_session
+from vramctl.estimator._spec import EstimateError, ModelSource
+from vramctl.estimator._target import Target
 
-__all__ = ["MaxBatch", "max_batch_size"]
+__all__ = ["LENGTH_BOUND", "MaxBatch", "max_batch_size"]
 
 
 @dataclass(frozen=True)

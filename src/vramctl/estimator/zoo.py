@@ -22,7 +22,6 @@ are real values, so data-dependent code that reads them sees real data.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 from vramctl._errors import VramctlError
+from vramctl._optional import require
 
 __all__ = ["ZooModel", "build", "get", "make_batch", "names"]
 
@@ -75,13 +75,7 @@ class ZooModel:
 
 
 def _transformers() -> Any:
-    try:
-        return importlib.import_module("transformers")
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise VramctlError(
-            "built-in transformer models need the 'transformers' package: "
-            "pip install 'vramctl[zoo]'"
-        ) from exc
+    return require("transformers", extra="zoo", what="built-in transformer models")
 
 
 def _hf(model_cls: str, config_cls: str, **config: Any) -> Callable[[], nn.Module]:

@@ -41,8 +41,7 @@ from torch import nn
 from torch.amp.grad_scaler import GradScaler
 
 from vramctl._step import call_model
-from vramctl.device import resolve
-from vramctl.device._base import Device
+from vramctl.device import Device, resolve
 from vramctl.guard._dist import agree, average_gradients
 from vramctl.guard._offload import can_offload, offload_activations
 from vramctl.guard._oom import OomCounters, is_oom, release

@@ -25,7 +25,7 @@ from vramctl.monitor._alerts import (
     default_rules,
 )
 from vramctl.monitor._history import ExportError, History, Peak, Sample, load_jsonl
-from vramctl.monitor._http import AddressError, parse_address
+from vramctl.monitor._http import AddressError, check_bind, host_allowed, parse_address, token_ok
 from vramctl.monitor._leak import (
     LeakDetector,
     LeakDetectorError,
@@ -34,7 +34,7 @@ from vramctl.monitor._leak import (
     LeakSuspect,
 )
 from vramctl.monitor._monitor import Event, Monitor, MonitorError
-from vramctl.monitor._plot import plot
+from vramctl.monitor._plot import plot, static_file
 from vramctl.monitor._profile import OpStats, Profiler, profile, profiler
 from vramctl.monitor._prometheus import MetricsServer, metrics_text, serve_prometheus
 
@@ -66,8 +66,10 @@ __all__ = [
     "Sample",
     "Shrink",
     "UsageRule",
+    "check_bind",
     "cleanup",
     "default_rules",
+    "host_allowed",
     "load_jsonl",
     "metrics_text",
     "parse_address",
@@ -75,4 +77,6 @@ __all__ = [
     "profile",
     "profiler",
     "serve_prometheus",
+    "static_file",
+    "token_ok",
 ]

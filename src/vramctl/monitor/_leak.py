@@ -138,7 +138,9 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     try:
         dev = resolve(device)
     except VramctlError as exc:
-        raise LeakDetectorError(f"{exc}; the leak detector reads memory: use 'cpu' or 'cuda:N'") from exc
+        raise LeakDetectorError(
+            f"{exc}; the leak detector reads memory: use 'cpu' or 'cuda:N'"
+        ) from exc
     if dev.is_gpu and not dev.is_cuda:
         raise LeakDetectorError(
             f"the leak detector reads CPU and CUDA memory, not {dev.id}: use 'cpu' or 'cuda:N'"

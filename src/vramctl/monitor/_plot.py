@@ -5,10 +5,10 @@ from __future__ import annotations
 import html
 import json
 from importlib import resources
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from vramctl._optional import require
 from vramctl.monitor._history import ExportError, History
 
 __all__ = ["plot", "static_file"]
@@ -78,12 +78,13 @@ def _html(history: History, title: str) -> str:
 
 
 def _png(history: History, target: Path, title: str) -> None:
-    if find_spec("matplotlib") is None:
-        raise ExportError(
-            "a PNG plot needs matplotlib: pip install 'vramctl[plot]' (or export .html, "
-            "which needs nothing)"
-        )
-    import matplotlib
+    matplotlib = require(
+        "matplotlib",
+        extra="plot",
+        what="a PNG plot",
+        hint="(or export .html, which needs nothing)",
+        error=ExportError,
+    )
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

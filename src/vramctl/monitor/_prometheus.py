@@ -14,13 +14,12 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from importlib.util import find_spec
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from vramctl._errors import VramctlError
 from vramctl._na import NA
+from vramctl._optional import require
 from vramctl.monitor._http import AddressError, check_bind, host_allowed, token_ok
 
 if TYPE_CHECKING:
@@ -64,10 +63,7 @@ def _label(value: object) -> str:
 
 
 def _need_client() -> None:
-    if find_spec("prometheus_client") is None:
-        raise VramctlError(
-            "Prometheus metrics need prometheus-client: pip install 'vramctl[monitor]'"
-        )
+    require("prometheus_client", extra="monitor", what="Prometheus metrics")
 
 
 class _Collector:

@@ -7,14 +7,9 @@ needs a token. See ``docs/dashboard.md``.
 
 from __future__ import annotations
 
-from importlib.util import find_spec
+from vramctl._optional import EXTRAS, require
 
-_missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if find_spec(m) is None]
-if _missing:
-    raise ModuleNotFoundError(
-        f"the vramctl dashboard needs {', '.join(_missing)}: pip install 'vramctl[server]'",
-        name=_missing[0],
-    )
+require(EXTRAS["server"], extra="server", what="the vramctl dashboard")
 
 from vramctl.server._dashboard import (  # noqa: E402
     DashboardServer,

@@ -40,9 +40,15 @@ from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vramctl._na import NA
-from vramctl.monitor._http import AddressError, check_bind, host_allowed, token_ok
-from vramctl.monitor._monitor import Event, Monitor
-from vramctl.monitor._plot import static_file
+from vramctl.monitor import (
+    AddressError,
+    Event,
+    Monitor,
+    check_bind,
+    host_allowed,
+    static_file,
+    token_ok,
+)
 
 __all__ = [
     "HISTORY_WINDOW",
@@ -392,7 +398,7 @@ def _router(monitor: Monitor, title: str) -> _DashboardRouter:
     @router.get("/metrics")
     def metrics() -> PlainTextResponse:
         """The monitor's metrics in Prometheus's text format."""
-        from vramctl.monitor._prometheus import metrics_text
+        from vramctl.monitor import metrics_text
 
         return PlainTextResponse(
             metrics_text(monitor), media_type="text/plain; version=0.0.4; charset=utf-8"

@@ -1,0 +1,165 @@
+"""What every command shares: the Typer ``app``, the consoles, one-line errors, input checks."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+import vramctl
+from vramctl import VramctlError
+
+__all__ = [
+    "app",
+    "check_can_write",
+    "check_seconds",
+    "console",
+    "emit_json",
+    "err",
+    "library_log_to",
+    "parse_batches",
+    "user_errors",
+]
+
+app = typer.Typer(
+    name="vramctl",
+    help=(
+        "See, predict, fit and share GPU memory for PyTorch work.\n\n"
+        "Every command works without a GPU: the CPU is a device whose memory is the host's."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+console = Console()
+err = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def user_errors(fn: F) -> F:
+    """Print vramctl's bad-input errors as one line and exit 2, without a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except VramctlError as exc:
+            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def check_seconds(option: str, value: float, example: str, *, zero: bool = False) -> float:
+    """``value`` of ``option`` as a finite number of seconds, positive (or 0 with ``zero``)."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        what = "0 or more" if zero else "a positive number of"
+        raise VramctlError(f"{option} {value:g}: give {what} seconds, e.g. {option} {example}")
+    return value
+
+
+def check_can_write(
+    option: str, path: str | Path, *, folder: bool = False, make_parents: bool = False
+) -> None:
+    """Refuse, before any work, an output the command could only fail to write at its end.
+
+    ``folder``: ``path`` is a folder, made here if missing. Else it is a file: its folder
+    must exist (``make_parents``: the nearest existing one is probed, as the missing ones
+    are made when it is written). A probe file is made and removed in that folder.
+    """
+    shown = str(path)
+    target = Path(path).expanduser()
+    if folder:
+        if target.exists() and not target.is_dir():
+            raise VramctlError(f"{option} {shown!r}: a file, not a folder; give a folder's path")
+        place = target
+    else:
+        if target.is_dir():
+            raise VramctlError(f"{option} {shown!r}: a folder; give a file name")
+        place = target.absolute().parent
+        if make_parents:
+            while not place.exists() and place != place.parent:
+                place = place.parent
+        elif not place.is_dir():
+            raise VramctlError(f"{option} {shown!r}: the folder {str(place)!r} does not exist")
+    try:
+        if folder:
+            place.mkdir(parents=True, exist_ok=True)
+        if not place.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        tempfile.TemporaryFile(dir=place).close()
+        if not folder and target.exists() and not os.access(target, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise VramctlError(
+            f"{option} {shown!r}: cannot write there: {exc.strerror or exc}; "
+            "choose a path in a writable folder"
+        ) from None
+
+
+@contextlib.contextmanager
+def library_log_to(handler: logging.Handler, name: str = "vramctl") -> Iterator[None]:
+    """While the block runs, the library's log records go to ``handler`` only.
+
+    (A logger that neither propagates nor has a handler would fall back to
+    ``logging.lastResort`` and print on stderr: ``logging.NullHandler()`` drops them.)
+    """
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"vramctl {vramctl.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """See, predict, fit and share GPU memory for PyTorch work."""
+
+
+def emit_json(doc: dict[str, Any], *, indent: bool) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2 if indent else None) + "\n")
+    sys.stdout.flush()
+
+
+def parse_batches(text: str | Sequence[int]) -> list[int]:
+    """``"1,8,32"`` -> ``[1, 8, 32]``; every size must be a positive integer."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for item in items:
+        try:
+            n = int(str(item).strip())
+        except ValueError:
+            raise VramctlError(
+                f"batch sizes are positive integers like 1,8,32; got {text!r}"
+            ) from None
+        if n < 1:
+            raise VramctlError(f"batch sizes must be at least 1; got {n}")
+        out.append(n)
+    return out

@@ -1,0 +1,583 @@
+"""One estimate session: the model built on fake tensors, traced at one or more batches, and
+each trace replayed through the CUDA caching-allocator model into an :class:`Estimate`."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import numbers
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+
+from vramctl._errors import VramctlError
+from vramctl._step import call_model
+from vramctl.device import Device
+from vramctl.estimator import zoo
+from vramctl.estimator._allocator import (
+    AllocatorConfig,
+    AllocatorOutOfMemory,
+    CachingAllocatorModel,
+)
+from vramctl.estimator._autocast import CudaAutocast
+from vramctl.estimator._calibration import CalibrationSource
+from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace
+from vramctl.estimator._result import CATEGORIES, Estimate
+from vramctl.estimator._spec import (
+    BatchSource,
+    EstimateError,
+    ModelSource,
+    StepSpec,
+    flat_tensors,
+    load_model_source,
+    run_step,
+    step_mode,
+    warm_optimizer,
+)
+from vramctl.estimator._target import Target, resolve_target
+from vramctl.estimator._trace import DataDependentError, EagerLinear, Trace, Tracer
+
+__all__ = ["Session", "build_estimate", "make_batch_for", "open_session"]
+
+
+# -- one session: a fake model, traced at one or more batches ------------------------
+
+
+@dataclass
+class _Traced:
+    trace: Trace
+    categories: dict[int, str]
+    batch_size: int | None
+    #: Whether the step ran convolutions (cuDNN's kernels join the CUDA context).
+    convolutions: bool = False
+
+
+@dataclass
+class Session:
+    """A model built once on fake tensors, traced at as many batches as needed."""
+
+    name: str
+    spec: StepSpec
+    target: Target
+    fake_mode: FakeTensorMode = field(default_factory=FakeTensorMode)
+    model: nn.Module | None = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: list[torch.Tensor] = field(default_factory=list)
+    optimizer: torch.optim.Optimizer | None = None
+    build_seconds: float = 0.0
+    target_utilization: float = 0.9
+    allocator_config: AllocatorConfig | None = None
+
+    @classmethod
+    def open(cls, source: ModelSource, spec: StepSpec, target: Target) -> Session:
+        name, obj = load_model_source(source)
+        s = cls(name, spec, target)
+        t0 = time.perf_counter()
+        builder = Tracer(s.fake_mode)
+        builder.record = False
+        with s.fake_mode, builder:
+            try:
+                model = obj if isinstance(obj, nn.Module) else obj()
+            except VramctlError:
+                raise
+            except Exception as exc:
+                raise EstimateError(
+                    f"model {name} failed to build: {type(exc).__name__}: {exc}"
+                ) from exc
+            if not isinstance(model, nn.Module):
+                raise EstimateError(f"model {name}'s factory returned a {type(model).__name__}")
+            s.model = model
+            s.state = _fake_state(model, spec.param_dtype)
+            with (
+                _reparametrize_module(model, s.state, tie_weights=True, strict=False),
+                step_mode(model, spec),
+            ):
+                seen: set[int] = set()
+                for p in model.parameters():
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        s.params.append(p)
+                s.optimizer = spec.make_optimizer(s.params)
+                if s.optimizer is not None:
+                    warm_optimizer(s.optimizer, s.params)
+        s.build_seconds = time.perf_counter() - t0
+        return s
+
+    def estimate(
+        self,
+        source: ModelSource,
+        batch: BatchSource,
+        batch_size: int | None,
+        seq_len: int | None,
+        seconds: float | None,
+    ) -> Estimate:
+        """Trace one batch and turn the trace into an :class:`Estimate`."""
+        t0 = time.perf_counter()
+        real, size = make_batch_for(self, source, batch, batch_size, seq_len, seconds)
+        traced = self.trace(real, size)
+        return build_estimate(
+            self,
+            traced,
+            target_utilization=self.target_utilization,
+            seq_len=seq_len,
+            seconds=seconds,
+            elapsed=time.perf_counter() - t0,
+            allocator_config=self.allocator_config,
+        )
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.params) if self.params else 0
+
+    def trace(self, batch: Any, batch_size: int | None) -> _Traced:
+        assert self.model is not None
+        model, spec = self.model, self.spec
+        tracer = Tracer(self.fake_mode)
+        consts = self.target.constants
+        cudnn = _CudnnWorkspace(consts.cudnn_workspace_ratio, consts.cudnn_workspace_cap)
+        tracer.workspace = cudnn if self.target.cuda else cpu_workspace
+        tracer.output_bytes = None if self.target.cuda else cpu_output_bytes
+        names = {id(m): n for n, m in model.named_modules()}
+        root = type(model).__name__
+        stack: list[str] = []
+
+        def pre(mod: nn.Module, _args: Any) -> None:
+            stack.append(tracer.module)
+            n = names.get(id(mod))
+            if n is not None:
+                tracer.module = f"{root}.{n}" if n else root
+
+        def post(mod: nn.Module, _args: Any, out: Any) -> None:
+            if tracer.phase == "forward" and torch.is_grad_enabled():
+                _claim_nodes(out, tracer.module, tracer.node_module)
+            tracer.module = stack.pop() if stack else ""
+
+        def phase(p: str) -> None:
+            tracer.phase = p
+            tracer.module = "" if p != "optimizer" else "optimizer"
+
+        param_ids = set()
+        grads: set[int] = set()
+        states: set[int] = set()
+        inputs: set[int] = set()
+        with contextlib.ExitStack() as es:
+            # FakeTensorMode logs every refused operator; the error we raise says it once.
+            fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+            es.callback(fake_log.setLevel, fake_log.level)
+            fake_log.setLevel(logging.CRITICAL)
+            es.enter_context(self.fake_mode)
+            es.enter_context(
+                _reparametrize_module(model, self.state, tie_weights=True, strict=False)
+            )
+            es.enter_context(step_mode(model, spec))
+            fake_batch = _fake_batch(batch, self.fake_mode, tracer, spec)
+            es.enter_context(EagerLinear())
+            if self.target.cuda and spec.autocast_dtype is not None:
+                es.enter_context(CudaAutocast())
+            es.enter_context(tracer)
+            if self.target.cuda:
+                handles = consts.train_handles if spec.mode == "train" else 1
+                for _ in range(handles):
+                    _pseudo(tracer, consts.cublas_workspace_bytes, "cublas workspace", "workspaces")
+            for t in self.state.values():
+                sid = tracer.register(t)
+                if sid is not None:
+                    param_ids.add(sid)
+            if self.optimizer is not None:
+                for t in _optimizer_tensors(self.optimizer):
+                    sid = tracer.register(t)
+                    if sid is not None:
+                        states.add(sid)
+            for t in flat_tensors(fake_batch):
+                sid = tracer.register(t)
+                if sid is not None:
+                    inputs.add(sid)
+            h1 = nn.modules.module.register_module_forward_pre_hook(pre)
+            h2 = nn.modules.module.register_module_forward_hook(post)
+            es.callback(h1.remove)
+            es.callback(h2.remove)
+            try:
+                if spec.mode == "train":
+                    self._train(fake_batch, tracer, phase, grads, states)
+                else:
+                    run_step(model, fake_batch, spec, None, phase)
+            except VramctlError:
+                raise
+            except DataDependentError as exc:
+                raise EstimateError(
+                    f"could not trace {self.name}: {exc}; pass a smaller batch, or supply the "
+                    "values with a real batch (token ids, lengths, masks)"
+                ) from exc
+            except Exception as exc:
+                where = tracer.module or "the step"
+                if tracer.failed_op is None:  # raised by the model's (or loss's) own code
+                    raise EstimateError(
+                        f"{self.name} raised {type(exc).__name__} at {where} ({tracer.phase}): "
+                        f"{exc}"
+                    ) from exc
+                raise EstimateError(
+                    f"could not trace {self.name} at {where}, op {tracer.failed_op} "
+                    f"({tracer.phase}): {type(exc).__name__}: {exc}; hint: pass a batch the "
+                    "model's forward accepts, a loss_fn=(output, batch) -> loss, or "
+                    "mode='infer' to estimate the forward alone"
+                ) from exc
+            del fake_batch
+        categories = _categorize(tracer.trace, param_ids, grads, states, inputs)
+        return _Traced(tracer.trace, categories, batch_size, cudnn.calls > 0)
+
+    def _train(
+        self,
+        batch: Any,
+        tracer: Tracer,
+        phase: Callable[[str], None],
+        grads: set[int],
+        states: set[int],
+    ) -> None:
+        assert self.model is not None
+        spec = self.spec
+        phase("forward")
+        with spec.forward_context():
+            out = call_model(self.model, batch)
+            loss = spec.loss(out, batch)
+        phase("backward")
+        tracer.module = "loss"
+        loss.backward()
+        del out, loss
+        for p in self.params:
+            if p.grad is not None:
+                sid = tracer.sid_of(p.grad)
+                if sid is not None:
+                    grads.add(sid)
+        if self.optimizer is not None:
+            phase("optimizer")
+            self.optimizer.step()
+            for t in _optimizer_tensors(self.optimizer):
+                sid = tracer.sid_of(t)
+                if sid is not None:
+                    states.add(sid)
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            for p in self.params:
+                p.grad = None
+
+
+def _pseudo(tracer: Tracer, nbytes: int, op: str, category: str) -> None:
+    from vramctl.estimator._trace import StorageRecord
+
+    sid = len(tracer.trace.records)
+    tracer.trace.records.append(StorageRecord(nbytes, op, "", "setup", category=category))
+    tracer.trace.events.append(sid)
+
+
+_CONV_OPS = {
+    torch.ops.aten.convolution.default,
+    torch.ops.aten.convolution_backward.default,
+}
+
+
+class _CudnnWorkspace:
+    """A convolution's cuDNN workspace: ``ratio`` times its largest output, at most ``cap``."""
+
+    def __init__(self, ratio: float, cap: int) -> None:
+        self.ratio, self.cap, self.calls = ratio, cap, 0
+
+    def __call__(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
+    ) -> int:
+        if func not in _CONV_OPS or not outs:
+            return 0
+        self.calls += 1
+        biggest = max(t.untyped_storage().nbytes() for t in outs)
+        return min(int(biggest * self.ratio), self.cap)
+
+
+def _claim_nodes(out: Any, module: str, table: dict[int, str]) -> None:
+    """Attribute the autograd nodes a module's forward made to it (children claimed theirs)."""
+    todo = [t.grad_fn for t in flat_tensors(out) if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        seq = node._sequence_nr()
+        if seq in table:
+            continue
+        table[seq] = module
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for st in opt.state.values():
+        for k, v in st.items():
+            # Adam's ``step`` counter stays on the host unless ``capturable``.
+            if isinstance(v, torch.Tensor) and not (k == "step" and v.numel() == 1):
+                yield v
+
+
+def _fake_state(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Fresh fake parameters and buffers for ``model`` (tied ones stay tied), cast to ``dtype``."""
+    made: dict[int, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    named: list[tuple[str, torch.Tensor]] = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, t in named:
+        if id(t) not in made:
+            dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            f = torch.empty_strided(t.size(), t.stride(), dtype=dt, device="cpu")
+            if isinstance(t, nn.Parameter):
+                f.requires_grad_(t.requires_grad)
+            made[id(t)] = f
+        state[name] = made[id(t)]
+    return state
+
+
+def _fake_batch(batch: Any, mode: FakeTensorMode, tracer: Tracer, spec: StepSpec) -> Any:
+    from torch.utils._pytree import tree_map
+
+    def fake(x: Any) -> Any:
+        f: torch.Tensor
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.is_meta:  # no values and no device: a fake CPU tensor of its shape
+            with mode:
+                f = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="cpu")
+            return f.requires_grad_(x.requires_grad) if f.is_floating_point() else f
+        f = x if isinstance(x, FakeTensor) else mode.from_tensor(x)
+        if not x.is_floating_point() and not isinstance(x, FakeTensor):
+            tracer.known[f] = x
+        if spec.param_dtype is not None and f.is_floating_point():
+            f = f.to(spec.param_dtype)
+        return f
+
+    return tree_map(fake, batch)
+
+
+def _categorize(
+    trace: Trace, params: set[int], grads: set[int], states: set[int], inputs: set[int]
+) -> dict[int, str]:
+    cats: dict[int, str] = {}
+    for sid, rec in enumerate(trace.records):
+        if rec.category:
+            cats[sid] = rec.category
+        elif sid in params:
+            cats[sid] = "parameters"
+        elif sid in grads:
+            cats[sid] = "gradients"
+        elif sid in states:
+            cats[sid] = "optimizer"
+        elif sid in inputs:
+            cats[sid] = "inputs"
+        elif rec.phase == "forward" and rec.freed_phase != "forward":
+            cats[sid] = "activations"
+        else:
+            cats[sid] = "temporaries"
+        rec.category = cats[sid]
+    return cats
+
+
+# -- from a trace to an Estimate ----------------------------------------------------
+
+
+def _replay(
+    trace: Trace, capacity: int | None, config: AllocatorConfig | None
+) -> CachingAllocatorModel:
+    cfg = config or AllocatorConfig()
+    if capacity is not None:
+        cfg = AllocatorConfig(**{**cfg.__dict__, "capacity": capacity})
+    alloc = CachingAllocatorModel(cfg)
+    handles: dict[int, int] = {}
+    records = trace.records
+    for e in trace.events:
+        if e >= 0:
+            handles[e] = alloc.malloc(records[e].nbytes)
+        else:
+            h = handles.pop(~e, None)
+            if h is not None:
+                alloc.free(h)
+    return alloc
+
+
+def build_estimate(
+    session: Session,
+    traced: _Traced,
+    *,
+    target_utilization: float,
+    seq_len: int | None,
+    seconds: float | None,
+    elapsed: float,
+    allocator_config: AllocatorConfig | None = None,
+) -> Estimate:
+    trace, target, spec = traced.trace, session.target, session.spec
+    logical, at = trace.peak()
+    by_cat = dict.fromkeys(CATEGORIES, 0)
+    for sid in trace.live_at(at):
+        by_cat[traced.categories[sid]] += trace.records[sid].nbytes
+    peak_rec = trace.records[trace.events[at]] if at >= 0 else None
+    budget = int(target.capacity * target_utilization)
+    notes: list[str] = []
+    retries = 0
+    if target.cuda:
+        consts = target.constants
+        context = consts.context_bytes + (consts.cudnn_context_bytes if traced.convolutions else 0)
+        if allocator_config is None and target.calibration is not None:
+            allocator_config = consts.allocator
+        alloc = _replay(trace, None, allocator_config)
+        allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
+        fits = reserved + context <= budget
+        if not fits and budget > context:
+            try:
+                tight = _replay(trace, budget - context, allocator_config)
+            except AllocatorOutOfMemory:
+                pass
+            else:
+                fits, retries = True, tight.alloc_retries
+                notes.append(
+                    f"fits only because the allocator frees its cache {retries} time(s) "
+                    "(alloc retries slow a step)"
+                )
+        by_cat["allocator"] = reserved - logical
+        by_cat["context"] = context
+        peak_device = reserved + context
+        if target.calibration is not None:
+            notes.append(f"CUDA constants measured on {target.calibration.describe()}")
+        else:
+            notes.append(
+                "CUDA constants: built-in values, not measured on this GPU (`vramctl calibrate` "
+                "measures them)"
+            )
+    else:
+        allocated = reserved = peak_device = logical
+        fits = peak_device <= budget
+        notes.append("CPU target: live tensor bytes, no CUDA context or allocator modelled")
+    if spec.autocast_dtype is not None and target.cuda:
+        notes.append(
+            "autocast: CUDA's fp32 rules (norms, softmax, exp/log/pow, sums, losses) applied "
+            "to a CPU trace"
+        )
+    return Estimate(
+        model=session.name,
+        device=target.name,
+        capacity=target.capacity,
+        mode=spec.mode,
+        precision=spec.precision,
+        batch_size=traced.batch_size,
+        seq_len=seq_len,
+        seconds=seconds,
+        logical_peak=logical,
+        peak_allocated=allocated,
+        peak_reserved=reserved,
+        peak_device=peak_device,
+        breakdown=by_cat,
+        peak_op=peak_rec.op if peak_rec else "",
+        peak_module=peak_rec.module if peak_rec else "",
+        peak_phase=peak_rec.phase if peak_rec else "",
+        target_utilization=target_utilization,
+        fits=fits,
+        assumptions=tuple(trace.assumptions),
+        notes=tuple(notes),
+        alloc_retries=retries,
+        ops=trace.ops,
+        elapsed=elapsed,
+        parameters=session.parameter_count,
+    )
+
+
+def open_session(
+    model: ModelSource,
+    *,
+    device: Target | Device | str | int | None,
+    target_utilization: float,
+    mode: str,
+    optimizer: str | Callable[..., torch.optim.Optimizer] | None,
+    precision: str,
+    checkpointing: bool,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    allocator_config: AllocatorConfig | None,
+    calibration: CalibrationSource = None,
+) -> Session:
+    """Check the arguments, resolve the device and build the model on fake tensors."""
+    check_utilization(target_utilization)
+    target = resolve_target(device, calibration)
+    spec = StepSpec(
+        mode=mode,
+        precision=precision,
+        optimizer=optimizer,
+        checkpointing=checkpointing,
+        loss_fn=loss_fn,
+        autocast_device="cpu",
+        foreach=True if target.cuda else None,
+    )
+    session = Session.open(model, spec, target)
+    session.target_utilization = target_utilization
+    session.allocator_config = allocator_config
+    return session
+
+
+def make_batch_for(
+    session: Session,
+    source: ModelSource,
+    batch: BatchSource,
+    batch_size: int | None,
+    seq_len: int | None,
+    seconds: float | None,
+) -> tuple[Any, int | None]:
+    """The batch to trace, and its batch size."""
+    check_batch_size(batch_size)
+    if batch is None:
+        if isinstance(source, str) and ":" not in source:
+            entry = zoo.get(source)
+            size = batch_size or 1
+            return (
+                entry.make_batch(
+                    size, seq_len=seq_len, seconds=seconds, labels=session.spec.mode == "train"
+                ),
+                size,
+            )
+        raise EstimateError(
+            f"no batch for {session.name}: pass a tensor, a tuple or dict of tensors, or a "
+            f"callable batch_size -> batch; {_expected_inputs(session)}"
+        )
+    if callable(batch) and not isinstance(batch, torch.Tensor):
+        size = batch_size or 1
+        try:
+            return batch(size), size
+        except Exception as exc:
+            raise EstimateError(
+                f"could not build a batch of {size} for {session.name}: "
+                f"{type(exc).__name__}: {exc}; {_expected_inputs(session)}"
+            ) from exc
+    first = next(iter(flat_tensors(batch)), None)
+    if first is None:
+        raise EstimateError(
+            f"the batch for {session.name} holds no tensors; {_expected_inputs(session)}"
+        )
+    return batch, (batch_size or (first.shape[0] if first.dim() else None))
+
+
+def _expected_inputs(session: Session) -> str:
+    model = session.model
+    if model is None:
+        return "expected the model's forward arguments"
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return "expected the model's forward arguments"
+    return f"expected {type(model).__name__}.forward{sig}"
+
+
+def check_batch_size(n: object) -> None:
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise EstimateError(f"batch_size must be a positive integer, got {n!r}")
+
+
+def check_utilization(u: float) -> None:
+    if not 0 < u <= 1:
+        raise EstimateError(f"target_utilization must be in (0, 1], got {u}")

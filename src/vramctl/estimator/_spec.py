@@ -1,0 +1,254 @@
+"""The step an estimate is for (:class:`StepSpec`), the model sources, and running a real step
+the same way (:func:`run_step`, which the estimator's own checks and benchmarks use)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramctl._errors import VramctlError
+from vramctl._step import call_model
+from vramctl._tensors import tensors
+from vramctl.estimator import zoo
+
+__all__ = [
+    "MODES",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "BatchSource",
+    "EstimateError",
+    "ModelSource",
+    "StepSpec",
+    "load_model_source",
+    "prepare_model",
+    "run_step",
+    "warm_optimizer",
+]
+
+MODES = ("train", "infer")
+PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "rmsprop", "adagrad", "none")
+ModelSource = nn.Module | str | Callable[[], nn.Module]
+BatchSource = Any
+
+
+class EstimateError(VramctlError):
+    """A model, batch or step that cannot be estimated; the message says what to supply."""
+
+
+# -- the step -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What one step does: the same for a traced and a real run."""
+
+    mode: str = "train"
+    precision: str = "fp32"
+    optimizer: str | Callable[..., torch.optim.Optimizer] | None = "adamw"
+    checkpointing: bool = False
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    #: ``torch.autocast`` device type for the amp precisions.
+    autocast_device: str = "cpu"
+    #: Use the multi-tensor (foreach) optimizer kernels, as PyTorch does on CUDA.
+    foreach: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise EstimateError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.precision not in PRECISIONS:
+            raise EstimateError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
+        if isinstance(self.optimizer, str) and self.optimizer not in OPTIMIZERS:
+            raise EstimateError(
+                f"optimizer must be one of {', '.join(OPTIMIZERS)} or a callable taking the "
+                f"parameters, got {self.optimizer!r}"
+            )
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(self.precision)
+
+    def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
+        opt = self.optimizer
+        if self.mode != "train" or opt is None or opt == "none" or not params:
+            return None
+        if callable(opt):
+            return opt(params)
+        kw: dict[str, Any] = {} if self.foreach is None else {"foreach": self.foreach}
+        if opt == "adamw":
+            return torch.optim.AdamW(params, lr=1e-4, **kw)
+        if opt == "adam":
+            return torch.optim.Adam(params, lr=1e-4, **kw)
+        if opt == "sgd":
+            return torch.optim.SGD(params, lr=1e-3, **kw)
+        if opt == "sgd-momentum":
+            return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kw)
+        if opt == "rmsprop":
+            return torch.optim.RMSprop(params, lr=1e-4, **kw)
+        return torch.optim.Adagrad(params, lr=1e-3, **kw)
+
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        stack = contextlib.ExitStack()
+        if self.mode == "infer":
+            stack.enter_context(torch.no_grad())
+        dtype = self.autocast_dtype
+        if dtype is not None:
+            stack.enter_context(torch.autocast(self.autocast_device, dtype=dtype))
+        return stack
+
+    def loss(self, out: Any, batch: Any) -> torch.Tensor:
+        if self.loss_fn is not None:
+            return self.loss_fn(out, batch)
+        loss = getattr(out, "loss", None)
+        if loss is None and isinstance(out, Mapping):
+            loss = out.get("loss")
+        if isinstance(loss, torch.Tensor):
+            return loss
+        first = next(iter(flat_tensors(out)), None)
+        if first is None:
+            raise EstimateError(
+                "the model's output has no tensor to take a loss from; pass loss_fn=(output, batch)"
+            )
+        # A typical loss: it holds about as much as MSE or cross-entropy over the output
+        # (an output-sized result and output-sized gradients), where a bare mean holds none.
+        return first.float().square().mean()
+
+
+def prepare_model(model: nn.Module, spec: StepSpec) -> None:
+    """Put a model in the state the step needs (train or eval, checkpointing)."""
+    model.train(spec.mode == "train")
+    if spec.checkpointing:
+        # transformers 5 renames it activation_checkpointing_enable (the old name warns).
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            return
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise EstimateError(
+                f"{type(model).__name__} has no gradient_checkpointing_enable(); wrap its blocks "
+                "in torch.utils.checkpoint yourself and pass checkpointing=False"
+            )
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+#: Attributes ``gradient_checkpointing_enable()`` sets on a module (Hugging Face).
+_CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
+@contextlib.contextmanager
+def step_mode(model: nn.Module, spec: StepSpec) -> Iterator[None]:
+    """The model in the step's mode (train or eval, checkpointing) for a while.
+
+    The user's module is theirs: its modules' training flags and checkpointing
+    settings are put back afterwards.
+    """
+    saved = [
+        (m, m.training, {a: m.__dict__[a] for a in _CHECKPOINT_ATTRS if a in m.__dict__})
+        for m in model.modules()
+    ]
+    try:
+        prepare_model(model, spec)
+        yield
+    finally:
+        for m, training, attrs in saved:
+            m.training = training
+            for a in _CHECKPOINT_ATTRS:
+                if a in attrs:
+                    m.__dict__[a] = attrs[a]
+                else:
+                    m.__dict__.pop(a, None)
+
+
+def warm_optimizer(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Take one step on zero gradients so the optimizer's state exists (steady state)."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run_step(
+    model: nn.Module,
+    batch: Any,
+    spec: StepSpec,
+    optimizer: torch.optim.Optimizer | None,
+    phase: Callable[[str], None] = lambda _: None,
+) -> None:
+    """One step: forward (and loss, backward and optimizer step when training)."""
+    phase("forward")
+    with spec.forward_context():
+        out = call_model(model, batch)
+        loss = spec.loss(out, batch) if spec.mode == "train" else None
+    if loss is None:
+        del out
+        return
+    phase("backward")
+    loss.backward()
+    del out, loss
+    if optimizer is not None:
+        phase("optimizer")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+# -- sources ------------------------------------------------------------------------
+
+
+def load_model_source(source: ModelSource) -> tuple[str, Callable[[], nn.Module] | nn.Module]:
+    """A display name and a builder (or the module) for a model source."""
+    if isinstance(source, nn.Module):
+        return type(source).__name__, source
+    if isinstance(source, str):
+        if ":" in source:
+            mod_name, _, attr = source.partition(":")
+            try:
+                obj = getattr(importlib.import_module(mod_name), attr)
+            except (ImportError, AttributeError) as exc:
+                raise EstimateError(
+                    f"cannot load model {source!r}: {exc}; give 'package.module:factory' "
+                    "where factory() returns an nn.Module"
+                ) from exc
+            if isinstance(obj, nn.Module):
+                return source, obj
+            if not callable(obj):
+                raise EstimateError(f"{source!r} is neither an nn.Module nor a factory")
+            return source, obj
+        entry = zoo.get(source)
+        return entry.name, entry.build
+    if callable(source):
+        return getattr(source, "__name__", "model"), source
+    raise EstimateError(
+        f"cannot estimate a {type(source).__name__}: give an nn.Module, a built-in name "
+        f"({', '.join(zoo.names())}), 'package.module:factory' or a factory"
+    )
+
+
+def flat_tensors(tree: Any) -> Iterator[torch.Tensor]:
+    return tensors(unpack_output(tree))
+
+
+def unpack_output(tree: Any) -> Any:
+    """A model's output with its dataclasses (a ``ModelOutput`` too) opened into tuples."""
+    if hasattr(tree, "to_tuple"):  # transformers ModelOutput
+        tree = tree.to_tuple()
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        tree = tuple(getattr(tree, f.name) for f in dataclasses.fields(tree))
+    if isinstance(tree, tuple | list):
+        return [unpack_output(x) for x in tree]
+    if isinstance(tree, Mapping):
+        return [unpack_output(x) for x in tree.values()]
+    return tree
