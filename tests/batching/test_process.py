@@ -422,17 +422,6 @@ def test_the_reported_batch_sizes_cover_the_longest_clip_exactly() -> None:
     assert all(budget.peak(1, s) < float("inf") for s in budget_lengths(19.295))
 
 
-@pytest.mark.slow
-def test_a_demo_run_again_on_its_folder_resumes(tmp_path: Path) -> None:
-    from vramctl.batching._demo import demo
-
-    first = demo(6, output=tmp_path, squeeze=False)
-    assert first.result.done == 6
-    again = demo(6, output=tmp_path, squeeze=False)
-    assert (again.result.done, again.result.skipped, again.result.lost) == (0, 6, 0)
-    assert again.output_lines == 6
-
-
 def test_a_simulated_device_counts_the_steps_even_when_not_entered(tmp_path: Path) -> None:
     # devices=["sim:..."] without a `with` block: the steps run on it are still counted
     # (a 40 s batch of float32 audio is 2.4 MiB: it cannot fit 2 MiB in one piece).

@@ -88,7 +88,7 @@ def _quiet_library_log() -> Iterator[None]:
 def _load_model(spec: str) -> Callable[[], Any]:
     from torch import nn
 
-    from vramctl.batching._demo import MODELS, build_model
+    from vramctl.cli._demo import MODELS, build_model
     from vramctl.estimator import zoo
     from vramctl.estimator._estimate import load_model_source
 
@@ -325,7 +325,7 @@ def demo_cmd(
     squeeze) and is given back later: the guard recovers every batch that no longer fits.
     Takes about a minute on a CPU with the defaults.
     """
-    from vramctl.batching._demo import MODELS, demo
+    from vramctl.cli._demo import MODELS, demo
 
     if model is not None and model not in MODELS:
         raise VramctlError(f"--model {model!r}: the demo runs {' or '.join(MODELS)}")
