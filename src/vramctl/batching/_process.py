@@ -246,10 +246,25 @@ def process(
     check_writable(failures_path(out))
     store_path = os.fspath(progress) if progress is not None else progress_path(out)
     _check_not_manifest(source.path, output=out, failures=failures_path(out), progress=store_path)
-    fwd = forward or default_forward
+    opts = _RunOptions(
+        output=out,
+        forward=forward or default_forward,
+        postprocess=post,
+        loader=load,
+        budget=budget,
+        target=target,
+        chunk=float(chunk_duration),
+        overlap=float(overlap),
+        num_buckets=num_buckets,
+        sample_rate=sample_rate,
+        threads=num_workers if num_workers is not None else min(4, os.cpu_count() or 1),
+        order=order,
+        frame_rate=frame_rate,
+        on_progress=on_progress,
+    )
     run_config = {
-        "chunk_duration": float(chunk_duration),
-        "overlap": float(overlap),
+        "chunk_duration": opts.chunk,
+        "overlap": opts.overlap,
         "sample_rate": int(sample_rate),
         "postprocess": getattr(post, "__name__", type(post).__name__),
         **(config or {}),
@@ -257,53 +272,59 @@ def process(
     devs = _pick_devices(devices, max_devices)
     store = ProgressStore(store_path, manifest=source.path, config=run_config, resume=resume)
     try:
-        return _run(
-            model, source, store, out, devs, fwd, post, load,
-            budget=budget, target=target, chunk=float(chunk_duration), overlap=float(overlap),
-            num_buckets=num_buckets, sample_rate=sample_rate, num_workers=num_workers,
-            order=order, frame_rate=frame_rate, on_progress=on_progress, t0=t0,
-        )  # fmt: skip
+        return _run(model, source, store, devs, opts, t0)
     finally:
         store.close()
+
+
+@dataclass(frozen=True)
+class _RunOptions:
+    """``process``'s settings for the run, checked and resolved once."""
+
+    output: str
+    forward: Forward
+    postprocess: Postprocess
+    loader: Callable[[Item, int], torch.Tensor]
+    #: None: the default memory budget at ``target`` of the smallest device's free memory.
+    budget: Budget | None
+    target: float
+    chunk: float
+    overlap: float
+    num_buckets: int
+    sample_rate: int
+    #: Audio loading threads.
+    threads: int
+    order: Literal["manifest", "id"]
+    frame_rate: float | None
+    on_progress: Callable[[ProcessStatus], None] | None
 
 
 def _run(
     model: nn.Module | ModelFactory,
     source: Manifest,
     store: ProgressStore,
-    out: str,
     devs: list[Device],
-    fwd: Forward,
-    post: Postprocess,
-    load: Callable[[Item, int], torch.Tensor],
-    *,
-    budget: Budget | None,
-    target: float,
-    chunk: float,
-    overlap: float,
-    num_buckets: int,
-    sample_rate: int,
-    num_workers: int | None,
-    order: Literal["manifest", "id"],
-    frame_rate: float | None,
-    on_progress: Callable[[ProcessStatus], None] | None,
+    opts: _RunOptions,
     t0: float,
 ) -> ProcessResult:
     make = model_factory(model, len(devs))
-    workers = [Worker(partial(make, k), dev, fwd, sample_rate) for k, dev in enumerate(devs)]
-    if budget is None:
-        budget = _default_budget(workers, fwd, chunk, target, sample_rate)
+    workers = [
+        Worker(partial(make, k), dev, opts.forward, opts.sample_rate) for k, dev in enumerate(devs)
+    ]
+    budget = opts.budget if opts.budget is not None else _default_budget(workers, opts)
+    chunk = opts.chunk
     if budget.max_count(chunk) < 1:
         log.warning(
             "the budget holds no item of %g s: such items run alone, split by the guard", chunk
         )
     completed = store.completed()
-    remaining = Remaining(source, completed, chunk, overlap)
-    sampler = BucketingSampler(remaining, budget, num_buckets=num_buckets)
+    remaining = Remaining(source, completed, chunk, opts.overlap)
+    sampler = BucketingSampler(remaining, budget, num_buckets=opts.num_buckets)
     total = count_records(source.path)
-    audio = AudioBatches([], sample_rate=sample_rate, loader=load)
-    threads = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
-    collector = Collector(store, post, frame_rate, sample_rate, remaining.rejected)
+    audio = AudioBatches([], sample_rate=opts.sample_rate, loader=opts.loader)
+    collector = Collector(
+        store, opts.postprocess, opts.frame_rate, opts.sample_rate, remaining.rejected
+    )
     status = ProcessStatus(0, 0, 0, total, 0.0, 0.0, 0, 0.0, 0, 0)
     last_memory = 0.0
 
@@ -321,11 +342,11 @@ def _run(
         if now - last_memory >= _MEMORY_EVERY:
             status.memory = [_memory_of(w.dev) for w in workers]
             last_memory = now
-        if on_progress is not None:
-            on_progress(status)
+        if opts.on_progress is not None:
+            opts.on_progress(status)
 
     report()
-    loaded = Loaded(sampler, audio, threads)
+    loaded = Loaded(sampler, audio, opts.threads)
     try:
         if len(workers) == 1:
             for batch in loaded:
@@ -343,7 +364,7 @@ def _run(
         )
     status.memory = [_memory_of(w.dev) for w in workers]
     report()
-    exported = store.export(out, order=order)
+    exported = store.export(opts.output, order=opts.order)
     stats = store.stats()
     summaries = [w.summary() for w in workers]
     # Every recording this run drew from the manifest is now done or failed, or lost.
@@ -477,24 +498,22 @@ class _Forwarding(nn.Module):
         return self._fn(self.inner, waveforms, lengths)
 
 
-def _default_budget(
-    workers: list[Worker], forward: Forward, chunk: float, target: float, sample_rate: int
-) -> MemoryBudget:
+def _default_budget(workers: list[Worker], opts: _RunOptions) -> MemoryBudget:
     """The estimator's budget for the chunk length on the device with the least room."""
 
     def make(n: int, seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
-        size = max(1, round(seconds * sample_rate))
+        size = max(1, round(seconds * opts.sample_rate))
         return torch.zeros(n, size), torch.full((n,), size, dtype=torch.int64)
 
     budgets = []
     for w in workers:
         cap = None if w.dev.is_gpu else _CPU_BUDGET
         mb = MemoryBudget.for_model(
-            _Forwarding(w.model, forward),
+            _Forwarding(w.model, opts.forward),
             make,
-            max_duration=chunk,
+            max_duration=opts.chunk,
             device=w.dev,
-            target=target,
+            target=opts.target,
             budget_bytes=cap,
         )
         budgets.append(mb)
