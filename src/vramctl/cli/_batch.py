@@ -29,6 +29,8 @@ from vramctl.cli._common import (
     user_errors,
 )
 
+__all__ = ["demo_cmd", "process_cmd", "progress_bar"]
+
 
 def _stats_text(status: Any) -> str:
     mem = " ".join(f"{100 * used / total:.0f}%" for _, used, total in status.memory if total)
@@ -88,7 +90,7 @@ def _quiet_library_log() -> Iterator[None]:
 def _load_model(spec: str) -> Callable[[], Any]:
     from torch import nn
 
-    from vramctl.batching._demo import MODELS, build_model
+    from vramctl.cli._demo import MODELS, build_model
     from vramctl.estimator import load_model_source, zoo
 
     if spec in MODELS:
@@ -324,7 +326,7 @@ def demo_cmd(
     squeeze) and is given back later: the guard recovers every batch that no longer fits.
     Takes about a minute on a CPU with the defaults.
     """
-    from vramctl.batching._demo import MODELS, demo
+    from vramctl.cli._demo import MODELS, demo
 
     if model is not None and model not in MODELS:
         raise VramctlError(f"--model {model!r}: the demo runs {' or '.join(MODELS)}")

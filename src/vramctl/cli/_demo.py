@@ -34,12 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramctl import format_bytes
 from vramctl._optional import require
-from vramctl._units import format_bytes
-from vramctl.batching._adaptive import BatchingError
-from vramctl.batching._budget import MemoryBudget
-from vramctl.batching._process import ProcessResult, ProcessStatus, budget_lengths, process
-from vramctl.device import Device, gpus, simulate
+from vramctl.batching import BatchingError, MemoryBudget, ProcessResult, ProcessStatus, process
+from vramctl.device import Device, get_device, gpus, simulate
 
 __all__ = ["DemoReport", "demo", "demo_lengths"]
 
@@ -69,7 +67,7 @@ def demo_lengths() -> list[tuple[str, float]]:
     >>> len(lengths), round(min(s for _, s in lengths), 2), round(max(s for _, s in lengths), 2)
     (2000, 1.95, 19.3)
     """
-    text = resources.files("vramctl.batching").joinpath("data/librispeech_lengths.csv")
+    text = resources.files("vramctl.cli").joinpath("data/librispeech_lengths.csv")
     with text.open("r", encoding="utf-8") as f:
         return [(row[0], int(row[1]) / SAMPLE_RATE) for row in list(csv.reader(f))[1:]]
 
@@ -152,8 +150,6 @@ def _make_batch(n: int, seconds: float) -> torch.Tensor:
 @contextlib.contextmanager
 def _on(device: str | None) -> Iterator[tuple[Device, bool]]:
     """The demo's device: one named, else the first usable GPU, else a simulated one."""
-    from vramctl.device import get_device
-
     if device is not None and not device.lower().startswith("sim:"):
         yield get_device(device), False
         return
@@ -240,12 +236,11 @@ def _demo(
         budget_bytes=None if dev.is_gpu else min(capacity, 2 * 2**30),
     )
     estimate_s = time.perf_counter() - t0
-    edges = budget_lengths(longest)
-    sizes = {f"{round(s, 2):g}s": budget.max_count(s) for s in edges}
 
     stage("fitting: one real step per bucket length, measured")
     fit = []
-    for seconds in (edges[1], edges[2], edges[4]):
+    # A quarter, half and all of the longest clip: lengths in the run's batch-size table.
+    for seconds in (longest / 4, longest / 2, longest):
         n = max(budget.max_count(seconds), 1)
         batch = _make_batch(n, seconds)
         meter = dev.peak_meter()
@@ -312,7 +307,7 @@ def _demo(
         clips=clips,
         audio_seconds=sum(s for _, s in picked),
         estimate_s=estimate_s,
-        batch_sizes=sizes,
+        batch_sizes=result.budget["max_count"],  # at fractions of the longest clip
         budget_bytes=budget.budget_bytes,
         fit=fit,
         squeeze_bytes=squeeze_bytes,
