@@ -160,7 +160,7 @@ FULL_CLIPS, QUICK_CLIPS = 400, 100
 #: On a GPU (full run) the end-to-end part takes more clips.
 CUDA_CLIPS = 800
 FULL_STREAM, QUICK_STREAM = 10_000_000, 1_000_000
-#: Part 2's buckets (Lhotse and vramctl alike): a few hundred clips fill few of 30 buckets.
+#: Part 2's buckets (Lhotse and vramctl alike): a few hundred clips fill few of 50 buckets.
 E2E_BUCKETS = 10
 #: Part 2's fixed batch sizes: the largest safe one and its halves, this many at most.
 QUICK_FIXED_SIZES, FULL_FIXED_SIZES = 3, 16
