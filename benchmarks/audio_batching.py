@@ -4,9 +4,10 @@ The clip lengths are LibriSpeech train-clean-100's (28,539 clips of 1.4-24.5 s,
 ``utterance_id,num_samples`` at 16 kHz), shuffled with a fixed seed (the file
 is sorted by length). Three ways of batching them are compared:
 
-- fixed: consecutive clips of the shuffled stream, one batch size for all,
-  the largest that never goes over the budget (a batch that holds the longest
-  clip is padded to it, so the worst case is that many longest clips);
+- fixed: consecutive clips of the shuffled stream, one batch size for all
+  (a batch that holds the longest clip is padded to it, so the worst case is
+  that many longest clips): in part 1 the largest that never goes over the
+  budget; in part 2 the fastest of a sweep (below);
 - lhotse: ``lhotse.dataset.DynamicBucketingSampler`` (its ``max_duration`` is a
   soft limit: the cut that crosses it stays in the batch);
 - vramctl: ``vramctl.batching.BucketingSampler`` under a hard budget.
@@ -30,7 +31,10 @@ Three parts:
    machine's GPU shrunk to the same capacity by a ballast tensor. Each method
    gets the largest setting that never runs out of memory, found before the
    timing and reported apart: fixed, the largest batch size whose worst case
-   (that many longest clips) runs; Lhotse, the largest ``max_duration`` (1 s
+   (that many longest clips) runs, and then its halves (down to a quarter with
+   ``--quick``, down to 1 without), which run too: on a CPU, where a batch costs
+   about its padded audio, a smaller fixed batch wastes less padding and can be
+   faster; Lhotse, the largest ``max_duration`` (1 s
    steps) whose batches on these clips all run (only the batches that no
    other batch dominates in both count and length are run); vramctl, the
    budget ``MemoryBudget.for_model(model, make_batch, max_duration=<longest
@@ -42,7 +46,9 @@ Three parts:
    slow all three alike. Timed: building each padded batch on the device and
    the forward pass. Throughput is seconds of audio (unpadded) per second of
    wall time, and clips per second; CPU time is reported beside it. An
-   out-of-memory error is counted, and the batch is run again in halves.
+   out-of-memory error is counted, and the batch is run again in halves. The
+   fixed baseline is the fastest fixed batch size of the sweep (by audio per
+   wall second); the largest safe one is reported beside it.
 3. Streaming: a synthetic JSON Lines manifest of 10M records (1M with
    ``--quick``; durations drawn from the LibriSpeech lengths) is written to a
    temporary folder, and a fresh Python process streams it through
@@ -52,10 +58,12 @@ Three parts:
    microseconds per item of the streaming alone.
 
 The last line is one JSON object. Its top-level ``padding_pct``,
-``budget_overruns``, ``worst_overrun_ratio`` (part 1), ``speedup_vs_fixed``,
-``speedup_vs_lhotse`` (part 2, wall-clock throughput ratios), ``stream_rss_mb``
-and ``stream_us_per_item`` (part 3) are vramctl's; ``fixed`` and ``lhotse``
-hold the peers' figures and ``e2e`` the end-to-end details.
+``budget_overruns``, ``worst_overrun_ratio`` (part 1), ``speedup_vs_fixed``
+(against the fastest fixed batch), ``speedup_vs_fixed_largest`` (against the
+largest safe one), ``speedup_vs_lhotse`` (part 2, wall-clock throughput ratios),
+``stream_rss_mb`` and ``stream_us_per_item`` (part 3) are vramctl's; ``fixed``
+(with the whole ``sweep``) and ``lhotse`` hold the peers' figures and ``e2e``
+the end-to-end details.
 
     python benchmarks/audio_batching.py --quick     # under a minute on a 2-core CPU
     python benchmarks/audio_batching.py             # several minutes
@@ -64,21 +72,16 @@ hold the peers' figures and ``e2e`` the end-to-end details.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import gc
-import json
 import logging
-import platform
 import random
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +90,9 @@ import torch
 
 import vramctl
 from vramctl.batching import BucketingSampler, Item, MemoryBudget, PaddedDuration
+
+import _common
+from _common import free_failed, quiet
 
 SAMPLE_RATE = 16_000
 SEED = 0
@@ -154,8 +160,10 @@ FULL_CLIPS, QUICK_CLIPS = 400, 100
 #: On a GPU (full run) the end-to-end part takes more clips.
 CUDA_CLIPS = 800
 FULL_STREAM, QUICK_STREAM = 10_000_000, 1_000_000
-#: Part 2's buckets (Lhotse and vramctl alike): a few hundred clips fill few of 30 buckets.
+#: Part 2's buckets (Lhotse and vramctl alike): a few hundred clips fill few of 50 buckets.
 E2E_BUCKETS = 10
+#: Part 2's fixed batch sizes: the largest safe one and its halves, this many at most.
+QUICK_FIXED_SIZES, FULL_FIXED_SIZES = 3, 16
 
 
 # -- data ------------------------------------------------------------------------------
@@ -244,14 +252,6 @@ def lhotse_sampler(cuts: Any, max_duration: float, num_buckets: int) -> Any:
     )
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Lhotse warns that an eager CutSet gains nothing from lazy reading: true, and beside it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
 # -- part 1: the samplers alone --------------------------------------------------------
 
 
@@ -265,7 +265,7 @@ def best_of(repeats: int, fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, best
 
 
-def sampler_part(clips: Sequence[Clip], repeats: int) -> dict[str, dict[str, Any]]:
+def sampler_part(clips: Sequence[Clip], repeats: int, buckets: int) -> dict[str, dict[str, Any]]:
     """Padding, overruns, batches and items/s of the three samplers over all clips."""
     items = [Item(cid, seconds(n), index=i) for i, (cid, n) in enumerate(clips)]
     with quiet():
@@ -278,11 +278,11 @@ def sampler_part(clips: Sequence[Clip], repeats: int) -> dict[str, dict[str, Any
 
     def lhotse() -> list[Any]:
         with quiet():
-            return list(lhotse_sampler(cuts, BUDGET_S, BUCKETS))
+            return list(lhotse_sampler(cuts, BUDGET_S, buckets))
 
     def ours() -> tuple[list[Any], BucketingSampler]:
         s = BucketingSampler(
-            items, PaddedDuration(BUDGET_S), num_buckets=BUCKETS, shuffle=True, seed=SEED
+            items, PaddedDuration(BUDGET_S), num_buckets=buckets, shuffle=True, seed=SEED
         )
         return list(s), s
 
@@ -408,16 +408,6 @@ class CudaMemory(SimMemory):
 
     def after_oom(self) -> None:
         torch.cuda.empty_cache()
-
-
-def free_failed(exc: BaseException | None) -> None:
-    """Free the tensors a failed forward's traceback holds."""
-    while exc is not None:
-        if exc.__traceback__ is not None:
-            traceback.clear_frames(exc.__traceback__)
-            exc.__traceback__ = None
-        exc = exc.__cause__ or exc.__context__
-    gc.collect()
 
 
 class Runner:
@@ -620,6 +610,20 @@ def plan_fixed(runner: Runner, shapes: Shapes, n_clips: int) -> Method:
     return m
 
 
+def fixed_sweep(largest: Method, n_clips: int, sizes: int) -> list[Method]:
+    """The largest safe fixed batch and its halves (``sizes`` of them at most): each is
+    safe, as its worst case is a part of the largest one's."""
+    out, size = [largest], largest.setting["batch_size"] // 2
+    while size >= 1 and len(out) < sizes:
+        m = Method(f"fixed {size}", setting={"batch_size": size, "largest_safe": False})
+        m.batches = [list(range(k, min(k + size, n_clips))) for k in range(0, n_clips, size)]
+        out.append(m)
+        size //= 2
+    largest.name = f"fixed {largest.setting['batch_size']}"
+    largest.setting["largest_safe"] = True
+    return out
+
+
 def plan_lhotse(runner: Runner, shapes: Shapes, clips: Sequence[Clip], start: float) -> Method:
     """The largest max_duration (whole seconds) whose batches on these clips all run."""
     m = Method("lhotse")
@@ -731,8 +735,15 @@ def interleaved(runner: Runner, methods: Sequence[Method]) -> None:
 
 
 def end_to_end(
-    clips: Sequence[Clip], spec: ModelSpec, capacity: int, cuda: bool, budget_kind: str
-) -> dict[str, Any]:
+    clips: Sequence[Clip],
+    spec: ModelSpec,
+    capacity: int,
+    cuda: bool,
+    budget_kind: str,
+    fixed_sizes: int,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Each method's figures (``fixed``: the fastest fixed batch size), and every fixed
+    batch size's."""
     lengths = [n for _, n in clips]
     mem: SimMemory = CudaMemory(capacity) if cuda else SimMemory(capacity)
     model = spec.build()
@@ -749,12 +760,16 @@ def end_to_end(
         start = fixed.setting["batch_size"] * seconds(max(lengths))
         lhotse = plan_lhotse(runner, Shapes(runner), clips, start)
         ours = plan_vramctl(runner, Shapes(runner), clips, budget_kind, start)
-        methods = [fixed, lhotse, ours]
+        sweep = fixed_sweep(fixed, len(clips), fixed_sizes)
+        methods = [*sweep, lhotse, ours]
         interleaved(runner, methods)
-    out = {m.name: m.figures(lengths, capacity) for m in methods}
     for m in methods:
         assert sorted(r for b in m.batches for r in b) == list(range(len(clips))), m.name
-    return out
+    fixed_rows = [m.figures(lengths, capacity) for m in sweep]
+    best = max(fixed_rows, key=lambda r: r["audio_s_per_s"] or 0.0)
+    out = {"fixed": best, "lhotse": lhotse.figures(lengths, capacity)}
+    out["vramctl"] = ours.figures(lengths, capacity)
+    return out, fixed_rows
 
 
 # -- part 3: streaming a large manifest ------------------------------------------------
@@ -807,20 +822,20 @@ def write_manifest(path: Path, n: int, lengths: Sequence[int]) -> float:
     return time.perf_counter() - t0
 
 
-def streaming_part(n: int, lengths: Sequence[int]) -> dict[str, Any]:
+def streaming_part(n: int, lengths: Sequence[int], buckets: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vramctl-stream-") as tmp:
         path = Path(tmp) / "manifest.jsonl"
         write_s = write_manifest(path, n, lengths)
         size = path.stat().st_size
         done = subprocess.run(
-            [sys.executable, "-c", STREAM_CHILD, str(path), str(BUDGET_S), str(BUCKETS)],
+            [sys.executable, "-c", STREAM_CHILD, str(path), str(BUDGET_S), str(buckets)],
             capture_output=True,
             text=True,
             check=False,
         )
     if done.returncode != 0:
         raise SystemExit(f"the streaming process failed:\n{done.stderr[-2000:]}")
-    r = json.loads(done.stdout.strip().splitlines()[-1])
+    r = _common.last_json(done.stdout)
     return {
         "stream_items": n,
         "stream_items_seen": r["items"],
@@ -846,15 +861,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="The last line printed is one JSON object with the figures.",
-    )
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"{QUICK_CLIPS} clips on a smaller wav2vec2, a {QUICK_STREAM:,}-line manifest; "
-        "under a minute",
+    ap = _common.parser(
+        __doc__,
+        quick=f"{QUICK_CLIPS} clips on a smaller wav2vec2, a {QUICK_STREAM:,}-line manifest, "
+        f"{QUICK_FIXED_SIZES} fixed batch sizes; under a minute",
+        cuda="end to end on this machine's GPU",
+        threads=True,
     )
     ap.add_argument(
         "--lengths", type=Path, default=DEFAULT_LENGTHS, help="the LibriSpeech lengths CSV"
@@ -867,28 +879,26 @@ def main(argv: list[str] | None = None) -> int:
         "--stream-items", type=int, help=f"manifest lines (default {FULL_STREAM:,}; quick 1M)"
     )
     ap.add_argument(
+        "--buckets",
+        type=int,
+        default=BUCKETS,
+        help=f"the samplers' buckets alone and streaming (default {BUCKETS})",
+    )
+    ap.add_argument(
         "--budget",
         choices=("memory", "padded"),
         default="memory",
         help="vramctl's end-to-end budget: MemoryBudget.for_model, or the largest "
         "PaddedDuration that runs (searched as Lhotse's max_duration is)",
     )
-    ap.add_argument("--cuda", action="store_true", help="end to end on this machine's GPU")
     ap.add_argument(
         "--model",
         choices=sorted(MODELS),
         help="the end-to-end model: quick (2x128), small (4x256) or base (wav2vec2-base). "
         "Default: base with --cuda, else quick with --quick and small without",
     )
-    ap.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads, fixed for stable timings"
-    )
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: sampler,e2e,stream")
-    args = ap.parse_args(argv)
-    if args.cuda and not torch.cuda.is_available():
-        print("--cuda: no usable CUDA device on this machine", file=sys.stderr)
-        return 2
-    torch.set_num_threads(args.threads)
+    args = _common.parse(ap, argv)
     logging.getLogger("vramctl").setLevel(logging.ERROR)
     with contextlib.suppress(ImportError):
         import transformers
@@ -916,8 +926,10 @@ def main(argv: list[str] | None = None) -> int:
 
     part1: dict[str, dict[str, Any]] = {}
     if "sampler" not in skip:
-        part1 = sampler_part(clips, repeats=2 if args.quick else 3)
-        print(f"\n## samplers alone: {BUDGET_S:g} s of padded audio per batch, {BUCKETS} buckets")
+        part1 = sampler_part(clips, repeats=2 if args.quick else 3, buckets=args.buckets)
+        print(
+            f"\n## samplers alone: {BUDGET_S:g} s of padded audio per batch, {args.buckets} buckets"
+        )
         print(
             f"{'method':<9}{'batches':>8}{'mean':>8}{'padding %':>10}{'overruns':>9}"
             f"{'worst':>8}{'items/s':>11}"
@@ -930,23 +942,27 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     part2: dict[str, dict[str, Any]] = {}
+    sweep: list[dict[str, Any]] = []
     subset = clips[:n_clips]
     if "e2e" not in skip:
-        part2 = end_to_end(subset, spec, capacity, args.cuda, args.budget)
+        fixed_sizes = QUICK_FIXED_SIZES if args.quick else FULL_FIXED_SIZES
+        part2, sweep = end_to_end(subset, spec, capacity, args.cuda, args.budget, fixed_sizes)
         where = "GPU (ballast)" if args.cuda else "simulated GPU"
         print(
             f"\n## end to end: {len(subset)} clips, "
             f"{sum(seconds(n) for _, n in subset):.0f} s of audio; {spec.describe()}; "
-            f"{where} of {vramctl.format_bytes(capacity)}"
+            f"{where} of {vramctl.format_bytes(capacity)}; the fixed baseline (*) is the "
+            "fastest fixed batch size"
         )
         print(
             f"{'method':<9}{'setting':>22}{'batches':>8}{'mean':>7}{'pad %':>7}{'OOMs':>5}"
             f"{'peak MiB':>9}{'wall s':>8}{'audio s/s':>10}{'clips/s':>8}{'search':>12}"
         )
-        for name, r in part2.items():
+        rows = [("fixed*" if r is part2["fixed"] else "fixed", r) for r in sweep]
+        for name, r in [*rows, ("lhotse", part2["lhotse"]), ("vramctl", part2["vramctl"])]:
             s = r["setting"]
             setting = (
-                f"batch {s['batch_size']}"
+                f"batch {s['batch_size']}{' (largest)' if s['largest_safe'] else ''}"
                 if "batch_size" in s
                 else f"max_duration {s['max_duration']}"
                 if "max_duration" in s
@@ -964,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
 
     part3: dict[str, Any] = {}
     if "stream" not in skip:
-        part3 = streaming_part(n_stream, lengths)
+        part3 = streaming_part(n_stream, lengths, args.buckets)
         print(
             f"\n## streaming {part3['stream_items']:,} manifest lines "
             f"({part3['stream_manifest_mb']} MiB, written in {part3['stream_write_s']} s): "
@@ -977,19 +993,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ours1 = part1.get("vramctl", {})
     ours2 = part2.get("vramctl", {})
+    largest = next((r for r in sweep if r["setting"]["largest_safe"]), {})
 
-    def peer(name: str) -> dict[str, Any]:
-        return {"sampler": part1.get(name), "e2e": part2.get(name)}
+    def speedup(peer: dict[str, Any] | None, key: str) -> float | None:
+        return _ratio(ours2.get(key), (peer or {}).get(key))
 
-    def speedup(name: str, key: str) -> float | None:
-        return _ratio(ours2.get(key), part2.get(name, {}).get(key))
-
-    try:
-        import lhotse
-
-        lhotse_version = lhotse.__version__
-    except ImportError:  # pragma: no cover - the comparison needs it
-        lhotse_version = None
     summary: dict[str, Any] = {
         "benchmark": "audio_batching",
         "quick": args.quick,
@@ -998,17 +1006,21 @@ def main(argv: list[str] | None = None) -> int:
         "worst_overrun_ratio": ours1.get("worst_overrun_ratio"),
         "batches": ours1.get("batches"),
         "sampler_items_per_s": ours1.get("items_per_s"),
-        "speedup_vs_fixed": speedup("fixed", "audio_s_per_s"),
-        "speedup_vs_lhotse": speedup("lhotse", "audio_s_per_s"),
-        "speedup_vs_fixed_cpu": speedup("fixed", "audio_s_per_cpu_s"),
-        "speedup_vs_lhotse_cpu": speedup("lhotse", "audio_s_per_cpu_s"),
+        "speedup_vs_fixed": speedup(part2.get("fixed"), "audio_s_per_s"),
+        "speedup_vs_fixed_largest": speedup(largest, "audio_s_per_s"),
+        "speedup_vs_lhotse": speedup(part2.get("lhotse"), "audio_s_per_s"),
+        "speedup_vs_fixed_cpu": speedup(part2.get("fixed"), "audio_s_per_cpu_s"),
+        "speedup_vs_fixed_largest_cpu": speedup(largest, "audio_s_per_cpu_s"),
+        "speedup_vs_lhotse_cpu": speedup(part2.get("lhotse"), "audio_s_per_cpu_s"),
+        "fixed_best_batch": part2["fixed"]["setting"]["batch_size"] if part2 else None,
+        "fixed_largest_batch": largest["setting"]["batch_size"] if largest else None,
         "e2e_ooms": ours2.get("ooms"),
         "audio_s_per_s": ours2.get("audio_s_per_s"),
         "clips_per_s": ours2.get("clips_per_s"),
         **part3,
         "vramctl": {"sampler": part1.get("vramctl"), "e2e": ours2 or None},
-        "fixed": peer("fixed"),
-        "lhotse": peer("lhotse"),
+        "fixed": {"sampler": part1.get("fixed"), "e2e": part2.get("fixed"), "sweep": sweep},
+        "lhotse": {"sampler": part1.get("lhotse"), "e2e": part2.get("lhotse")},
         "e2e": {
             "clips": len(subset),
             "audio_s": round(sum(seconds(n) for _, n in subset), 1),
@@ -1019,18 +1031,15 @@ def main(argv: list[str] | None = None) -> int:
             "num_buckets": E2E_BUCKETS,
         },
         "sampler_budget_s": BUDGET_S,
-        "sampler_buckets": BUCKETS,
+        "sampler_buckets": args.buckets,
         "clips": len(clips),
         "wall_s": round(time.perf_counter() - started, 1),
-        "device": torch.cuda.get_device_name(0) if args.cuda else platform.processor() or "cpu",
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "lhotse_version": lhotse_version,
+        **_common.machine(args.cuda),
+        "lhotse_version": _common.version("lhotse"),
     }
-    print(json.dumps(summary))
     failed = bool(ours2.get("ooms")) or bool(ours1.get("budget_overruns"))
     failed |= part3.get("stream_items_seen", n_stream) != n_stream
-    return 1 if failed else 0
+    return _common.finish(summary, not failed)
 
 
 if __name__ == "__main__":

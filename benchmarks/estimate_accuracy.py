@@ -1,8 +1,7 @@
 """How close are vramctl's estimates to the memory a real step uses?
 
 Runs the built-in model zoo x {train, infer} x {fp32, amp-bf16} x batch sizes.
-For every row it makes an estimate and, independently of the estimator,
-measures the truth:
+For every row it makes an estimate and measures the truth:
 
 - CPU (always): the step runs for real on CPU under PyTorch's profiler; the
   truth is the live bytes before the step (parameters, buffers, optimizer
@@ -10,6 +9,14 @@ measures the truth:
   memory timeline (its CREATE and DESTROY events) during the step. It is
   compared with the estimate's logical peak for a CPU target. Rows too large
   for this machine's memory are estimated (coverage) but not measured.
+  The two are not independent on a CPU: for a CPU target the estimator itself
+  runs each distinct convolution, LSTM layer and CPU scaled-dot-product
+  attention kernel call of the step for real (on zero-filled tensors, under the
+  same profiler memory events) to read the scratch those kernels take, and
+  adds what it measured. For models built of those kernels the CPU error
+  partly checks that measurement against itself, so CPU accuracy is not
+  evidence for a CUDA target, where those kernels' workspaces come from the
+  estimator's CUDA model and constants instead (``--cuda`` measures that).
 - CUDA (``--cuda``, on a machine with a GPU): the step runs on the GPU after a
   warm-up step; the truth is ``torch.cuda.max_memory_allocated`` and
   ``max_memory_reserved`` and NVML's figure for this process, compared with the
@@ -36,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import platform
@@ -61,6 +67,8 @@ from vramctl.estimator import (
     warm_optimizer,
     zoo,
 )
+
+import _common
 
 #: (model, length keyword, length) for the rows; lengths kept small so real CPU runs are quick.
 ZOO = [
@@ -250,16 +258,6 @@ def error_stats(pairs: list[tuple[int | None, int | None]]) -> dict[str, float |
     }
 
 
-def driver_version() -> str | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return str(pynvml.nvmlSystemGetDriverVersion())
-    except Exception:
-        return None
-
-
 def pick_calibration(args: argparse.Namespace) -> Calibration | None:
     if args.calibrate:
         cal = calibrate(0)
@@ -275,9 +273,9 @@ def pick_calibration(args: argparse.Namespace) -> Calibration | None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a subset that runs in under 60 s")
-    ap.add_argument("--cuda", action="store_true", help="measure on this machine's GPU")
+    ap = _common.parser(
+        __doc__, quick="a subset that runs in under 60 s", cuda="measure on this machine's GPU"
+    )
     ap.add_argument("--models", help="comma-separated model names (default: the zoo)")
     ap.add_argument("--no-real", action="store_true", help="estimate only (coverage check)")
     ap.add_argument(
@@ -292,10 +290,7 @@ def main() -> int:
         "--calibration",
         help="with --cuda: a calibration profile, 'off', or 'auto' (the GPU's saved profile)",
     )
-    args = ap.parse_args()
-    if args.cuda and not torch.cuda.is_available():
-        print("--cuda: no usable CUDA device on this machine", file=sys.stderr)
-        return 2
+    args = _common.parse(ap)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.set_num_threads(max(1, psutil.cpu_count(logical=False) or 1))
@@ -407,7 +402,7 @@ def main() -> int:
     if cuda:
         cuda_figures = {
             "gpu": torch.cuda.get_device_name(0),
-            "driver": driver_version(),
+            "driver": _common.driver_version(),
             "cuda": torch.version.cuda,
             "calibration": cal.describe() if cal is not None else None,
             "calibrated" if cal is not None else "builtin": {
@@ -456,8 +451,7 @@ def main() -> int:
     for r in rows:
         if r.error:
             print(f"# {r.model} {r.mode} {r.precision} {r.batch}: {r.error}", file=sys.stderr)
-    print(json.dumps(summary))
-    return 0 if summary["failed_rows"] == 0 else 1
+    return _common.finish(summary, summary["failed_rows"] == 0)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,10 @@ own. "cold" is the first estimate in a process (imports and first-time dispatch 
 
 from __future__ import annotations
 
-import argparse
-import json
 import subprocess
 import sys
+
+import _common
 
 CASE = r"""
 import json, resource, time, logging
@@ -41,15 +41,13 @@ CASES = [
 def run(model: str, batch: int, seq: int, mode: str, precision: str) -> dict[str, object]:
     code = CASE.format(model=model, batch=batch, seq=seq, mode=mode, precision=precision)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    res: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    res: dict[str, object] = _common.last_json(out.stdout)
     res.update(model=model, batch=batch, seq_len=seq, mode=mode, precision=precision)
     return res
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the same two cases (they take ~30 s)")
-    ap.parse_args()
+    _common.parse(_common.parser(__doc__, quick="the same two cases (they take ~30 s)"))
     rows = [run(*c) for c in CASES]
     for r in rows:
         print(
@@ -58,20 +56,17 @@ def main() -> int:
             f"{r['ops']} ops"
         )
     one, seven = rows
-    print(
-        json.dumps(
-            {
-                "benchmark": "estimate_speed",
-                "llama_1b_cold_s": one["cold_s"],
-                "llama_1b_warm_s": one["warm_s"],
-                "llama_1b_max_rss_mib": one["max_rss_mib"],
-                "llama_7b_cold_s": seven["cold_s"],
-                "llama_7b_max_rss_mib": seven["max_rss_mib"],
-                "llama_7b_parameters": seven["parameters"],
-            }
-        )
+    return _common.finish(
+        {
+            "benchmark": "estimate_speed",
+            "llama_1b_cold_s": one["cold_s"],
+            "llama_1b_warm_s": one["warm_s"],
+            "llama_1b_max_rss_mib": one["max_rss_mib"],
+            "llama_7b_cold_s": seven["cold_s"],
+            "llama_7b_max_rss_mib": seven["max_rss_mib"],
+            "llama_7b_parameters": seven["parameters"],
+        }
     )
-    return 0
 
 
 if __name__ == "__main__":

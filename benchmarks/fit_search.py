@@ -54,18 +54,14 @@ the driver with ``--cuda``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import gc
-import json
-import logging
 import os
 import platform
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +71,9 @@ from torch import nn
 
 import vramctl
 from vramctl.fit import fit_batch_size
+from vramctl.guard import is_oom
+
+import _common
 
 TARGET = 0.9
 SURVIVAL_STEPS = 200
@@ -220,15 +219,6 @@ def train(spec: Spec, device: str, b: int, steps: int) -> None:
         step(spec.batch(b, device))
 
 
-def is_oom(exc: BaseException) -> bool:
-    """An allocation failure: PyTorch's OOM error (a simulated GPU raises it too), or one of a
-    CUDA library's that reaches Python as a plain RuntimeError ("CUDA error: out of memory")."""
-    text = str(exc).lower()
-    return isinstance(exc, torch.OutOfMemoryError) or any(
-        m in text for m in ("out of memory", "alloc_failed")
-    )
-
-
 # -- where the steps run ----------------------------------------------------------------
 
 
@@ -332,21 +322,6 @@ class CudaSession(Session):
         return torch.cuda.get_device_name(self.index)
 
 
-def driver_version() -> str | None:
-    """The NVIDIA driver's version (NVML), or None when it cannot be read."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            version = pynvml.nvmlSystemGetDriverVersion()
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return None
-    return version.decode() if isinstance(version, bytes) else str(version)
-
-
 @dataclass
 class Outcome:
     batch_size: int = 0
@@ -447,22 +422,6 @@ class _Dataset(torch.utils.data.Dataset[torch.Tensor]):
         return self.spec.sample()
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Lightning's info lines and warnings off (its tuner prints every trial)."""
-    names = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning")
-    levels = {n: logging.getLogger(n).level for n in names}
-    for n in names:
-        logging.getLogger(n).setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            yield
-        finally:
-            for n, level in levels.items():
-                logging.getLogger(n).setLevel(level)
-
-
 def run_lightning(s: Session, spec: Spec, budget: int) -> Outcome:
     import lightning as L
     from lightning.pytorch.tuner import Tuner
@@ -486,7 +445,7 @@ def run_lightning(s: Session, spec: Spec, budget: int) -> Outcome:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
-    with tempfile.TemporaryDirectory() as root, quiet(), s.room(budget):
+    with tempfile.TemporaryDirectory() as root, _common.quiet(), s.room(budget):
         lit = Lit()  # on the host: the trainer moves it to the device
         trainer = L.Trainer(
             accelerator=s.accelerator,
@@ -508,27 +467,23 @@ def run_lightning(s: Session, spec: Spec, budget: int) -> Outcome:
 
 
 def run_accelerate(s: Session, spec: Spec, budget: int, start: int) -> Outcome:
-    from accelerate.utils import find_executable_batch_size
-
-    tried: list[int] = []
     with s.room(budget):
         model, opt = fresh(spec, s.device)
         step = make_step(model, opt)
 
-        @find_executable_batch_size(starting_batch_size=start)  # type: ignore[misc]
-        def trial(batch_size: int) -> int:
-            tried.append(batch_size)
+        def trial(batch_size: int) -> None:
             opt.zero_grad(set_to_none=True)
             x = spec.batch(batch_size, s.device)
             for _ in range(2):
                 step(x)
-            return batch_size
 
         t0 = time.perf_counter()
-        found = trial()
+        found, tried = _common.accelerate_search(start, trial)
         s.sync()
         seconds = time.perf_counter() - t0
-    return Outcome(int(found), len(tried), seconds, detail={"tried": tried})
+    if not found:
+        raise RuntimeError("No executable batch size found, reached zero.")
+    return Outcome(found, len(tried), seconds, detail={"tried": tried})
 
 
 def accelerate_start(s: Session, quick: bool) -> int:
@@ -548,12 +503,10 @@ TOOLS: dict[str, Callable[[Session, Spec, int, int, bool], Outcome]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="two models, smaller devices")
-    ap.add_argument(
-        "--cuda",
-        action="store_true",
-        help="run on this machine's GPU, shrunk by a ballast tensor, instead of simulated GPUs",
+    ap = _common.parser(
+        __doc__,
+        quick="two models, smaller devices",
+        cuda="run on this machine's GPU, shrunk by a ballast tensor, instead of simulated GPUs",
     )
     ap.add_argument("--models", help="comma-separated subset of " + ",".join(s.name for s in SPECS))
     ap.add_argument(
@@ -565,20 +518,17 @@ def main(argv: list[str] | None = None) -> int:
         help=f"real steps for the survival check ({SURVIVAL_STEPS}; {CUDA_QUICK_STEPS} with "
         "--cuda --quick)",
     )
-    args = ap.parse_args(argv)
+    args = _common.parse(ap, argv)
     wanted = args.models.split(",") if args.models else QUICK_MODELS if args.quick else None
     unknown = sorted(set(wanted or ()) - {s.name for s in SPECS})
     if unknown:
         ap.error(f"unknown model(s): {', '.join(unknown)}")
     specs = [s for s in SPECS if wanted is None or s.name in wanted]
     tools = [t for t in TOOLS if t in args.tools.split(",")]
-    if args.cuda and not torch.cuda.is_available():
-        print("--cuda: no usable CUDA device on this machine", file=sys.stderr)
-        return 2
     if args.steps is None:
         args.steps = CUDA_QUICK_STEPS if args.cuda and args.quick else SURVIVAL_STEPS
     session = CudaSession() if args.cuda else Session()
-    driver = driver_version() if args.cuda else None
+    driver = _common.driver_version() if args.cuda else None
     started = time.perf_counter()
 
     rows: list[dict[str, Any]] = []
@@ -680,8 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         "cuda": torch.version.cuda,
         "driver": driver,
     }
-    print(json.dumps(summary))
-    return 0 if summary["survived_200_steps"] and not summary["models_failed"] else 1
+    return _common.finish(summary, summary["survived_200_steps"] and not summary["models_failed"])
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ The exit status is 0 when every step that ran passed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -35,6 +34,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import _common
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -100,25 +101,8 @@ def gpu_facts() -> dict[str, Any]:
             facts["cudnn"] = torch.backends.cudnn.version()
     except ImportError:
         facts["torch"] = None
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        facts["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
-    except Exception:
-        facts["driver"] = None
+    facts["driver"] = _common.driver_version()
     return facts
-
-
-def last_json(text: str) -> Any:
-    for line in reversed(text.splitlines()):
-        line = line.strip()
-        if line.startswith("{") and line.endswith("}"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-    return None
 
 
 def run_step(step: Step, quick: bool, env: dict[str, str], log: Any) -> dict[str, Any]:
@@ -140,7 +124,7 @@ def run_step(step: Step, quick: bool, env: dict[str, str], log: Any) -> dict[str
     log.write(f"===== {step.name} (exit {rc}, {wall} s): {' '.join(argv[1:])}\n")
     log.write("\n".join(lines[-400:]) + "\n")
     log.flush()
-    row: dict[str, Any] = {"exit": rc, "wall_s": wall, "result": last_json(output)}
+    row: dict[str, Any] = {"exit": rc, "wall_s": wall, "result": _common.last_json(output)}
     if step.name in ("tests", "cuda-tests"):
         tail = [ln for ln in lines[-5:] if " passed" in ln or " failed" in ln or " error" in ln]
         row["result"] = tail[-1] if tail else None
@@ -149,9 +133,8 @@ def run_step(step: Step, quick: bool, env: dict[str, str], log: Any) -> dict[str
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _common.parser(__doc__, quick="each benchmark's --quick run")
     ap.add_argument("--out", type=Path, default=Path("gpu-results"), help="output folder")
-    ap.add_argument("--quick", action="store_true", help="each benchmark's --quick run")
     ap.add_argument("--only", help="comma-separated step names (default: all but cuda-tests)")
     ap.add_argument("--list", action="store_true", help="list the steps and exit")
     args = ap.parse_args()
@@ -205,8 +188,7 @@ def main() -> int:
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     summary["failed"] = [n for n, r in results.items() if r["exit"] != 0]
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary))
-    return 0 if not summary["failed"] else 1
+    return _common.finish(summary, not summary["failed"])
 
 
 if __name__ == "__main__":

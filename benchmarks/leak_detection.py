@@ -43,10 +43,8 @@ The last line is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gc
-import json
 import math
 import os
 import platform
@@ -64,6 +62,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vramctl.monitor._leak import LeakDetector, LeakReport
+
+import _common
 
 KiB, MiB = 2**10, 2**20
 WIDTH = 256
@@ -496,23 +496,14 @@ SMALL_LEAKS = [("list", 256 * KiB), ("graph", 256 * KiB)]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="The last line printed is one JSON object with the figures.",
+    ap = _common.parser(
+        __doc__,
+        quick="120 steps per healthy loop (300 without); < 60 s",
+        cuda="run the loops on this machine's GPU",
+        seed="model, data and schedule seed",
+        threads=True,
     )
-    ap.add_argument(
-        "--quick", action="store_true", help="120 steps per healthy loop (300 without); < 60 s"
-    )
-    ap.add_argument("--cuda", action="store_true", help="run the loops on this machine's GPU")
-    ap.add_argument("--seed", type=int, default=0, help="model, data and schedule seed")
-    ap.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads, fixed for stable timings"
-    )
-    args = ap.parse_args()
-    if args.cuda and not torch.cuda.is_available():
-        print("--cuda: no usable CUDA device on this machine", file=sys.stderr)
-        return 2
-    torch.set_num_threads(args.threads)
+    args = _common.parse(ap)
     dev = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
     detector_device = str(dev)
     healthy_steps = 120 if args.quick else 300
@@ -600,10 +591,8 @@ def main() -> int:
             "signal": LeakDetector(detector_device, census=False).signal,
         },
         "wall_s": round(time.perf_counter() - started, 1),
-        "device": torch.cuda.get_device_name(0) if args.cuda else platform.processor() or "cpu",
+        **_common.machine(args.cuda),
         "cpus": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
         "python": platform.python_version(),
     }
     print(
@@ -615,9 +604,8 @@ def main() -> int:
         f"(median step {summary['step_ms_median']} ms)",
         flush=True,
     )
-    print(json.dumps(summary))
     ok = max_steps is not None and max_steps <= 50 and summary["false_alarms"] == 0
-    return 0 if ok else 1
+    return _common.finish(summary, ok)
 
 
 if __name__ == "__main__":

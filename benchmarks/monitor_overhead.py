@@ -37,7 +37,6 @@ at most 0.5).
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import json
 import platform
@@ -52,6 +51,8 @@ from torch import nn
 
 import vramctl
 from vramctl.monitor import Monitor, Sample
+
+import _common
 
 
 class TimedMonitor(Monitor):
@@ -172,22 +173,19 @@ def sample_cost(repeats: int) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="shorter runs (under a minute)")
-    ap.add_argument("--cuda", action="store_true", help="run the loop on the GPU")
+def main() -> int:
+    ap = _common.parser(
+        __doc__,
+        quick="shorter runs (under a minute)",
+        cuda="run the loop on the GPU",
+        threads=True,
+    )
     ap.add_argument("--seconds", type=float, default=None, help="loop seconds at 1 Hz")
     ap.add_argument("--rounds", type=int, default=None, help="block-against-block rounds")
-    ap.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads for the loop (default 1)"
-    )
-    args = ap.parse_args()
+    args = _common.parse(ap)
     seconds = args.seconds or (20.0 if args.quick else 120.0)
     rounds = args.rounds or (3 if args.quick else 12)
     block = 2.0
-    torch.set_num_threads(args.threads)
-    if args.cuda and not torch.cuda.is_available():
-        sys.exit("--cuda: no usable CUDA device here")
     device = torch.device("cuda" if args.cuda else "cpu")
     width, batch = (4096, 1024) if args.cuda else (1024, 64)
     step = make_loop(device, width, batch)
@@ -246,8 +244,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
         "goal_overhead_pct_1hz": 0.5,
     }
-    print(json.dumps(result))
+    return _common.finish(result)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

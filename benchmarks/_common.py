@@ -1,0 +1,190 @@
+"""What the benchmarks share: their command line, their JSON last line, the peers' set-up.
+
+Each benchmark is run as a script (``python benchmarks/X.py``), so this folder is on
+``sys.path`` and ``import _common`` finds this module. torch and the peers (Accelerate,
+Lightning, Lhotse) are imported only by the functions that use them, so that
+``gpu_suite.py`` and ``estimate_speed.py`` start without them.
+
+    ap = _common.parser(__doc__, quick="two models; under a minute", cuda="on this GPU")
+    args = _common.parse(ap, argv)   # --cuda where no GPU is usable: exit status 2
+    ...
+    return _common.finish(summary, ok)   # the figures as one JSON line; 0 when ok, else 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import json
+import logging
+import platform
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+EPILOG = "The last line printed is one JSON object with the figures."
+THREADS_HELP = "torch CPU threads, fixed for stable timings"
+
+
+# -- the command line and the summary ------------------------------------------------------
+
+
+def parser(
+    doc: str | None,
+    *,
+    quick: str,
+    cuda: str | None = None,
+    seed: str | None = None,
+    threads: bool = False,
+) -> argparse.ArgumentParser:
+    """``--quick``, and ``--cuda``, ``--seed`` and ``--threads`` where asked for.
+
+    The description is the first paragraph of the benchmark's docstring.
+    """
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0], epilog=EPILOG)
+    ap.add_argument("--quick", action="store_true", help=quick)
+    if cuda is not None:
+        ap.add_argument("--cuda", action="store_true", help=cuda)
+    if seed is not None:
+        ap.add_argument("--seed", type=int, default=0, help=seed)
+    if threads:
+        ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
+    return ap
+
+
+def parse(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments; exits with status 2 on ``--cuda`` where no CUDA device is usable.
+
+    Sets torch's CPU threads to ``--threads`` where the benchmark has that flag.
+    """
+    args = ap.parse_args(argv)
+    if getattr(args, "cuda", False):
+        import torch
+
+        if not torch.cuda.is_available():
+            print("--cuda: no usable CUDA device on this machine", file=sys.stderr)
+            raise SystemExit(2)
+    if getattr(args, "threads", None) is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def machine(cuda: bool) -> dict[str, Any]:
+    """``device`` (the GPU's name with ``cuda``, else the CPU's), ``threads`` and ``torch``."""
+    import torch
+
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def version(module: str) -> str | None:
+    """A peer's version (``accelerate``, ``lhotse`` ...), or None when it is not installed."""
+    try:
+        return str(importlib.import_module(module).__version__)
+    except ImportError:
+        return None
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version (NVML), or None when it cannot be read."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            got = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+    return got.decode() if isinstance(got, bytes) else str(got)
+
+
+def finish(summary: dict[str, Any], ok: bool = True) -> int:
+    """Print ``summary`` as the last line (one JSON object); the exit status: 0 if ``ok``."""
+    print(json.dumps(summary), flush=True)
+    return 0 if ok else 1
+
+
+def last_json(text: str) -> Any:
+    """The last line of ``text`` that is a JSON object (a benchmark's figures), or None."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+# -- out-of-memory errors ----------------------------------------------------------------
+
+
+def free_failed(exc: BaseException | None) -> None:
+    """Free what a failed step held: the tensors of its traceback's frames, then CUDA's cache."""
+    while exc is not None:
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+            exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+# -- the peers -----------------------------------------------------------------------------
+
+_PEER_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning")
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """The peers' warnings and info lines off: Lightning's tuner prints every trial, and Lhotse
+    warns that an eager CutSet gains nothing from lazy reading (true, and beside the point)."""
+    levels = {n: logging.getLogger(n).level for n in _PEER_LOGGERS}
+    for n in _PEER_LOGGERS:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            yield
+        finally:
+            for n, level in levels.items():
+                logging.getLogger(n).setLevel(level)
+
+
+def accelerate_search(start: int, trial: Callable[[int], None]) -> tuple[int, list[int]]:
+    """``trial(batch_size)`` inside ``accelerate.utils.find_executable_batch_size``.
+
+    As Accelerate documents it: an out-of-memory error runs the trial again with 0.9
+    times the batch size. Returns the batch size the trial finished with (0 when
+    Accelerate reached zero) and every size it was given.
+    """
+    from accelerate.utils import find_executable_batch_size
+
+    tried: list[int] = []
+
+    @find_executable_batch_size(starting_batch_size=start)  # type: ignore[misc]
+    def run(batch_size: int) -> int:
+        tried.append(batch_size)
+        trial(batch_size)
+        return batch_size
+
+    try:
+        return int(run()), tried
+    except RuntimeError as exc:  # "No executable batch size found, reached zero."
+        if "No executable batch size" not in str(exc):
+            raise
+        return 0, tried
