@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vramctl.monitor._leak import LeakDetector, LeakReport
+from vramctl.monitor import LeakDetector, LeakReport
 
 import _common
 
