@@ -305,13 +305,21 @@ class Guard:
         self, batch: Any, loss_of: Callable[[Any], torch.Tensor] | None, update: bool
     ) -> StepResult:
         """:meth:`train_step`; ``loss_of=None`` is the model's loss (:meth:`step`)."""
-        n = batch_size_of(batch)
+        # batch_size_of, its commonest cases inline: a tensor, (inputs, targets).
+        head = batch[0] if (type(batch) is tuple or type(batch) is list) and batch else batch
+        n = head.shape[0] if type(head) is torch.Tensor and head.dim() else batch_size_of(batch)
         params = self._params
         if self.piece_limit is None and not self._sync and not self._offloading:
             # The steady state: the whole batch, nothing to agree on. It pays only for the
             # batch's size, a look for gradients to set aside, and the OOM counters where
-            # the device keeps them; what a failure needs is done when one happens.
-            stash = _stash_grads(params)
+            # the device keeps them; what a failure needs is done when one happens. Kept
+            # inline: run between the model's steps, each call and lookup here is paid
+            # with caches the model has just flushed.
+            stash = None
+            for p in params:  # usually none has a gradient: nothing to set aside
+                if p.grad is not None:
+                    stash = _stash_grads(params)
+                    break
             whole: torch.Tensor | None = None
             t0 = perf_counter()
             counters = OomCounters.read(self.device) if self._counted else None
@@ -320,7 +328,10 @@ class Guard:
                     whole = self._loss(self.forward(self.model, batch), batch)
                 else:
                     whole = loss_of(batch)
-                self._backward(whole)
+                if self.scaler is None:
+                    whole.backward()
+                else:
+                    self.scaler.scale(whole).backward()
             except BaseException as exc:
                 _drop_grads(params)
                 if not isinstance(exc, Exception) or not is_oom(
@@ -335,7 +346,12 @@ class Guard:
                     _restore_grads(params, stash, add=True)
                 if update:
                     self._optimizer_step(n)
-                self._done(n, n)
+                self._last_n = n  # as _done(n, n)
+                self.steps += 1
+                self.samples += n
+                self._streak += 1
+                if self._grow_from is not None:
+                    self._probe_held()
                 return StepResult(loss, n, 1)
             # Out of memory whole: the failed attempt is freed, the batch runs in pieces.
             whole = None
@@ -474,8 +490,7 @@ class Guard:
         opt = self.optimizer
         if opt is None:
             return
-        dev = self.device
-        counters = OomCounters.read(dev) if self._counted else None
+        counters = OomCounters.read(self.device) if self._counted else None
         try:
             if self.scaler is not None:
                 if self.clip_grad_norm is not None:
@@ -488,7 +503,7 @@ class Guard:
                     nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
                 opt.step()
         except Exception as exc:
-            if not is_oom(exc, device=dev, counters=counters):
+            if not is_oom(exc, device=self.device, counters=counters):
                 raise
             att = _Attempt(True, exc, str(exc))
         else:
@@ -668,7 +683,11 @@ class Guard:
         self._streak += 1
         if limit < n:
             self.split_steps += 1
-        if self._grow_from is not None and self._streak >= self.patience:
+        if self._grow_from is not None:
+            self._probe_held()
+
+    def _probe_held(self) -> None:
+        if self._streak >= self.patience:
             # The larger pieces held for ``patience`` steps: the probe up worked. An OOM
             # before that counts as a failed probe (the wait doubles), so memory that comes
             # and goes does not make the piece size flap.
