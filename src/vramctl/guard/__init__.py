@@ -14,7 +14,7 @@ from vramctl.guard._guard import (
 )
 from vramctl.guard._meter import PeakMeter, available_bytes, total_bytes
 from vramctl.guard._offload import can_offload, offload_activations
-from vramctl.guard._oom import OomCounters, counts_ooms, is_oom, release
+from vramctl.guard._oom import OomCounters, is_oom, release
 from vramctl.guard._report import MemoryReport, StepDoesNotFitError, memory_report
 from vramctl.guard._split import batch_size_of, merge_outputs, piece_sizes, slice_batch, split_batch
 
@@ -32,7 +32,6 @@ __all__ = [
     "available_bytes",
     "batch_size_of",
     "can_offload",
-    "counts_ooms",
     "guarded",
     "is_oom",
     "memory_report",

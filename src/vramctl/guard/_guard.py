@@ -48,7 +48,7 @@ from vramctl.estimator._estimate import call_model
 from vramctl.guard._dist import agree, average_gradients
 from vramctl.guard._meter import available_bytes
 from vramctl.guard._offload import can_offload, offload_activations
-from vramctl.guard._oom import OomCounters, counts_ooms, is_oom, release
+from vramctl.guard._oom import OomCounters, is_oom, release
 from vramctl.guard._report import StepDoesNotFitError, memory_report
 from vramctl.guard._split import (
     batch_size_of,
@@ -213,7 +213,7 @@ class Guard:
         self.offload = offload and can_offload(self.device)
         # Like offload, decided once for the guard's device: whether its allocator counts
         # OOMs, which are then read before every attempt (elsewhere they read zero).
-        self._counted = counts_ooms(self.device)
+        self._counted = OomCounters.kept(self.device)
         self.patience = patience
         self.on_event = on_event
         self.events: deque[GuardEvent] = deque(maxlen=history)

@@ -29,7 +29,7 @@ import torch
 from vramctl.device._base import Device
 from vramctl.device._simulate import SimulatedDevice
 
-__all__ = ["OomCounters", "counts_ooms", "is_oom", "release"]
+__all__ = ["OomCounters", "is_oom", "release"]
 
 # Messages of allocation failures that reach Python as plain RuntimeError.
 _MESSAGES = (
@@ -54,20 +54,20 @@ class OomCounters:
     def read(cls, device: Device | None) -> OomCounters:
         return cls(cuda=_cuda_ooms(device), sim=_sim_ooms(device))
 
+    @staticmethod
+    def kept(device: Device | None) -> bool:
+        """True when ``device``'s allocator counts the allocations it refuses.
+
+        Elsewhere (the host) the counters always read zero, so a caller that
+        reads them before every attempt can skip the read.
+        """
+        return device is not None and (
+            device.kind in ("cuda", "mig") or isinstance(device, SimulatedDevice)
+        )
+
     def rose(self, device: Device | None) -> bool:
         """True when an allocator refused an allocation since :meth:`read`."""
         return _cuda_ooms(device) > self.cuda or _sim_ooms(device) > self.sim
-
-
-def counts_ooms(device: Device | None) -> bool:
-    """True when ``device``'s allocator counts the allocations it refuses.
-
-    Elsewhere (the host) :class:`OomCounters` always reads zero, so a caller
-    that reads them before every attempt can skip the read.
-    """
-    return device is not None and (
-        device.kind in ("cuda", "mig") or isinstance(device, SimulatedDevice)
-    )
 
 
 def _cuda_ooms(device: Device | None) -> int:
