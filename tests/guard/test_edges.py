@@ -62,6 +62,59 @@ def test_giving_up_keeps_the_gradients_accumulated_before() -> None:
         assert p.grad is not None and torch.equal(p.grad, torch.ones_like(p))
 
 
+@pytest.mark.parametrize("error", [ValueError("a bad hook"), KeyboardInterrupt()])
+def test_an_error_in_the_whole_batchs_backward_leaves_the_gradients_as_they_were(
+    error: BaseException,
+) -> None:
+    # The whole-batch attempt fails after part of its gradients were accumulated.
+    model, batch = make("mlp", 12)
+    loss_fn()(model(batch[0]), batch).backward()
+    before = _grads_or_none(model)
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise error
+
+    model.net[0].weight.register_hook(fail)  # the last layer's gradients are in by then
+    guard = Guard(model, forward=FWD, loss_fn=loss_fn())
+    with pytest.raises(type(error)):
+        guard.step(batch, update=False)
+    for a, b in zip(_grads_or_none(model), before, strict=True):
+        assert a is not None and b is not None and torch.equal(a, b)
+    assert guard.ooms == 0 and guard.steps == 0
+
+
+def test_giving_up_on_the_whole_batch_of_one_keeps_the_gradients() -> None:
+    # One sample that runs out of memory on the host: nothing smaller to try, no offload.
+    model, batch = make("mlp", 1)
+    loss_fn()(model(batch[0]), batch).backward()
+    before = _grads_or_none(model)
+
+    def oom(grad: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.net[0].weight.register_hook(oom)
+    guard = Guard(model, forward=FWD, loss_fn=loss_fn(), device="cpu")
+    with pytest.raises(StepDoesNotFitError):
+        guard.step(batch, update=False)
+    for a, b in zip(_grads_or_none(model), before, strict=True):
+        assert a is not None and b is not None and torch.equal(a, b)
+    assert guard.ooms == 1 and [e.kind for e in guard.events] == ["oom", "gave_up"]
+
+
+def test_a_guarded_function_gets_its_extra_arguments_in_every_piece() -> None:
+    seen: list[tuple[int, float]] = []
+
+    @guarded(piece_limit=4)
+    def scaled(x: torch.Tensor, scale: float, *, shift: float = 0.0) -> torch.Tensor:
+        seen.append((len(x), scale))
+        return x * scale + shift
+
+    x = torch.arange(10.0)
+    assert torch.equal(scaled(x, 2.0, shift=1.0), x * 2.0 + 1.0)
+    assert seen == [(4, 2.0), (4, 2.0), (2, 2.0)]
+    assert torch.equal(scaled.guard.infer_step(x, lambda b: b + 1), x + 1)
+
+
 def test_an_oom_from_before_the_step_does_not_make_a_bug_an_oom() -> None:
     with vramctl.simulate("1MiB") as gpu:
         model = nn.Linear(4, 2)

@@ -58,6 +58,13 @@ def test_the_allocator_counter_tells_an_oom_whatever_the_message() -> None:
         )
 
 
+def test_counters_are_read_only_where_an_allocator_keeps_them() -> None:
+    assert not OomCounters.kept(vramctl.get_device("cpu"))  # the host's read zero: skipped
+    assert not OomCounters.kept(None)
+    with vramctl.simulate("1MiB") as gpu:
+        assert OomCounters.kept(gpu)
+
+
 @dataclass
 class Sample:
     x: torch.Tensor

@@ -34,6 +34,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -198,7 +199,7 @@ class Guard:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.forward = forward or call_model
+        self.forward: Callable[[Any, Any], Any] = forward or call_model
         self.reduction = reduction
         self.weight_fn = weight_fn
         self.scaler = scaler
@@ -207,6 +208,9 @@ class Guard:
         #: Largest number of samples per piece (None: the whole batch).
         self.piece_limit = piece_limit
         self.offload = offload and can_offload(self.device)
+        # Like offload, decided once for the guard's device: whether its allocator counts
+        # OOMs, which are then read before every attempt (elsewhere they read zero).
+        self._counted = OomCounters.kept(self.device)
         self.patience = patience
         self.on_event = on_event
         self.events: deque[GuardEvent] = deque(maxlen=history)
@@ -234,10 +238,7 @@ class Guard:
         """One training step on ``batch``; ``update=False`` only accumulates gradients."""
         if self.model is None:
             raise ValueError("Guard.step needs a model; use guarded(fn, optimizer=...) otherwise")
-        model = self.model
-        return self.train_step(
-            batch, lambda piece: self._loss(self.forward(model, piece), piece), update
-        )
+        return self._train(batch, None, update)
 
     def infer(self, batch: Any) -> Any:
         """The model's outputs for ``batch`` under ``torch.no_grad``, whole or in pieces."""
@@ -295,20 +296,83 @@ class Guard:
         self, batch: Any, loss_of: Callable[[Any], torch.Tensor], update: bool = True
     ) -> StepResult:
         """Run ``loss_of`` on ``batch`` (in pieces if need be), backward, optimizer step."""
-        n = batch_size_of(batch)
-        if self.piece_limit is not None:
-            self._maybe_grow(n)
-        ooms_before, lost_before = self.ooms, self.time_lost
-        stash = _stash_grads(self._params)
+        return self._train(batch, loss_of, update)
+
+    def _train(
+        self, batch: Any, loss_of: Callable[[Any], torch.Tensor] | None, update: bool
+    ) -> StepResult:
+        """:meth:`train_step`; ``loss_of=None`` is the model's loss (:meth:`step`)."""
+        # batch_size_of, its commonest cases inline: a tensor, (inputs, targets).
+        head = batch[0] if (type(batch) is tuple or type(batch) is list) and batch else batch
+        n = head.shape[0] if type(head) is torch.Tensor and head.dim() else batch_size_of(batch)
+        params = self._params
+        if self.piece_limit is None and not self._sync and not self._offloading:
+            # The steady state: the whole batch, nothing to agree on. It pays only for the
+            # batch's size, a look for gradients to set aside, and the OOM counters where
+            # the device keeps them; what a failure needs is done when one happens. Kept
+            # inline: run between the model's steps, each call and lookup here is paid
+            # with caches the model has just flushed.
+            stash = None
+            for p in params:  # usually none has a gradient: nothing to set aside
+                if p.grad is not None:
+                    stash = _stash_grads(params)
+                    break
+            whole: torch.Tensor | None = None
+            t0 = perf_counter()
+            counters = OomCounters.read(self.device) if self._counted else None
+            try:
+                if loss_of is None:
+                    whole = self._loss(self.forward(self.model, batch), batch)
+                else:
+                    whole = loss_of(batch)
+                if self.scaler is None:
+                    whole.backward()
+                else:
+                    self.scaler.scale(whole).backward()
+            except BaseException as exc:
+                _drop_grads(params)
+                if not isinstance(exc, Exception) or not is_oom(
+                    exc, device=self.device, counters=counters
+                ):
+                    _restore_grads(params, stash)
+                    raise
+                att = _Attempt(True, exc, str(exc))
+            else:
+                loss = whole.detach()
+                if stash is not None:
+                    _restore_grads(params, stash, add=True)
+                if update:
+                    self._optimizer_step(n)
+                self._last_n = n  # as _done(n, n)
+                self.steps += 1
+                self.samples += n
+                self._streak += 1
+                if self._grow_from is not None:
+                    self._probe_held()
+                return StepResult(loss, n, 1)
+            # Out of memory whole: the failed attempt is freed, the batch runs in pieces.
+            whole = None
+            ooms_before, lost_before = self.ooms, self.time_lost
+            try:
+                self._recover(att, n, n, perf_counter() - t0)
+            except BaseException:
+                _restore_grads(params, stash)
+                raise
+        else:
+            if self.piece_limit is not None:
+                self._maybe_grow(n)
+            ooms_before, lost_before = self.ooms, self.time_lost
+            stash = _stash_grads(params)
         try:
-            loss, limit = self._gradients(batch, n, loss_of)
+            loss, limit = self._gradients(batch, n, loss_of or self._model_loss)
         except BaseException:
             # An error that is not an OOM, or giving up: what this step accumulated goes,
             # the gradients that were there before it are put back as they were.
-            _drop_grads(self._params)
-            _restore_grads(self._params, stash)
+            _drop_grads(params)
+            _restore_grads(params, stash)
             raise
-        _restore_grads(self._params, stash, add=True)
+        if stash is not None:
+            _restore_grads(params, stash, add=True)
         if update:
             self._optimizer_step(n)
         ooms = self.ooms - ooms_before
@@ -323,39 +387,28 @@ class Guard:
             self._offloading,
         )
 
+    def _model_loss(self, piece: Any) -> torch.Tensor:
+        return self._loss(self.forward(self.model, piece), piece)
+
     def _gradients(
         self, batch: Any, n: int, loss_of: Callable[[Any], torch.Tensor]
     ) -> tuple[torch.Tensor, int]:
         """Forward and backward over ``batch``, whole or in pieces: its loss and the piece size."""
         loss: torch.Tensor | None = None
-        if self.piece_limit is None and not self._sync and not self._offloading:
-            # The common case, kept lean: the whole batch, nothing to agree on.
-            t0 = time.perf_counter()
-            counters = OomCounters.read(self.device)
-            try:
-                loss = loss_of(batch)
-                self._backward(loss)
-                return loss.detach(), max(n, 1)
-            except Exception as exc:
-                if not is_oom(exc, device=self.device, counters=counters):
-                    raise
-                att = _Attempt(True, exc, str(exc))
-            loss = None  # the failed attempt's graph goes with it
-            _drop_grads(self._params)
-            self._recover(att, n, n, time.perf_counter() - t0)
+        dev = self.device
         while True:
             limit = self.piece_limit or max(n, 1)
-            t0 = time.perf_counter()
-            att = _Attempt()
+            t0 = perf_counter()
+            failure: _Attempt | None = None
             loss = None
-            counters = OomCounters.read(self.device)
+            counters = OomCounters.read(dev) if self._counted else None
             try:
                 loss = self._accumulate(batch, n, limit, loss_of)
             except Exception as exc:
-                if not is_oom(exc, device=self.device, counters=counters):
+                if not is_oom(exc, device=dev, counters=counters):
                     raise
-                att = _Attempt(True, exc, str(exc))
-            failed = att.failed
+                failure = _Attempt(True, exc, str(exc))
+            failed = failure is not None
             if self._sync:
                 failed, agreed = agree(failed, limit)
                 limit = min(limit, agreed)
@@ -363,9 +416,12 @@ class Guard:
                 break
             loss = None
             _drop_grads(self._params)
-            if not att.failed:
-                att.message = "another rank ran out of memory; every rank runs the step again"
-            self._recover(att, n, limit, time.perf_counter() - t0, peer=not att.failed)
+            peer = failure is None
+            if failure is None:
+                failure = _Attempt(
+                    message="another rank ran out of memory; every rank runs the step again"
+                )
+            self._recover(failure, n, limit, perf_counter() - t0, peer=peer)
         if self._sync:
             average_gradients(self._params)
         assert loss is not None
@@ -431,7 +487,7 @@ class Guard:
         opt = self.optimizer
         if opt is None:
             return
-        counters = OomCounters.read(self.device)
+        counters = OomCounters.read(self.device) if self._counted else None
         try:
             if self.scaler is not None:
                 if self.clip_grad_norm is not None:
@@ -488,32 +544,48 @@ class Guard:
         Pieces that finished are kept; only the rest is split further.
         """
         n = batch_size_of(batch)
-        self._maybe_grow(n)
         ooms_before = self.ooms
-        limit = self.piece_limit or max(n, 1)
-        # (start, end) ranges still to run, and outputs of the ranges done.
-        todo = _ranges(0, n, limit) or [(0, n)]  # an empty batch runs once, whole
+        dev = self.device
+        if self.piece_limit is None:
+            # The common case, kept lean: the whole batch (an empty one too) in one call.
+            t0 = perf_counter()
+            counters = OomCounters.read(dev) if self._counted else None
+            try:
+                result = fn(batch)
+            except Exception as exc:
+                if not is_oom(exc, device=dev, counters=counters):
+                    raise
+                att = _Attempt(True, exc, str(exc))
+            else:
+                self._done(n, n or 1)
+                return result
+            limit = self._recover(att, n, n, perf_counter() - t0, train=False)
+            todo = _ranges(0, n, limit)
+        else:
+            self._maybe_grow(n)
+            limit = self.piece_limit or n or 1
+            # (start, end) ranges still to run, and outputs of the ranges done.
+            todo = _ranges(0, n, limit) or [(0, n)]  # an empty batch runs once, whole
         done: list[tuple[int, int, Any]] = []
         while todo:
             lo, hi = todo[0]
-            t0 = time.perf_counter()
-            att = _Attempt()
-            counters = OomCounters.read(self.device)
+            t0 = perf_counter()
+            counters = OomCounters.read(dev) if self._counted else None
             try:
                 piece = batch if (lo, hi) == (0, n) else slice_batch(batch, lo, hi, size=n)
                 out = fn(piece)
                 del piece
             except Exception as exc:
-                if not is_oom(exc, device=self.device, counters=counters):
+                if not is_oom(exc, device=dev, counters=counters):
                     raise
                 att = _Attempt(True, exc, str(exc))
-            if not att.failed:
+            else:
                 done.append((lo, hi, out))
                 del out
                 todo.pop(0)
                 continue
             piece = None
-            limit = self._recover(att, n, hi - lo, time.perf_counter() - t0, train=False)
+            limit = self._recover(att, n, hi - lo, perf_counter() - t0, train=False)
             todo = _ranges(lo, n, limit)
         self.recovered += self.ooms - ooms_before
         self._done(n, limit)
@@ -608,7 +680,11 @@ class Guard:
         self._streak += 1
         if limit < n:
             self.split_steps += 1
-        if self._grow_from is not None and self._streak >= self.patience:
+        if self._grow_from is not None:
+            self._probe_held()
+
+    def _probe_held(self) -> None:
+        if self._streak >= self.patience:
             # The larger pieces held for ``patience`` steps: the probe up worked. An OOM
             # before that counts as a failed probe (the wait doubles), so memory that comes
             # and goes does not make the piece size flap.
@@ -662,9 +738,10 @@ class GuardedFunction:
 
     def __call__(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         fn = self.fn
+        run = (lambda piece: fn(piece, *args, **kwargs)) if args or kwargs else fn
         if self.train:
-            return self.guard.train_step(batch, lambda piece: fn(piece, *args, **kwargs))
-        return self.guard.infer_step(batch, lambda piece: fn(piece, *args, **kwargs))
+            return self.guard.train_step(batch, run)
+        return self.guard.infer_step(batch, run)
 
     def summary(self) -> dict[str, Any]:
         return self.guard.summary()
@@ -782,7 +859,10 @@ def _ranges(start: int, n: int, limit: int) -> list[tuple[int, int]]:
 
 def _stash_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None] | None:
     """Set existing gradients aside (no copy), so a failed attempt cannot touch them."""
-    if all(p.grad is None for p in params):
+    for p in params:  # usually all None: a plain loop is the cheapest look
+        if p.grad is not None:
+            break
+    else:
         return None
     stash = [p.grad for p in params]
     for p in params:

@@ -52,6 +52,17 @@ class OomCounters:
     def read(cls, device: Device | None) -> OomCounters:
         return cls(ooms=device.oom_count() if device is not None else 0)
 
+    @staticmethod
+    def kept(device: Device | None) -> bool:
+        """True when ``device``'s allocator counts the allocations it refuses.
+
+        Elsewhere (the host) the counters always read zero, so a caller that
+        reads them before every attempt can skip the read.
+        """
+        return device is not None and (
+            device.kind in ("cuda", "mig") or isinstance(device, SimulatedDevice)
+        )
+
     def rose(self, device: Device | None) -> bool:
         """True when an allocator refused an allocation since :meth:`read`."""
         return device is not None and device.oom_count() > self.ooms

@@ -52,6 +52,11 @@ def _first_tensor(tree: Any) -> torch.Tensor | None:
 
 def batch_size_of(batch: Any) -> int:
     """The number of samples in a batch: the first dimension of its first tensor."""
+    # Read before every guarded step: a tensor, or a tuple or list that starts with
+    # one (``(inputs, targets)``), is answered without walking the batch.
+    head = batch[0] if isinstance(batch, tuple | list) and batch else batch
+    if isinstance(head, torch.Tensor) and head.dim() > 0:
+        return int(head.shape[0])
     first = _first_tensor(batch)
     if first is None:
         raise VramctlError(
