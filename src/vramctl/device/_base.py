@@ -101,6 +101,12 @@ class Device(abc.ABC):
         """How many allocations this device's allocator has refused in this process."""
         return 0
 
+    @property
+    def counts_ooms(self) -> bool:
+        """Whether :meth:`oom_count` can rise (a GPU's allocator counts what it refuses; on
+        the host it stays 0, so a caller reading it before every attempt may skip it)."""
+        return False
+
     def release_cache(self) -> None:
         """Give memory cached by this process's allocator back (CUDA's ``empty_cache``)."""
         return None

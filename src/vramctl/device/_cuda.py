@@ -182,6 +182,10 @@ class CudaDevice(Device):
             torch.cuda.memory_allocated(idx) - start,
         )
 
+    @property
+    def counts_ooms(self) -> bool:
+        return True
+
     def oom_count(self) -> int:
         if not torch.cuda.is_initialized():
             return 0

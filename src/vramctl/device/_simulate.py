@@ -277,6 +277,10 @@ class SimulatedDevice(Device):
         return self.ooms
 
     @property
+    def counts_ooms(self) -> bool:
+        return True
+
+    @property
     def active(self) -> bool:
         return any(
             isinstance(m, _Budget) and m.device is self for m in _get_current_dispatch_mode_stack()

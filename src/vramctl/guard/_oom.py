@@ -59,9 +59,7 @@ class OomCounters:
         Elsewhere (the host) the counters always read zero, so a caller that
         reads them before every attempt can skip the read.
         """
-        return device is not None and (
-            device.kind in ("cuda", "mig") or isinstance(device, SimulatedDevice)
-        )
+        return device is not None and device.counts_ooms
 
     def rose(self, device: Device | None) -> bool:
         """True when an allocator refused an allocation since :meth:`read`."""
