@@ -341,7 +341,7 @@ def test_cli_serves_until_interrupted() -> None:
         proc.send_signal(signal.SIGINT)
         # communicate() drains both pipes while waiting: a child blocked on a full pipe
         # would otherwise look like one that does not stop.
-        out, errtext = proc.communicate(timeout=30)
+        _, errtext = proc.communicate(timeout=30)
         assert proc.returncode == 0, errtext[-2000:]
     finally:
         if proc.poll() is None:
