@@ -320,7 +320,12 @@ def test_cli_port_in_use() -> None:
 
 
 def test_cli_serves_until_interrupted() -> None:
-    code = "import vramctl.cli._dashboard; from vramctl.cli import main; main()"
+    # Ctrl-C as in a terminal: a shell's background job (`bash .ci/run &`) starts with SIGINT
+    # ignored, which its children inherit, and Python then installs no KeyboardInterrupt.
+    code = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "import vramctl.cli._dashboard; from vramctl.cli import main; main()"
+    )
     env = {**os.environ, "COLUMNS": "200", "VRAMCTL_TOKEN": TOKEN}
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "dashboard", "-d", "cpu", "--port", "0", "-i", "0.5"],
