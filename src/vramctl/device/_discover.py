@@ -104,6 +104,11 @@ def get_device(spec: Device | int | str) -> Device:
         if len(hits) == 1:
             return hits[0]
     names = ", ".join(d.id for d in present)
+    if low.startswith("cuda") and all(not d.is_gpu for d in present):
+        raise UnknownDeviceError(
+            f"unknown device {text!r}: CUDA is not available on this machine (no GPU is "
+            f"visible); it has {names}"
+        )
     catalog_names = ""
     if not low.startswith(("cuda", "gpu-", "mig-")):
         if looks_like_size(text):

@@ -133,8 +133,6 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if isinstance(device, torch.device):
         device = str(device)
-    if str(device).strip().lower().startswith("cuda") and not torch.cuda.is_available():
-        raise LeakDetectorError(f"{device!r}: CUDA is not available on this machine; use 'cpu'")
     try:
         dev = resolve(device)
     except VramctlError as exc:
