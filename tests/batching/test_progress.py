@@ -26,6 +26,7 @@ from vramctl.batching._progress import (
     Exported,
     ProgressStats,
     ProgressStore,
+    RunConflictError,
     check_writable,
     failures_path,
 )
@@ -228,10 +229,11 @@ def test_resume_checks_manifest_and_config(tmp_path: Path) -> None:
     with pytest.raises(BatchingError) as info:
         ProgressStore(db, manifest=manifest, config={**config, "batch": 32, "beam": 5})
     message = str(info.value)
-    assert "config differs" in message
+    assert "settings differ" in message
     assert "batch: 16 in the store, 32 now" in message
     assert "beam added" in message
-    assert f"delete {db}" in message and "new output path" in message
+    assert "overwrite=True" in message and "new output path" in message
+    assert isinstance(info.value, RunConflictError) and len(info.value.differences) == 1
     assert "lang" not in message  # unchanged keys are not named
 
     other = tmp_path / "other.jsonl"

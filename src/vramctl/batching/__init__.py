@@ -7,11 +7,19 @@ from vramctl.batching._audio import AudioBatches, AudioError, load_audio, synthe
 from vramctl.batching._budget import Budget, MemoryBudget, PaddedDuration, QuadraticDuration
 from vramctl.batching._chunk import Stitcher, chunk_count, chunk_items
 from vramctl.batching._manifest import Item, Manifest, ManifestError, ManifestProblem, items_from
-from vramctl.batching._process import ProcessResult, ProcessStatus, process, progress_path
-from vramctl.batching._progress import ProgressStore
+from vramctl.batching._models import OUTPUT_KINDS, ModelSource, load_model
+from vramctl.batching._process import (
+    ProcessInterrupted,
+    ProcessResult,
+    ProcessStatus,
+    process,
+    progress_path,
+)
+from vramctl.batching._progress import ProgressStore, RunConflictError
 from vramctl.batching._sampler import Batch, BucketingSampler, SamplerStats, duration_edges
 
 __all__ = [
+    "OUTPUT_KINDS",
     "AdaptiveBatcher",
     "AudioBatches",
     "AudioError",
@@ -25,11 +33,14 @@ __all__ = [
     "ManifestProblem",
     "MapDataset",
     "MemoryBudget",
+    "ModelSource",
     "PaddedDuration",
+    "ProcessInterrupted",
     "ProcessResult",
     "ProcessStatus",
     "ProgressStore",
     "QuadraticDuration",
+    "RunConflictError",
     "SamplerStats",
     "Stitcher",
     "chunk_count",
@@ -37,6 +48,7 @@ __all__ = [
     "duration_edges",
     "items_from",
     "load_audio",
+    "load_model",
     "process",
     "progress_path",
     "synthesize",

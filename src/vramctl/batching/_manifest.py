@@ -41,7 +41,17 @@ from typing import Any, BinaryIO
 from vramctl._errors import VramctlError
 from vramctl._optional import available, require
 
-__all__ = ["Item", "Manifest", "ManifestError", "ManifestProblem", "items_from"]
+__all__ = [
+    "AUDIO_EXTENSIONS",
+    "DEFAULT_SAMPLE_RATE",
+    "Item",
+    "Manifest",
+    "ManifestError",
+    "ManifestProblem",
+    "audio_files",
+    "check_has_records",
+    "items_from",
+]
 
 log = logging.getLogger("vramctl.batching")
 
@@ -57,6 +67,8 @@ _SAMPLES_FIELDS = ("num_samples", "samples")
 
 #: On POSIX a path is absolute exactly when it starts with "/".
 _POSIX = os.name == "posix"
+#: The files a folder given as a manifest is read for.
+AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".mp3", ".opus")
 #: The UTF-8 byte order mark some editors put at the start of a file.
 _BOM = b"\xef\xbb\xbf"
 
@@ -126,7 +138,10 @@ class Manifest:
     """A manifest file, read lazily: iterate it for :class:`Item` s, once or many times.
 
     ``format`` is ``"jsonl"``, ``"csv"`` or ``"lhotse"`` (a CutSet manifest,
-    ``.jsonl.gz`` included; needs ``lhotse``), else taken from the file name.
+    ``.jsonl.gz`` included; needs ``lhotse``), else taken from the file name. A folder
+    is read as a manifest of its audio files (:data:`AUDIO_EXTENSIONS`, in its subfolders
+    too, sorted by path): each file's id is its path in the folder without the extension,
+    and its length is read from its header.
     ``sample_rate`` converts ``num_samples`` fields to seconds. Relative paths
     are taken relative to the manifest's folder.
     """
@@ -139,12 +154,13 @@ class Manifest:
         sample_rate: int = DEFAULT_SAMPLE_RATE,
     ) -> None:
         self.path = os.fspath(path)
-        if not os.path.isfile(self.path):
-            raise ManifestError(f"manifest {self.path}: no such file")
+        folder = os.path.isdir(self.path)
+        if not folder and not os.path.isfile(self.path):
+            raise ManifestError(f"manifest {self.path}: no such file or folder")
         if sample_rate <= 0:
             raise ManifestError(f"sample_rate must be positive, got {sample_rate}")
-        self.format = format or _guess_format(self.path)
-        if self.format not in ("jsonl", "csv", "lhotse"):
+        self.format = "folder" if folder else (format or _guess_format(self.path))
+        if self.format not in ("jsonl", "csv", "lhotse", "folder"):
             raise ManifestError(
                 f"manifest {self.path}: unknown format {self.format!r} (jsonl, csv or lhotse)"
             )
@@ -156,7 +172,9 @@ class Manifest:
                 error=ManifestError,
             )
         self.sample_rate = sample_rate
-        self.root = os.path.dirname(os.path.abspath(self.path))
+        self.root = (
+            os.path.abspath(self.path) if folder else os.path.dirname(os.path.abspath(self.path))
+        )
         self._prefix = self.root + os.sep
         #: (id field, path field, duration field, divisor, field count) of the first record.
         self._schema: tuple[str, str | None, str, float, int] | None = None
@@ -164,6 +182,8 @@ class Manifest:
         self.problems: list[ManifestProblem] = []
         #: How many records the latest pass skipped.
         self.skipped = 0
+        #: Set while a pass only looks (check_has_records): problems are kept, not logged.
+        self._quiet = False
 
     def __repr__(self) -> str:
         return f"Manifest({self.path!r}, format={self.format!r})"
@@ -174,6 +194,8 @@ class Manifest:
         self._schema = None
         if self.format == "lhotse":
             return self._lhotse()
+        if self.format == "folder":
+            return self._folder()
         if self.format == "csv":
             return self._csv()
         return self._jsonl()
@@ -181,11 +203,14 @@ class Manifest:
     # -- readers ------------------------------------------------------------------
 
     def _problem(self, line: int, fld: str | None, message: str) -> None:
+        self._report(ManifestProblem(self.path, line, fld, message))
+
+    def _report(self, p: ManifestProblem) -> None:
         self.skipped += 1
-        p = ManifestProblem(self.path, line, fld, message)
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(p)
-            log.warning("skipped %s", p)
+            if not self._quiet:
+                log.warning("skipped %s", p)
 
     def _jsonl(self) -> Iterator[Item]:
         loads, item_of = _loads, self._item
@@ -240,6 +265,18 @@ class Manifest:
                 item = self._item(dict(zip(names, row, strict=True)), lineno, index)
                 if item is not None:
                     yield item
+
+    def _folder(self) -> Iterator[Item]:
+        for index, (rel, path) in enumerate(audio_files(self.path)):
+            try:
+                seconds = _audio_seconds(path)
+            except Exception as exc:  # any unreadable header: the file is reported, not run
+                self._report(ManifestProblem(path, index + 1, None, f"cannot read it: {exc}"))
+                continue
+            if not seconds > 0:
+                self._report(ManifestProblem(path, index + 1, None, "holds no audio (0 s)"))
+                continue
+            yield Item(os.path.splitext(rel)[0], seconds, path, index)
 
     def _lhotse(self) -> Iterator[Item]:
         from lhotse import CutSet
@@ -395,6 +432,63 @@ def _positive(value: Any, name: str) -> tuple[float, str | None, str | None]:
     if not math.isfinite(x) or x <= 0:
         return 0.0, name, f"must be positive, got {value!r}"
     return x, None, None
+
+
+def audio_files(folder: str) -> Iterator[tuple[str, str]]:
+    """(path in the folder with / separators, full path) of each audio file, sorted."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in files:
+            if name.lower().endswith(AUDIO_EXTENSIONS) and not name.startswith("."):
+                full = os.path.join(root, name)
+                found.append((os.path.relpath(full, folder).replace(os.sep, "/"), full))
+    yield from sorted(found)
+
+
+def _audio_seconds(path: str) -> float:
+    """A file's length in seconds from its header: ``wave`` for PCM WAV, else soundfile."""
+    if path.lower().endswith(".wav"):
+        import wave
+
+        try:
+            with wave.open(path, "rb") as f:
+                return f.getnframes() / float(f.getframerate())
+        except (wave.Error, EOFError):
+            pass  # a WAV the standard library does not read (float, extensible): soundfile
+    require("soundfile", extra="audio", what=f"reading the length of {path}", error=ManifestError)
+    import soundfile
+
+    info = soundfile.info(path)
+    return float(info.frames) / float(info.samplerate)
+
+
+def check_has_records(manifest: Manifest) -> None:
+    """Raise :class:`ManifestError` unless ``manifest`` holds a valid record.
+
+    Reads up to the first valid record (all of a manifest with none), reporting nothing:
+    the run that follows reports each bad record once.
+    """
+    manifest._quiet = True
+    it = iter(manifest)
+    try:
+        found = next(it, None)
+    finally:
+        close = getattr(it, "close", None)
+        if callable(close):
+            close()
+        manifest._quiet = False
+    if found is not None:
+        return
+    what = "audio files" if manifest.format == "folder" else "records"
+    if not manifest.skipped:
+        raise ManifestError(f"manifest {manifest.path} holds no {what}: nothing to process")
+    shown = "; ".join(str(p) for p in manifest.problems[:3])
+    more = f"; and {manifest.skipped - 3} more" if manifest.skipped > 3 else ""
+    raise ManifestError(
+        f"manifest {manifest.path} has no valid record: all {manifest.skipped} of its {what}"
+        f" are bad ({shown}{more})"
+    )
 
 
 def _guess_format(path: str) -> str:

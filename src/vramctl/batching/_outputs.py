@@ -33,8 +33,10 @@ __all__ = [
     "Done",
     "Forward",
     "Postprocess",
+    "Transcribe",
     "default_forward",
     "embed",
+    "frames_of",
     "frames_per_second",
     "postprocess_of",
     "summarize",
@@ -149,16 +151,49 @@ def embed(output: torch.Tensor, item: Item) -> dict[str, Any]:
     return {"frames": int(x.shape[0]), "embedding": [round(v, 6) for v in vec.tolist()]}
 
 
-_POSTPROCESS: dict[str, Postprocess] = {"summary": summarize, "embedding": embed}
+def frames_of(output: torch.Tensor, item: Item) -> dict[str, Any]:
+    """Postprocess ``"frames"``: every output frame, as lists (rounded to 6 digits)."""
+    x = output.detach().float().flatten(1)
+    return {"frames": int(x.shape[0]), "values": [[round(v, 6) for v in row] for row in x.tolist()]}
 
 
-def postprocess_of(value: Postprocess | str) -> Postprocess:
-    """The postprocess named (``"summary"``, ``"embedding"``) or given, checked."""
+class Transcribe:
+    """Postprocess ``"text"``: a CTC model's frames decoded to text by ``decoder``."""
+
+    __name__ = "text"
+
+    def __init__(self, decoder: Callable[[torch.Tensor], str]) -> None:
+        self.decoder = decoder
+
+    def __call__(self, output: torch.Tensor, item: Item) -> dict[str, Any]:
+        return {"text": self.decoder(output), "frames": int(output.shape[0])}
+
+
+_POSTPROCESS: dict[str, Postprocess] = {
+    "summary": summarize,
+    "embedding": embed,
+    "frames": frames_of,
+}
+
+
+def postprocess_of(
+    value: Postprocess | str, decoder: Callable[[torch.Tensor], str] | None = None
+) -> Postprocess:
+    """The postprocess named (``"text"``, ``"frames"``, ``"embedding"``, ``"summary"``) or
+    given, checked. ``"text"`` needs the model's ``decoder`` (a CTC checkpoint's)."""
     if isinstance(value, str):
+        if value == "text":
+            if decoder is None:
+                raise BatchingError(
+                    "output kind 'text' needs a CTC checkpoint with a tokenizer (a folder saved"
+                    " with save_pretrained, or a Hub id); this model gives frames: choose"
+                    " frames, embedding or summary"
+                )
+            return Transcribe(decoder)
         if value not in _POSTPROCESS:
             raise BatchingError(
-                f"postprocess must be {' or '.join(map(repr, _POSTPROCESS))} or a callable,"
-                f" got {value!r}"
+                "postprocess (the output kind) must be 'text', "
+                f"{', '.join(map(repr, _POSTPROCESS))} or a callable, got {value!r}"
             )
         return _POSTPROCESS[value]
     if not callable(value):

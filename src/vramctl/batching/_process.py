@@ -54,10 +54,12 @@ import torch
 from torch import nn
 
 from vramctl._units import format_bytes
+from vramctl._version import __version__
 from vramctl.batching._adaptive import BatchingError
 from vramctl.batching._audio import AudioBatches, load_audio, synthesize
 from vramctl.batching._budget import Budget, MemoryBudget
-from vramctl.batching._manifest import Item, Manifest
+from vramctl.batching._manifest import DEFAULT_SAMPLE_RATE, Item, Manifest, check_has_records
+from vramctl.batching._models import ModelSource, load_model, model_identity
 from vramctl.batching._outputs import (
     Collector,
     Forward,
@@ -71,7 +73,7 @@ from vramctl.batching._stream import Loaded, Remaining, count_records
 from vramctl.batching._worker import ModelFactory, Worker, model_factory
 from vramctl.device import Device, active_simulation, get_device, gpus, sort_devices, use_device
 
-__all__ = ["ProcessResult", "ProcessStatus", "process", "progress_path"]
+__all__ = ["ProcessInterrupted", "ProcessResult", "ProcessStatus", "process", "progress_path"]
 
 log = logging.getLogger("vramctl.batching")
 
@@ -94,6 +96,22 @@ def progress_path(output: str | os.PathLike[str]) -> str:
     out = os.fspath(output)
     root, ext = os.path.splitext(out)
     return (root if ext in (".jsonl", ".json", ".ndjson") else out) + ".progress.db"
+
+
+class ProcessInterrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C (or SIGTERM, where the caller turns it into one).
+
+    Every batch before the interrupt is committed; the batch in flight is not. ``saved``
+    recordings (done or failed) are in the progress store, of ``total`` in the manifest
+    (None: not known); the same call resumes the run.
+    """
+
+    def __init__(self, saved: int, total: int | None, progress: str) -> None:
+        of = f" of {total}" if total is not None else ""
+        super().__init__(f"interrupted: saved {saved}{of}; run the same command to resume")
+        self.saved = saved
+        self.total = total
+        self.progress = progress
 
 
 @dataclass
@@ -174,12 +192,12 @@ class ProcessResult:
 
 
 def process(
-    model: nn.Module | ModelFactory,
+    model: nn.Module | ModelFactory | str | ModelSource,
     manifest: str | os.PathLike[str] | Manifest,
     output: str | os.PathLike[str],
     *,
     forward: Forward | None = None,
-    postprocess: Postprocess | Literal["summary", "embedding"] = "summary",
+    postprocess: Postprocess | str | None = None,
     devices: Sequence[Device | str | int] | None = None,
     max_devices: int | None = None,
     budget: Budget | None = None,
@@ -187,26 +205,32 @@ def process(
     chunk_duration: float = 30.0,
     overlap: float = 1.0,
     num_buckets: int = 50,
-    sample_rate: int = 16000,
+    sample_rate: int | None = None,
     loader: Callable[[Item, int], torch.Tensor] | Literal["audio", "synthetic"] = "audio",
     num_workers: int | None = None,
     order: Literal["manifest", "id"] = "manifest",
     progress: str | os.PathLike[str] | None = None,
     resume: bool = True,
+    overwrite: bool = False,
     frame_rate: float | None = None,
     config: dict[str, Any] | None = None,
     on_progress: Callable[[ProcessStatus], None] | None = None,
 ) -> ProcessResult:
     """Run ``model`` over every item of ``manifest``; write one output per recording.
 
-    ``model`` is a zero-argument factory (called once per device) or a module
-    (copied for each further device). ``forward(model, waveforms [B, T],
-    lengths [B]) -> output`` runs one batch (default: ``model(waveforms)``);
-    the output has time on dim 1 (``[B, T', ...]``; a model output's
-    ``last_hidden_state`` is taken), optionally with the valid frames per item
-    as ``(output, frames)``. Each recording's frames are stitched across its
-    chunks, handed to ``postprocess(tensor [T', ...], item)`` (or
-    ``"summary"``, ``"embedding"``) and the JSON value it returns is recorded.
+    ``model`` is a folder saved with ``save_pretrained`` or a Hugging Face Hub id (its
+    trained weights, run through its own feature extractor; a CTC model with a tokenizer
+    transcribes), ``'package.module:factory'``, a built-in audio architecture (random
+    weights), a zero-argument factory (called once per device, under a fixed seed) or a
+    module (copied for each further device); see :func:`load_model`. ``forward(model,
+    waveforms [B, T], lengths [B]) -> output`` runs one batch (default: the checkpoint's,
+    else ``model(waveforms)``); the output has time on dim 1 (``[B, T', ...]``; a model
+    output's ``logits`` or ``last_hidden_state`` is taken), optionally with the valid
+    frames per item as ``(output, frames)``. Each recording's frames are stitched across
+    its chunks and handed to ``postprocess``: ``"text"`` (a CTC checkpoint's greedy
+    transcript; the default where there is one), ``"frames"`` (every frame),
+    ``"embedding"`` (the mean over time), ``"summary"`` (frames, mean and spread; the
+    default otherwise) or a callable ``(tensor [T', ...], item) -> JSON value``.
 
     Devices: ``devices`` as given; else the active :func:`vramctl.simulate`
     GPU; else every usable GPU, least loaded first (``max_devices`` of them);
@@ -221,17 +245,27 @@ def process(
     :meth:`MemoryBudget.for_model` at ``target`` of the smallest device's free
     memory, predicted without a trial step; 2 GiB at most on the CPU). Audio is
     read by ``loader`` (``"audio"``: files; ``"synthetic"``: deterministic noise
-    of each item's length) in ``num_workers`` threads (default: up to 4).
+    of each item's length) at ``sample_rate`` (default: the checkpoint's, else 16 kHz)
+    in ``num_workers`` threads (default: up to 4).
+
+    Bad input is refused before any model is loaded: a manifest with no valid record
+    raises :class:`~vramctl.batching.ManifestError`.
 
     Durability: every batch's outputs and failures are committed to a
     :class:`ProgressStore` at ``progress`` (default :func:`progress_path`) in
-    one transaction; ``resume=True`` continues a store left by a killed run
-    with the same manifest and settings, skipping what it holds. At the end the
-    outputs are exported to ``output`` as JSON Lines (``order``: manifest order
-    or by id) and the failures (missing or unreadable audio) next to it.
+    one transaction. The run's identity (the manifest; the model's name, parameter
+    shapes and a fingerprint of its weights; the forward, the output kind, chunking,
+    sample rate and vramctl's major version) is stored with it. ``resume=True``
+    continues a store left by an interrupted run with the same identity, skipping
+    what it holds; a store of another identity raises :class:`RunConflictError`
+    naming what changed. ``resume=False`` refuses an existing run, unless
+    ``overwrite=True``, which discards it. At the end the outputs are exported to
+    ``output`` as JSON Lines (``order``: manifest order or by id) and the failures
+    (missing or unreadable audio) next to it.
     """
     t0 = time.perf_counter()
-    post = postprocess_of(postprocess)
+    if overwrite:
+        resume = False
     load = _LOADERS[loader] if isinstance(loader, str) and loader in _LOADERS else loader
     if isinstance(load, str) or not callable(load):
         raise BatchingError(f"loader must be 'audio', 'synthetic' or a callable, got {loader!r}")
@@ -239,16 +273,37 @@ def process(
         raise BatchingError(f"order must be 'manifest' or 'id', got {order!r}")
     if not (math.isfinite(chunk_duration) and chunk_duration > 0):
         raise BatchingError(f"chunk_duration must be positive, got {chunk_duration!r}")
+    if sample_rate is not None and sample_rate <= 0:
+        raise BatchingError(f"sample_rate must be positive, got {sample_rate!r}")
     source = (
-        manifest if isinstance(manifest, Manifest) else Manifest(manifest, sample_rate=sample_rate)
+        manifest
+        if isinstance(manifest, Manifest)
+        else Manifest(manifest, sample_rate=sample_rate or DEFAULT_SAMPLE_RATE)
     )
     out = check_writable(output)
     check_writable(failures_path(out))
     store_path = os.fspath(progress) if progress is not None else progress_path(out)
     _check_not_manifest(source.path, output=out, failures=failures_path(out), progress=store_path)
+    check_has_records(source)  # bad input: before any model is loaded
+    src = load_model(model)
+    post = postprocess_of(postprocess or src.default_output, src.decoder)
+    rate = sample_rate or src.sample_rate or DEFAULT_SAMPLE_RATE
+    if src.sample_rate and rate != src.sample_rate:
+        raise BatchingError(
+            f"model {src.name} takes audio at {src.sample_rate} Hz, not {rate} Hz: leave the"
+            " sample rate out (the audio is resampled to the model's)"
+        )
+    if source.sample_rate != rate and not isinstance(manifest, Manifest):
+        source = Manifest(manifest, sample_rate=rate)
+    if src.random_weights:
+        log.warning(
+            "%s is built with random weights: its outputs are noise. For real outputs give a"
+            " checkpoint (a folder saved with save_pretrained, or a Hub id)",
+            src.name,
+        )
     opts = _RunOptions(
         output=out,
-        forward=forward or default_forward,
+        forward=forward or src.forward or default_forward,
         postprocess=post,
         loader=load,
         budget=budget,
@@ -256,25 +311,51 @@ def process(
         chunk=float(chunk_duration),
         overlap=float(overlap),
         num_buckets=num_buckets,
-        sample_rate=sample_rate,
+        sample_rate=rate,
         threads=num_workers if num_workers is not None else min(4, os.cpu_count() or 1),
         order=order,
         frame_rate=frame_rate,
         on_progress=on_progress,
     )
+    devs = _pick_devices(devices, max_devices)
+    workers = _workers(src.model, devs, opts)
+    with workers[0].dev.uncounted():
+        fingerprint = model_identity(workers[0].model)
     run_config = {
+        "model": {"name": src.name, "kind": src.kind, **src.identity, **fingerprint},
+        "forward": _name_of(opts.forward),
+        "output_kind": _name_of(post),
         "chunk_duration": opts.chunk,
         "overlap": opts.overlap,
-        "sample_rate": int(sample_rate),
-        "postprocess": getattr(post, "__name__", type(post).__name__),
+        "sample_rate": int(rate),
+        "vramctl": __version__.split(".")[0],
         **(config or {}),
     }
-    devs = _pick_devices(devices, max_devices)
-    store = ProgressStore(store_path, manifest=source.path, config=run_config, resume=resume)
+    store = ProgressStore(
+        store_path, manifest=source.path, config=run_config, resume=resume, overwrite=overwrite
+    )
     try:
-        return _run(model, source, store, devs, opts, t0)
+        return _run(workers, source, store, opts, t0)
     finally:
         store.close()
+
+
+def _name_of(fn: Any) -> str:
+    """A callable's stable name: module and qualified name (a class instance: its class's)."""
+    own = getattr(fn, "__name__", None)
+    qual = getattr(fn, "__qualname__", None) or own or type(fn).__qualname__
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return f"{module}.{qual}" if module else str(qual)
+
+
+def _workers(
+    model: nn.Module | ModelFactory, devs: list[Device], opts: _RunOptions
+) -> list[Worker]:
+    """One worker per device, each with its model (loaded or built now)."""
+    make = model_factory(model, len(devs))
+    return [
+        Worker(partial(make, k), dev, opts.forward, opts.sample_rate) for k, dev in enumerate(devs)
+    ]
 
 
 @dataclass(frozen=True)
@@ -300,17 +381,12 @@ class _RunOptions:
 
 
 def _run(
-    model: nn.Module | ModelFactory,
+    workers: list[Worker],
     source: Manifest,
     store: ProgressStore,
-    devs: list[Device],
     opts: _RunOptions,
     t0: float,
 ) -> ProcessResult:
-    make = model_factory(model, len(devs))
-    workers = [
-        Worker(partial(make, k), dev, opts.forward, opts.sample_rate) for k, dev in enumerate(devs)
-    ]
     budget = opts.budget if opts.budget is not None else _default_budget(workers, opts)
     chunk = opts.chunk
     if budget.max_count(chunk) < 1:
@@ -354,6 +430,11 @@ def _run(
                 report()
         else:
             _run_parallel(workers, loaded, collector, report)
+    except KeyboardInterrupt as exc:
+        # Ctrl-C (or a SIGTERM turned into one): the batch in flight is not committed, every
+        # batch before it is. Say where the run stands; the same call resumes it.
+        stats = store.stats()
+        raise ProcessInterrupted(stats.done + stats.failed, total, store.path) from exc
     finally:
         loaded.close()
     collector.flush()  # recordings refused after the last batch
@@ -508,9 +589,15 @@ def _default_budget(workers: list[Worker], opts: _RunOptions) -> MemoryBudget:
     budgets = []
     for w in workers:
         cap = None if w.dev.is_gpu else _CPU_BUDGET
+        view = getattr(opts.forward, "estimation", None)
+        module, make_batch = (
+            view(w.model, opts.sample_rate)
+            if callable(view)
+            else (_Forwarding(w.model, opts.forward), make)
+        )
         mb = MemoryBudget.for_model(
-            _Forwarding(w.model, opts.forward),
-            make,
+            module,
+            make_batch,
             max_duration=opts.chunk,
             device=w.dev,
             target=opts.target,

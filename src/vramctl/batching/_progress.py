@@ -39,6 +39,7 @@ ProgressStats(done=2, failed=1, seconds=3.5)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import operator
@@ -58,12 +59,14 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from vramctl._version import __version__
 from vramctl.batching._adaptive import BatchingError
+from vramctl.batching._manifest import audio_files
 
 __all__ = [
     "Completed",
     "Exported",
     "ProgressStats",
     "ProgressStore",
+    "RunConflictError",
     "check_writable",
     "failures_path",
 ]
@@ -263,6 +266,20 @@ def _as_id(value: object, index: object) -> str:
 
 def _manifest_identity(manifest: str | os.PathLike[str]) -> dict[str, str]:
     path = os.path.realpath(os.fspath(manifest))
+    if os.path.isdir(path):
+        # A folder of audio files: which files, their sizes and times (the folder's own
+        # time changes when an output is written beside them).
+        listing = hashlib.blake2b(digest_size=12)
+        count = 0
+        for rel, full in audio_files(path):
+            st = os.stat(full)
+            listing.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            count += 1
+        return {
+            "manifest": path,
+            "manifest_size": f"{count} files",
+            "manifest_mtime_ns": listing.hexdigest(),
+        }
     try:
         st = os.stat(path)
     except OSError as e:
@@ -296,9 +313,9 @@ def _short(value: Any) -> str:
 def _config_differences(stored: str | None, now: str) -> str:
     if stored is None:
         return "config differs: the store records none"
-    old, new = json.loads(stored), json.loads(now)
+    old, new = _flat(json.loads(stored)), _flat(json.loads(now))
     parts = []
-    for key in sorted(old.keys() | new.keys()):
+    for key in sorted(old.keys() | new.keys(), key=_first_named):
         if key not in new:
             parts.append(f"{key} dropped (was {_short(old[key])})")
         elif key not in old:
@@ -306,7 +323,49 @@ def _config_differences(stored: str | None, now: str) -> str:
         elif old[key] != new[key]:
             parts.append(f"{key}: {_short(old[key])} in the store, {_short(new[key])} now")
     more = f", and {len(parts) - _NAMED} more" if len(parts) > _NAMED else ""
-    return "config differs: " + ", ".join(parts[:_NAMED]) + more
+    return "settings differ: " + ", ".join(parts[:_NAMED]) + more
+
+
+#: Keys a difference names first: what a user changes on purpose.
+_FIRST = ("model.name", "model.source", "model.weights", "output_kind", "manifest")
+
+
+def _first_named(key: str) -> tuple[int, str]:
+    return (_FIRST.index(key) if key in _FIRST else len(_FIRST), key)
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted keys (``model.weights``), so a difference names its field."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+class RunConflictError(BatchingError):
+    """An existing progress store that the run may not continue.
+
+    ``differences`` names what changed since the stored run began (the manifest, the
+    model, a setting); empty when a fresh run was asked for and the store holds one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str,
+        done: int,
+        failed: int,
+        differences: list[str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.done = done
+        self.failed = failed
+        self.differences = list(differences or [])
 
 
 class ProgressStore:
@@ -504,18 +563,25 @@ class ProgressStore:
             # Nothing recorded yet: nothing to mix up, the store takes this run's identity.
             return self._write_meta(identity, config_json, keep=meta)
         if not resume:
-            raise BatchingError(
+            raise RunConflictError(
                 f"progress store {self.path} already holds a run ({done} done, {failed} failed):"
-                " continue it (resume=True; vramctl process without --restart), discard it"
-                " (overwrite=True, or delete the file), or give a new output path"
+                " continue it (resume=True), discard it (overwrite=True, or delete the file),"
+                " or give a new output path",
+                path=self.path,
+                done=done,
+                failed=failed,
             )
         differences = self._differences(meta, identity, config_json)
         if differences:
-            raise BatchingError(
+            raise RunConflictError(
                 f"progress store {self.path} belongs to a different run ({done} done, {failed}"
-                f" failed): {'; '.join(differences)}. To start over, delete {self.path} or"
-                " give a new output path; to"
-                " continue it, use the manifest and config it was made with"
+                f" failed): {'; '.join(differences)}. To start over, discard it"
+                " (resume=False, overwrite=True, or delete the file) or give a new output"
+                " path; to continue it, use the manifest, model and settings it was made with",
+                path=self.path,
+                done=done,
+                failed=failed,
+                differences=differences,
             )
         return meta
 

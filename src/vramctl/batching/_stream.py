@@ -17,7 +17,7 @@ from typing import Any
 
 from vramctl.batching._audio import AudioBatches
 from vramctl.batching._chunk import chunk_items
-from vramctl.batching._manifest import Item, Manifest
+from vramctl.batching._manifest import Item, Manifest, audio_files
 from vramctl.batching._sampler import BucketingSampler
 
 __all__ = ["Loaded", "Remaining", "count_records"]
@@ -85,8 +85,10 @@ def count_records(path: str) -> int | None:
     """Non-blank lines of a JSON Lines or CSV manifest (less a CSV header), read fast.
 
     A line of only white space (``\\r`` of CRLF endings included) is blank, as the
-    manifest reader takes it.
+    manifest reader takes it. A folder: its audio files.
     """
+    if os.path.isdir(path):
+        return sum(1 for _ in audio_files(path))
     if not os.path.isfile(path) or path.endswith(".gz"):
         return None
     lines = 0

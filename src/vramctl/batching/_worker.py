@@ -63,6 +63,8 @@ class Worker:
         self.dev = dev
         self.sample_rate = sample_rate
         self.user_forward = forward
+        #: The forward reads the waveforms on the host (a checkpoint's feature extractor).
+        self._host_inputs = bool(getattr(forward, "host_inputs", False))
         self._make_model = make_model
         with dev.uncounted():  # made on the host; counted once, by its own device
             self.model = _place(make_model(), dev)
@@ -78,7 +80,7 @@ class Worker:
 
     def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> _Rows:
         waveforms, lengths = batch["waveforms"], batch["lengths"]
-        if model is self.model:  # not the CPU fallback's copy
+        if model is self.model and not self._host_inputs:  # not the CPU fallback's copy
             waveforms = self.dev.put(waveforms)
         out, frames = time_major(self.user_forward(model, waveforms, lengths))
         del waveforms
@@ -95,7 +97,7 @@ class Worker:
     def _output_length(self, model: nn.Module, samples: int) -> int:
         """The model's output frames for one input of ``samples`` samples (zeros)."""
         waveforms = torch.zeros(1, samples)
-        if model is self.model:
+        if model is self.model and not self._host_inputs:
             waveforms = self.dev.put(waveforms)
         with torch.no_grad():
             out, _ = time_major(self.user_forward(model, waveforms, torch.tensor([samples])))
@@ -196,4 +198,12 @@ def model_factory(model: nn.Module | ModelFactory, devices: int) -> Callable[[in
     if not callable(model):
         raise BatchingError(f"model must be an nn.Module or a factory, got {type(model)}")
     factory = model
-    return lambda k: factory()
+
+    def seeded(k: int) -> nn.Module:
+        # Under a fixed seed: a model with random weights (a built-in architecture, a
+        # factory that loads nothing) is the same on every device and in a resumed run.
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(0)  # the host's generator only
+            return factory()
+
+    return seeded

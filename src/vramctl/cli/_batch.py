@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import (
@@ -28,6 +28,9 @@ from vramctl.cli._common import (
     library_log_to,
     user_errors,
 )
+
+if TYPE_CHECKING:
+    from vramctl.batching import RunConflictError
 
 __all__ = ["demo_cmd", "process_cmd", "progress_bar"]
 
@@ -87,30 +90,15 @@ def _quiet_library_log() -> Iterator[None]:
         yield
 
 
-def _load_model(spec: str) -> Callable[[], Any]:
-    from torch import nn
-
+def _load_model(spec: str) -> Any:
+    """The demo's own models by name (random weights, said so); anything else as given."""
     from vramctl.cli._demo import MODELS, build_model
-    from vramctl.estimator import load_model_source, zoo
 
     if spec in MODELS:
-        return lambda: build_model(spec)
-    if ":" not in spec:
-        entry = zoo.get(spec)
-        if entry.inputs != "audio":
-            audio = [n for n in zoo.names() if zoo.get(n).inputs == "audio"]
-            names = sorted({*audio, *MODELS})
-            raise VramctlError(
-                f"{spec} takes {entry.inputs}, not audio: use {', '.join(names)},"
-                " or 'package.module:factory'"
-            )
-        return entry.build
-    _, source = load_model_source(spec)
-    if isinstance(source, nn.Module):
-        # The module itself: process copies it for each further device (a factory
-        # returning this one module would put every device's worker on the same model).
-        return source
-    return source  # a factory: a function, or an nn.Module class
+        from vramctl.batching import ModelSource
+
+        return ModelSource(spec, lambda: build_model(spec), kind="zoo", random_weights=True)
+    return spec
 
 
 def _budget(text: str | None) -> Any:
@@ -164,15 +152,17 @@ def process_cmd(
     model: Annotated[
         str,
         typer.Argument(
-            help="wav2vec2-base, hubert-base, wav2vec2-mini (random weights), or "
-            "'package.module:factory' returning an nn.Module that takes waveforms [B, T].",
+            help="A checkpoint: a folder saved with save_pretrained, or a Hub id like "
+            "facebook/wav2vec2-base-960h. Also 'package.module:factory' (an nn.Module taking "
+            "waveforms [B, T]) or wav2vec2-base, hubert-base, wav2vec2-mini (random weights).",
             show_default=False,
         ),
     ],
     manifest: Annotated[
         str,
         typer.Argument(
-            help="JSON Lines, CSV or Lhotse CutSet manifest: id, path, duration (or num_samples).",
+            help="A folder of audio files, or a JSON Lines, CSV or Lhotse manifest "
+            "(id, path, duration or num_samples).",
             show_default=False,
         ),
     ],
@@ -183,6 +173,15 @@ def process_cmd(
             show_default=False,
         ),
     ],
+    output_kind: Annotated[
+        str | None,
+        typer.Option(
+            "--output-kind",
+            help="text (a CTC checkpoint's transcript), frames, embedding or summary. "
+            "Default: text where the model has a tokenizer, else summary.",
+            show_default=False,
+        ),
+    ] = None,
     device: Annotated[
         list[str] | None,
         typer.Option(
@@ -190,10 +189,11 @@ def process_cmd(
             "-d",
             help="A device to use (repeat for several; 'sim:16GiB' simulates one). "
             "Default: every usable GPU, least loaded first, else the CPU.",
+            show_default=False,
         ),
     ] = None,
     max_devices: Annotated[
-        int | None, typer.Option(help="Use at most this many GPUs.", min=1)
+        int | None, typer.Option(help="Use at most this many GPUs.", min=1, show_default=False)
     ] = None,
     target: Annotated[
         float, typer.Option(help="Share of the smallest device's free memory for a batch.")
@@ -202,7 +202,8 @@ def process_cmd(
         str | None,
         typer.Option(
             help="Padded seconds of audio per batch (like 600s) instead of the memory budget "
-            "the estimator predicts for the model."
+            "the estimator predicts for the model.",
+            show_default=False,
         ),
     ] = None,
     chunk: Annotated[
@@ -211,84 +212,192 @@ def process_cmd(
     overlap: Annotated[float, typer.Option(help="Seconds of overlap between chunks.")] = 1.0,
     buckets: Annotated[int, typer.Option(help="Duration buckets.", min=1)] = 50,
     workers: Annotated[
-        int | None, typer.Option(help="Audio loading threads (default: up to 4).", min=0)
+        int | None,
+        typer.Option(help="Audio loading threads (default: up to 4).", min=0, show_default=False),
     ] = None,
     order: Annotated[str, typer.Option(help="Output order: manifest or id.")] = "manifest",
-    postprocess: Annotated[
-        str,
-        typer.Option(help="What to keep per recording: summary (frames, mean, std) or embedding."),
-    ] = "summary",
     loader: Annotated[
         str, typer.Option(help="audio (read the files) or synthetic (noise of each length).")
     ] = "audio",
-    sample_rate: Annotated[int, typer.Option(help="Sample rate the model takes.", min=1)] = 16000,
+    sample_rate: Annotated[
+        int | None,
+        typer.Option(
+            help="Sample rate the model takes (default: the checkpoint's, else 16000).",
+            min=1,
+            show_default=False,
+        ),
+    ] = None,
     progress_db: Annotated[
         str | None,
-        typer.Option("--progress", help="The progress store (default: OUT.progress.db)."),
+        typer.Option(
+            "--progress",
+            help="The progress store (default: OUT.progress.db).",
+            show_default=False,
+        ),
     ] = None,
-    restart: Annotated[
+    resume: Annotated[
         bool,
-        typer.Option(help="Refuse to continue an existing progress store (default: resume)."),
+        typer.Option(
+            "--resume",
+            help="Continue the run saved in the progress store (the default), if it was made "
+            "by the same manifest, model and settings.",
+        ),
+    ] = False,
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="Refuse to run if the progress store holds a run.")
+    ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Discard the run saved in the progress store, if any."),
+    ] = False,
+    allow_failures: Annotated[
+        bool,
+        typer.Option(
+            "--allow-failures", help="Exit 0 even when some recordings failed (else exit 1)."
+        ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
-    """Run a model over every recording of a manifest, durably, under a hard memory budget.
+    """Transcribe (or embed) every recording of a folder or manifest, durably, in memory.
 
-    Long recordings are chunked and stitched back; recordings are batched by duration,
-    each bucket's batch size predicted by the estimator for the model and device; every
-    step runs under the guard (a batch that runs out of memory finishes in pieces; one
-    item that fits nowhere runs on the CPU). Each batch is committed to a progress store,
-    so a killed run started again with the same command resumes, losing and repeating
-    nothing. Example:
+    Long recordings are chunked and stitched back before decoding; recordings are
+    batched by duration, each bucket's batch size predicted by the estimator for the
+    model and device; every step runs under the guard (a batch that runs out of memory
+    finishes in pieces; one item that fits nowhere runs on the CPU). Each batch is
+    committed to a progress store: an interrupted run (Ctrl-C, SIGTERM, a kill) started
+    again with the same command resumes, losing and repeating nothing; a different
+    model or setting on the same output is refused. Example:
 
-        vramctl process wav2vec2-base clips.jsonl out.jsonl --device cuda:0 --device cuda:1
+        vramctl process ./wav2vec2-base-960h recordings/ transcripts.jsonl
+
+    Exit status: 0 when every recording was processed; 1 when some failed (listed in
+    OUT.failed.jsonl; --allow-failures makes it 0); 2 for bad input; 130 when
+    interrupted.
     """
-    from vramctl.batching import process
+    from vramctl.batching import ProcessInterrupted, RunConflictError, process
 
     _check_process_options(target, chunk, overlap)
-    factory = _load_model(model)
-    bar = progress_bar(not quiet and not as_json)
-    with _devices(device) as devs, _quiet_library_log(), bar as update:
-        result = process(
-            factory,
-            manifest,
-            output,
-            devices=devs,
-            max_devices=max_devices,
-            budget=_budget(budget),
-            target=target,
-            chunk_duration=chunk,
-            overlap=overlap,
-            num_buckets=buckets,
-            sample_rate=sample_rate,
-            loader=loader,  # type: ignore[arg-type]
-            num_workers=workers,
-            order=order,  # type: ignore[arg-type]
-            postprocess=postprocess,  # type: ignore[arg-type]
-            progress=progress_db,
-            resume=not restart,
-            on_progress=update,
+    if sum((resume, fresh, overwrite)) > 1:
+        raise VramctlError("--resume, --fresh and --overwrite exclude each other: give one")
+    if output_kind is not None and output_kind not in _OUTPUT_KINDS:
+        raise VramctlError(
+            f"--output-kind {output_kind!r}: give {', '.join(_OUTPUT_KINDS[:-1])} or"
+            f" {_OUTPUT_KINDS[-1]}"
         )
+    source = _load_model(model)
+    bar = progress_bar(not quiet and not as_json)
+    try:
+        with _devices(device) as devs, _quiet_library_log(), _sigterm_interrupts(), bar as update:
+            result = process(
+                source,
+                manifest,
+                output,
+                devices=devs,
+                max_devices=max_devices,
+                budget=_budget(budget),
+                target=target,
+                chunk_duration=chunk,
+                overlap=overlap,
+                num_buckets=buckets,
+                sample_rate=sample_rate,
+                loader=loader,  # type: ignore[arg-type]
+                num_workers=workers,
+                order=order,  # type: ignore[arg-type]
+                postprocess=output_kind,
+                progress=progress_db,
+                resume=not fresh and not overwrite,
+                overwrite=overwrite,
+                on_progress=update,
+            )
+    except RunConflictError as exc:
+        raise VramctlError(_conflict_message(exc)) from None
+    except ProcessInterrupted as exc:
+        of = f" of {exc.total}" if exc.total is not None else ""
+        err.print(
+            f"[yellow]interrupted:[/] saved {exc.saved}{of} recordings in {exc.progress};"
+            " run the same command to resume",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(130) from None
+    _report_process(result, as_json, allow_failures)
+
+
+_OUTPUT_KINDS = ("text", "frames", "embedding", "summary")
+
+
+def _conflict_message(exc: RunConflictError) -> str:
+    """A refused resume, in the command line's own words (its flags, not Python's)."""
+    held = f"{exc.done} done, {exc.failed} failed"
+    if not exc.differences:
+        return (
+            f"progress store {exc.path} already holds a run ({held}) and --fresh was given:"
+            " resume it (leave --fresh out), discard it (--overwrite) or give another OUT"
+        )
+    return (
+        f"progress store {exc.path} was made by a different run ({held}):"
+        f" {'; '.join(exc.differences)}. Run with --overwrite to discard it and start over,"
+        " give another OUT, or use the model and settings it was made with to resume it"
+    )
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a scheduler's stop) ends the run as Ctrl-C does: committed work kept, said."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _report_process(result: Any, as_json: bool, allow_failures: bool) -> None:
+    """Print the run's result; exit 1 when something was not processed (unless allowed)."""
+    failed = result.store_failed + result.lost + result.manifest_problems
     if as_json:
         emit_json({"schema": "vramctl.process/1", **result.to_dict()}, indent=True)
-        return
-    console.print(
-        f"[bold]{result.done}[/] recordings done, {result.failed} failed, "
-        f"{result.skipped} done before; lost {result.lost}",
-        highlight=False,
-    )
-    console.print(
-        f"{result.items_per_s:.1f} items/s, {result.audio_hours_per_hour:.1f} h of audio per "
-        f"hour, padding {100 * result.padding:.1f}%, {result.ooms} OOMs recovered, "
-        f"{result.cpu_fallbacks} batches on the CPU",
-        highlight=False,
-    )
-    console.print(f"outputs: {result.output}\nfailures: {result.failed_path}", highlight=False)
-    for p in result.problems[:10]:
-        console.print(f"[yellow]skipped:[/] {p}", highlight=False, soft_wrap=True)
-    if result.manifest_problems > 10:
-        console.print(f"... {result.manifest_problems - 10} more bad manifest records")
+    else:
+        console.print(
+            f"[bold]{result.done}[/] recordings done, {result.failed} failed, "
+            f"{result.skipped} done before; lost {result.lost}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        console.print(
+            f"{result.items_per_s:.1f} items/s, {result.audio_hours_per_hour:.1f} h of audio per "
+            f"hour, padding {100 * result.padding:.1f}%, {result.ooms} OOMs recovered, "
+            f"{result.cpu_fallbacks} batches on the CPU",
+            highlight=False,
+            soft_wrap=True,
+        )
+        console.print(
+            f"outputs: {result.output}\nfailures: {result.failed_path}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if failed:
+        parts = []
+        if result.store_failed:
+            parts.append(f"{result.store_failed} recordings failed (see {result.failed_path})")
+        if result.manifest_problems:
+            parts.append(f"{result.manifest_problems} bad manifest records were skipped")
+        if result.lost:
+            parts.append(f"{result.lost} recordings were lost")
+        status = "" if allow_failures else "; exit 1 (--allow-failures makes it 0)"
+        err.print(
+            f"[yellow]not all processed:[/] {', '.join(parts)}{status}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        if not allow_failures:
+            raise typer.Exit(1)
 
 
 @app.command("demo")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,7 @@ __all__ = [
     "EstimateError",
     "ModelSource",
     "StepSpec",
+    "import_factory",
     "load_model_source",
     "prepare_model",
     "run_step",
@@ -214,14 +217,7 @@ def load_model_source(source: ModelSource) -> tuple[str, Callable[[], nn.Module]
         return type(source).__name__, source
     if isinstance(source, str):
         if ":" in source:
-            mod_name, _, attr = source.partition(":")
-            try:
-                obj = getattr(importlib.import_module(mod_name), attr)
-            except (ImportError, AttributeError) as exc:
-                raise EstimateError(
-                    f"cannot load model {source!r}: {exc}; give 'package.module:factory' "
-                    "where factory() returns an nn.Module"
-                ) from exc
+            obj = import_factory(source, error=EstimateError)
             if isinstance(obj, nn.Module):
                 return source, obj
             if not callable(obj):
@@ -235,6 +231,49 @@ def load_model_source(source: ModelSource) -> tuple[str, Callable[[], nn.Module]
         f"cannot estimate a {type(source).__name__}: give an nn.Module, a built-in name "
         f"({', '.join(zoo.names())}), 'package.module:factory' or a factory"
     )
+
+
+def import_factory(spec: str, *, error: type[VramctlError] = VramctlError) -> Any:
+    """The object ``'package.module:name'`` names, imported as ``python -m`` would find it.
+
+    The current directory comes first on the import path (as for ``python -m``), so a
+    ``mymodel.py`` in the folder the command runs from is found. A failing import is one
+    ``error`` that names the module, the folders searched and the fix.
+    """
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise error(f"cannot load {spec!r}: give 'package.module:factory'")
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and mod_name.split(".")[0] == exc.name.split(".")[0]:
+            raise error(
+                f"cannot load {spec!r}: no module named {exc.name!r} in {here} (the current"
+                " directory) or on the Python path; run the command from the folder that"
+                f" holds {mod_name.split('.')[0]}.py (or its package), or add that folder"
+                " to PYTHONPATH"
+            ) from exc
+        raise error(
+            f"cannot load {spec!r}: importing {mod_name!r} failed: {exc}; install what it imports"
+        ) from exc
+    except Exception as exc:
+        raise error(f"cannot load {spec!r}: importing {mod_name!r} failed: {exc!r}") from exc
+    finally:
+        if added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(here)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        names = sorted(n for n in vars(module) if not n.startswith("_"))[:12]
+        raise error(
+            f"cannot load {spec!r}: module {mod_name!r} ({getattr(module, '__file__', '?')})"
+            f" has no {attr!r}; it defines {', '.join(names) or 'nothing public'}"
+        ) from None
 
 
 def flat_tensors(tree: Any) -> Iterator[torch.Tensor]:
