@@ -207,7 +207,9 @@ DEVICE = {
     "use_device",
 }
 ESTIMATOR = {
+    "BATCH_BOUND",
     "LENGTH_BOUND",
+    "SEARCH_INPUT_BYTES",
     "AllocatorConfig",
     "AllocatorOutOfMemory",
     "CachingAllocatorModel",

@@ -246,3 +246,25 @@ def test_the_fresh_process_reports_its_failure() -> None:
         pytest.skip("this machine has a GPU: the cuda tests measure it")
     with pytest.raises(CalibrationError, match=r"the calibration process failed: .*CUDA"):
         _measure_in_child(0, timeout=120)
+
+
+def test_a_profile_of_this_gpu_narrows_the_device_range_and_another_gpus_does_less() -> None:
+    builtin = lstm_train(calibration=False)
+    assert not builtin.calibrated and builtin.device_uncertainty == 1024 * MiB
+    assert any("no calibration profile for A10G-24GB" in n for n in builtin.notes)
+    own = lstm_train(calibration=fitted())  # measured on an NVIDIA A10G: this GPU's model
+    assert own.calibrated and own.device_uncertainty == _cuda_model.CALIBRATED_UNCERTAINTY
+    assert own.calibration is not None and own.calibration.startswith("NVIDIA A10G")
+    assert not any("no calibration profile" in n for n in own.notes)
+    assert own.to_dict()["calibration"] == own.calibration
+    # Another GPU of the same compute capability (8.6): its constants, but not its certainty.
+    other = replace(fitted(), device="NVIDIA GeForce RTX 3090")
+    lent = lstm_train(calibration=other)
+    assert lent.calibration is not None and not lent.calibrated
+    assert lent.device_uncertainty == _cuda_model.OTHER_GPU_UNCERTAINTY
+    assert any("another GPU than A10G-24GB" in n for n in lent.notes)
+    assert any("no calibration profile for A10G-24GB" in n for n in lent.notes)
+    # Found by its compute capability alone, it is the same.
+    other.save()
+    found = lstm_train()
+    assert found.calibration == lent.calibration and not found.calibrated

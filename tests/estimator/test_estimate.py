@@ -191,3 +191,82 @@ def test_estimate_against_a_real_cuda_step() -> None:
         nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]), batch, device="cuda:0"
     )
     assert abs(est.peak_allocated - real) / real < 0.1
+
+
+# -- what an estimate says it used, and how sure its device peak is ----------------------
+
+
+def test_an_estimate_reports_the_inputs_it_used_defaults_included() -> None:
+    est = vramctl.estimate("lstm", batch_size=2, device="cpu")
+    assert est.seq_len == 256 and est.seconds is None  # lstm's default length
+    assert est.optimizer == "adamw" and est.checkpointing is False
+    doc = est.to_dict()
+    assert doc["seq_len"] == 256 and doc["optimizer"] == "adamw" and doc["batch_size"] == 2
+    infer = vramctl.estimate("lstm", batch_size=2, seq_len=32, device="cpu", mode="infer")
+    assert infer.seq_len == 32 and infer.optimizer is None  # inference runs no optimizer
+    assert vramctl.estimate(
+        mlp(), torch.randn(4, 256), device="cpu", optimizer="sgd"
+    ).optimizer == ("sgd")
+    # A length that went nowhere is null, and a note says it was not used.
+    given = vramctl.estimate(mlp(), torch.randn(4, 256), device="cpu", seq_len=128)
+    assert given.seq_len is None
+    assert any("seq_len=128 was given but not used" in n for n in given.notes)
+    unused = vramctl.estimate("lstm", batch_size=1, seconds=3.0, device="cpu", mode="infer")
+    assert unused.seconds is None and any("seconds=3.0" in n for n in unused.notes)
+
+
+def test_zoo_lengths_are_the_ones_its_batches_are_made_with() -> None:
+    from vramctl.estimator import zoo
+
+    assert zoo.get("gpt2").lengths() == (512, None)
+    assert zoo.get("llama-7b").lengths(seq_len=100) == (100, None)
+    assert zoo.get("wav2vec2-base").lengths() == (None, 10.0)
+    assert zoo.get("whisper-base").lengths() == (448, None)
+    assert zoo.get("resnet-50").lengths(seq_len=64) == (None, None)
+    assert zoo.make_batch("lstm", 2)["input_ids"].shape == (2, zoo.get("lstm").lengths()[0])
+
+
+def test_a_gpu_estimate_without_a_profile_says_so_and_carries_its_uncertainty() -> None:
+    GiB = 2**30
+    est = vramctl.estimate(mlp(), torch.randn(8, 256), device="T4-16GB")
+    assert est.cuda and not est.calibrated and est.calibration is None
+    assert est.device_uncertainty == GiB
+    assert est.peak_device_high == est.peak_device + GiB
+    assert est.peak_device == est.peak_reserved + est.breakdown["context"]
+    assert "no calibration profile for T4-16GB: run `vramctl calibrate` on it" in est.notes
+    assert "no calibration profile for T4-16GB" in str(est)
+    assert f"peak {est.device_range()} of" in str(est)  # the range is shown
+    assert est.device_range().endswith(f"to {vramctl.format_bytes(est.peak_device_high)}")
+    doc = est.to_dict()
+    assert doc["calibrated"] is False and doc["device_uncertainty_bytes"] == GiB
+    assert doc["peak_device_high_bytes"] == est.peak_device + GiB
+    # Convolutions add cuDNN's kernels and autotuning workspaces: 1.5 GiB.
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+    conv_est = vramctl.estimate(conv, torch.randn(2, 3, 32, 32), device="T4-16GB")
+    assert conv_est.device_uncertainty == GiB + GiB // 2
+    # A CPU target has no context: no range, nothing to calibrate.
+    cpu = vramctl.estimate(mlp(), torch.randn(8, 256), device="cpu")
+    assert not cpu.cuda and cpu.calibrated and cpu.device_uncertainty == 0
+    assert cpu.peak_device_high == cpu.peak_device
+    assert not any("calibrat" in n for n in cpu.notes)
+
+
+def test_fits_judges_the_safe_end_unless_asked_not_to() -> None:
+    x = torch.randn(8, 256)
+    probe = vramctl.estimate(mlp(), x, device="4GiB", target_utilization=1.0)
+    # A generic GPU whose memory lies between the point estimate and the safe end.
+    size = f"{(probe.peak_device + probe.device_uncertainty // 2) // 1024}KiB"
+    safe = vramctl.estimate(mlp(), x, device=size, target_utilization=1.0)
+    assert safe.peak_device == probe.peak_device
+    assert safe.fits_point and not safe.fits_safe
+    assert safe.safe and not safe.fits and safe.headroom < 0
+    assert safe.headroom == safe.budget - safe.peak_device_high
+    optimistic = vramctl.estimate(mlp(), x, device=size, target_utilization=1.0, safe=False)
+    assert optimistic.fits and not optimistic.safe and not optimistic.fits_safe
+    assert optimistic.headroom == optimistic.budget - optimistic.peak_device > 0
+    assert "no calibration profile for a" in str(safe)  # a GPU named by its size
+    # max_batch_size judges the same way.
+    mk = lambda b: torch.randn(b, 256)  # noqa: E731
+    assert vramctl.max_batch_size(mlp(), mk, device=size, target_utilization=1.0).batch_size == 0
+    loose = vramctl.max_batch_size(mlp(), mk, device=size, target_utilization=1.0, safe=False)
+    assert loose.batch_size > 0 and not loose.safe

@@ -26,7 +26,13 @@ from vramctl.cli._common import (
     parse_batches,
     user_errors,
 )
-from vramctl.cli._render import snapshot, status_json, status_view
+from vramctl.cli._render import (
+    estimate_table,
+    max_batch_lines,
+    snapshot,
+    status_json,
+    status_view,
+)
 from vramctl.device import Policy
 
 __all__ = ["app"]
@@ -273,6 +279,14 @@ def estimate_cmd(
         bool,
         typer.Option("--max-length", help="Also find the longest input that fits at batch 1."),
     ] = False,
+    optimistic: Annotated[
+        bool,
+        typer.Option(
+            "--optimistic",
+            help="Judge fits and --max-batch at the point estimate, not at the safe end of "
+            "the device range (up to 1.5 GiB higher for a GPU without a calibration profile).",
+        ),
+    ] = False,
     calibration: Annotated[
         str | None,
         typer.Option(
@@ -290,7 +304,10 @@ def estimate_cmd(
     """Predict a step's peak GPU memory without a GPU, and whether it fits.
 
     The step runs on fake tensors (no memory, no compute); the allocator, CUDA
-    context and workspaces are modelled for the device. Example:
+    context and workspaces are modelled for the device. What nvidia-smi shows is
+    given as a range: the CUDA context and cuDNN's workspaces vary with the driver
+    and CUDA version, by a gigabyte or more unless 'vramctl calibrate' measured
+    them on the GPU; fits and --max-batch judge at the range's safe end. Example:
 
         vramctl estimate gpt2 --precision amp-bf16 --batch 1,8,32 --seq-len 512 \\
             --device A10G-24GB --max-batch
@@ -318,6 +335,7 @@ def estimate_cmd(
         "checkpointing": checkpointing,
         "target_utilization": target_utilization,
         "calibration": _calibration_arg(calibration),
+        "safe": not optimistic,
     }
     results = []
     with err.status("tracing", spinner="dots") as spin:
@@ -328,35 +346,37 @@ def estimate_cmd(
         if max_batch or max_length:
             spin.update(f"searching the largest batch for {model}")
             best = vramctl.max_batch_size(model, batch_source, lengths=max_length, **common)
+    first = results[0]
     if as_json:
         emit_json(
             {
                 "schema": "vramctl.estimate/1",
+                "inputs": {
+                    "model": model,
+                    "batch_fn": batch_fn,
+                    "batch_sizes": sizes,
+                    "mode": first.mode,
+                    "precision": first.precision,
+                    "optimizer": first.optimizer,
+                    "seq_len": first.seq_len,
+                    "seconds": first.seconds,
+                    "checkpointing": first.checkpointing,
+                    "device": first.device,
+                    "capacity_bytes": first.capacity,
+                    "target_utilization": first.target_utilization,
+                    "calibration": first.calibration,
+                    "calibrated": first.calibrated,
+                    "safe": first.safe,
+                    "max_batch": max_batch,
+                    "max_length": max_length,
+                },
                 "estimates": [e.to_dict() for e in results],
                 "max_batch": None if best is None else best.to_dict(),
             },
             indent=True,
         )
         return
-    first = results[0]
-    table = Table(
-        title=f"{first.model} {first.mode} {first.precision} on {first.device} "
-        f"(budget {format_bytes(first.budget)} = {first.target_utilization:.0%} of "
-        f"{format_bytes(first.capacity)})",
-        title_justify="left",
-    )
-    for col in ("batch", "peak (device)", "allocated", "reserved", "fits", "traced in"):
-        table.add_column(col, justify="right")
-    for e in results:
-        table.add_row(
-            str(e.batch_size),
-            format_bytes(e.peak_device),
-            format_bytes(e.peak_allocated),
-            format_bytes(e.peak_reserved),
-            "[green]yes[/]" if e.fits else "[red]no[/]",
-            f"{e.elapsed:.2f} s",
-        )
-    console.print(table)
+    console.print(estimate_table(results))
     last = results[-1]
     console.print(
         f"breakdown at batch {last.batch_size} (peak at {last.peak_op} in "
@@ -372,11 +392,8 @@ def estimate_cmd(
         console.print(f"note: {n}", highlight=False, soft_wrap=True)
     if best is not None:
         if max_batch:
-            console.print(
-                f"largest batch that fits: [bold]{best.batch_size}[/] "
-                f"({format_bytes(best.per_sample)} per sample, confirmed by a trace)",
-                highlight=False,
-            )
+            for line in max_batch_lines(best, batch_fn):
+                console.print(line, highlight=False, soft_wrap=True)
         if best.max_length is not None:
             ceiling = ""
             if best.length_at_ceiling:

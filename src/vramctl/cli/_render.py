@@ -15,8 +15,16 @@ from rich.text import Text
 import vramctl
 from vramctl import NA, Device, MemoryState, ProcessMemory, format_bytes
 from vramctl.device import HealthState
+from vramctl.estimator import SEARCH_INPUT_BYTES, Estimate, MaxBatch
 
-__all__ = ["STATUS_SCHEMA", "snapshot", "status_json", "status_view"]
+__all__ = [
+    "STATUS_SCHEMA",
+    "estimate_table",
+    "max_batch_lines",
+    "snapshot",
+    "status_json",
+    "status_view",
+]
 
 STATUS_SCHEMA = "vramctl.status/1"
 
@@ -187,3 +195,100 @@ def _status_panels(snap: list[dict[str, Any]], every: float | None) -> Group:
             body.append(Text("no processes listed", style="dim"))
         panels.append(Panel(Group(*body), title=title, title_align="left", border_style=style))
     return Group(*panels)
+
+
+# -- vramctl estimate ---------------------------------------------------------------
+
+
+def _fits_cell(e: Estimate) -> str:
+    if e.fits_point == e.fits_safe:
+        return "[green]yes[/]" if e.fits else "[red]no[/]"
+    # Fits at the point estimate, not at the safe end of the range.
+    return "[yellow]maybe[/]"
+
+
+def estimate_table(results: list[Estimate]) -> Table:
+    """The estimates of one model at several batch sizes: the three peaks and the verdict."""
+    first = results[0]
+    uncertain = any(e.device_uncertainty for e in results)
+    if not first.cuda:
+        caption = "CPU target: live tensor bytes (no allocator or CUDA context to add)"
+    else:
+        caption = (
+            "allocated, reserved: torch.cuda.max_memory_allocated, max_memory_reserved; "
+            "nvidia-smi: reserved + CUDA context"
+        )
+    if uncertain:
+        caption += (
+            f", from the point estimate to {format_bytes(first.device_uncertainty)} above it "
+            f"(fits judged at the {'safe end' if first.safe else 'point estimate'}"
+            + (
+                "; maybe: fits at the point estimate only"
+                if any(e.fits_point != e.fits_safe for e in results)
+                else ""
+            )
+            + ")"
+        )
+    table = Table(
+        title=f"{first.model} {first.mode} {first.precision} on {first.device} "
+        f"(budget {format_bytes(first.budget)} = {first.target_utilization:.0%} of "
+        f"{format_bytes(first.capacity)})",
+        title_justify="left",
+        caption=caption,
+        caption_justify="left",
+    )
+    peak = "nvidia-smi" if first.cuda else "peak"
+    for col in ("batch", peak, "reserved", "allocated", "fits", "traced in"):
+        table.add_column(col, justify="right")
+    for e in results:
+        table.add_row(
+            str(e.batch_size),
+            e.device_range(),
+            format_bytes(e.peak_reserved),
+            format_bytes(e.peak_allocated),
+            _fits_cell(e),
+            f"{e.elapsed:.2f} s",
+        )
+    return table
+
+
+def max_batch_lines(best: MaxBatch, batch_fn: str | None = None) -> list[str]:
+    """What ``estimate --max-batch`` says: the answer and what it rests on, or that there
+    is none up to where the search could go."""
+    lines: list[str] = []
+    per = f"{format_bytes(best.per_sample)} per sample"
+    if best.limit_found and best.batch_size == 0:
+        lines.append("largest batch that fits: [bold]none[/] (batch 1 does not fit)")
+    elif best.limit_found:
+        n = best.batch_size
+        lines.append(
+            f"largest batch that fits: [bold]{n}[/] ({per}; traced: {n} fits, {n + 1} does not)"
+        )
+    else:
+        why = {
+            "limit": "the search's limit",
+            "bound": "the search's bound",
+            "input": f"a larger batch from {batch_fn or 'the batch function'} would take over "
+            f"{format_bytes(SEARCH_INPUT_BYTES)} of host memory to build",
+            "traces": "the search used up its traces",
+        }.get(best.stopped_by or "", "the search's end")
+        lines.append(
+            f"largest batch that fits: [bold]no limit found up to {best.batch_size}[/]: every "
+            f"batch traced fits ({per}); the search stopped there ({why}), larger batches may "
+            "fit too"
+        )
+    est = best.estimate
+    if est is not None and est.device_uncertainty:
+        if best.safe:
+            lines.append(
+                f"  judged at the safe end of the device range (nvidia-smi up to "
+                f"{format_bytes(est.device_uncertainty)} above the point estimate); "
+                "--optimistic judges at the point estimate"
+            )
+        else:
+            lines.append(
+                f"  judged at the point estimate (--optimistic): nvidia-smi may read up to "
+                f"{format_bytes(est.device_uncertainty)} more"
+            )
+    lines += [f"  note: {n}" for n in best.notes]
+    return lines

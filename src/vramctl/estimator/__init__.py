@@ -25,7 +25,13 @@ from vramctl.estimator._calibration import (
 )
 from vramctl.estimator._cuda_model import builtin as builtin_calibration
 from vramctl.estimator._estimate import estimate
-from vramctl.estimator._maxbatch import LENGTH_BOUND, MaxBatch, max_batch_size
+from vramctl.estimator._maxbatch import (
+    BATCH_BOUND,
+    LENGTH_BOUND,
+    SEARCH_INPUT_BYTES,
+    MaxBatch,
+    max_batch_size,
+)
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._spec import (
     EstimateError,
@@ -38,7 +44,9 @@ from vramctl.estimator._spec import (
 from vramctl.estimator._target import Target, resolve_target, run_target
 
 __all__ = [
+    "BATCH_BOUND",
     "LENGTH_BOUND",
+    "SEARCH_INPUT_BYTES",
     "AllocatorConfig",
     "AllocatorOutOfMemory",
     "CachingAllocatorModel",

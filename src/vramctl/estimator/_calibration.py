@@ -40,6 +40,7 @@ __all__ = [
     "fit_constants",
     "list_calibrations",
     "load_calibration",
+    "measured_on",
     "resolve_calibration",
 ]
 
@@ -308,6 +309,15 @@ def _catalog_name(device: str) -> str | None:
         with contextlib.suppress(VramctlError):
             spec = gpu_spec(device.removeprefix("sim:"))
     return spec.name if spec is not None else None
+
+
+def measured_on(cal: Calibration, device: str) -> bool:
+    """Whether ``cal`` was measured on ``device``'s GPU model (its name, or its catalog model:
+    a profile of ``NVIDIA A10G`` is for ``A10G-24GB``), not merely one of its capability."""
+    if _norm(cal.device) == _norm(device):
+        return True
+    model = _catalog_name(device)
+    return model is not None and _catalog_name(cal.device) == model
 
 
 def find_calibration(

@@ -32,7 +32,13 @@ from vramctl.device import ComputeCapability
 from vramctl.estimator._allocator import AllocatorConfig
 from vramctl.estimator._calibration import Calibration
 
-__all__ = ["builtin", "constants", "context_bytes", "cublas_workspace_bytes"]
+__all__ = [
+    "builtin",
+    "constants",
+    "context_bytes",
+    "cublas_workspace_bytes",
+    "device_uncertainty",
+]
 
 MiB = 2**20
 
@@ -83,3 +89,53 @@ def constants(
 ) -> Calibration:
     """The constants an estimate uses: the profile's where there is one, else the built-in."""
     return calibration if calibration is not None else builtin(device, cc)
+
+
+# -- how far above the modelled figure nvidia-smi may read -----------------------------
+#
+# The constants above model a context-light stack: CUDA 12 with lazy module loading (the
+# default on Linux from CUDA 12.2; it needs a driver of 515 or newer, and a library built
+# before CUDA 11.7 loads all of its kernels at start) and cuDNN's heuristics picking each
+# convolution's algorithm (``torch.backends.cudnn.benchmark`` off). A real process differs
+# mostly upwards:
+#
+# - eager module loading (an older CUDA or driver, ``CUDA_MODULE_LOADING=EAGER``) puts
+#   every kernel image of PyTorch, cuBLAS and cuDNN that the GPU's architecture can run on
+#   the device at start: a context of one to two GiB in place of a few hundred MiB;
+# - even with lazy loading, each kernel a step uses for the first time loads its module,
+#   so a model with many distinct kernels holds more context than the modelled one;
+# - ``cudnn.benchmark=True`` times every algorithm of each new convolution shape with
+#   the workspace it asks for, and the caching allocator keeps those blocks reserved;
+#   cuDNN's own kernels join the context.
+#
+# Published ``nvidia-smi`` figures for ResNet-50 training at batch 32-64 on an older CUDA
+# stack sit about 1.5 GB above a context-light prediction. Without a profile for the GPU,
+# an estimate therefore says that ``nvidia-smi`` may read up to 1 GiB more (the context),
+# and 1.5 GiB more for a step with convolutions (cuDNN's kernels and autotuning). A profile
+# measured on the same GPU model with this software stack (``vramctl calibrate``) leaves
+# the kernels its workloads did not load: 128 MiB. One measured on another GPU (of the
+# same compute capability, or named explicitly) leaves what differs by GPU model, its
+# kernel images and cuDNN's choices: 512 MiB. A CPU target has no context: 0.
+
+#: ``nvidia-smi`` may read this much above an estimate made with the built-in constants.
+UNCALIBRATED_UNCERTAINTY = 1024 * MiB
+#: ... and this much more when the step runs convolutions (cuDNN's kernels, autotuning).
+UNCALIBRATED_CONVOLUTION_UNCERTAINTY = 512 * MiB
+#: With a profile measured on another GPU model.
+OTHER_GPU_UNCERTAINTY = 512 * MiB
+#: With a profile measured on this GPU model.
+CALIBRATED_UNCERTAINTY = 128 * MiB
+
+
+def device_uncertainty(calibration: Calibration | None, same_gpu: bool, convolutions: bool) -> int:
+    """Bytes ``nvidia-smi`` may read above the modelled device peak of a CUDA step.
+
+    ``calibration`` is the profile used (None: the built-in constants), ``same_gpu``
+    whether it was measured on the target's GPU model, ``convolutions`` whether the
+    step runs any. The figures and their reasons are above.
+    """
+    if calibration is None:
+        return UNCALIBRATED_UNCERTAINTY + (
+            UNCALIBRATED_CONVOLUTION_UNCERTAINTY if convolutions else 0
+        )
+    return CALIBRATED_UNCERTAINTY if same_gpu else OTHER_GPU_UNCERTAINTY

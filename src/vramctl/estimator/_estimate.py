@@ -43,6 +43,7 @@ def estimate(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     allocator_config: AllocatorConfig | None = None,
     calibration: CalibrationSource = None,
+    safe: bool = True,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
 
@@ -62,6 +63,12 @@ def estimate(
     profile made by ``vramctl calibrate`` on that GPU or one of its compute
     capability, where there is one; ``calibration=False`` uses the built-in ones,
     and a :class:`~vramctl.estimator.Calibration` or a profile's path picks one.
+
+    Those constants differ by driver, CUDA version, module loading and
+    ``cudnn.benchmark``, so ``nvidia-smi`` may read up to ``device_uncertainty``
+    more than ``peak_device`` (1 GiB or more without a profile of the GPU; see
+    :class:`~vramctl.estimator.Estimate`). ``fits`` judges at that safe end;
+    ``safe=False`` judges at the point estimate ``peak_device`` instead.
     """
     t0 = time.perf_counter()
     session = open_session(
@@ -75,6 +82,7 @@ def estimate(
         loss_fn=loss_fn,
         allocator_config=allocator_config,
         calibration=calibration,
+        safe=safe,
     )
     est = session.estimate(model, batch, batch_size, seq_len, seconds)
     return dataclasses.replace(est, elapsed=time.perf_counter() - t0)

@@ -4,7 +4,12 @@ Peak memory is affine in the batch size for most models (weights and optimizer
 state are fixed, activations grow with each sample), and at most quadratic in
 the sequence length (attention scores under the math kernel). A few traced
 sizes give the curve; the answer it predicts is then traced itself, and moved
-until the largest fitting size is confirmed by a trace.
+until a trace shows that it fits and one of one more sample that it does not.
+
+When the probes' peaks do not tell the sizes apart (the allocator rounds a
+small model's per-sample bytes away), the search doubles the batch until memory
+binds. If it never does up to the search's ceiling, the result says so
+(``limit_found`` False) rather than presenting the ceiling as the answer.
 """
 
 from __future__ import annotations
@@ -26,20 +31,32 @@ from vramctl.estimator._session import open_session
 from vramctl.estimator._spec import EstimateError, ModelSource
 from vramctl.estimator._target import Target
 
-__all__ = ["LENGTH_BOUND", "MaxBatch", "max_batch_size"]
+__all__ = ["BATCH_BOUND", "LENGTH_BOUND", "SEARCH_INPUT_BYTES", "MaxBatch", "max_batch_size"]
+
+#: The largest batch the search traces when no ``limit`` is given (about 16.8 million).
+BATCH_BOUND = 1 << 24
+#: The host memory the largest batch the search builds with a ``batch`` callable may take:
+#: each traced size is a real batch from the callable, so the search stops short of one
+#: that would take more (the built-in models' float inputs are never touched: no bound).
+SEARCH_INPUT_BYTES = 2 * 2**30
+#: The first traced guess is at most this many times the largest probe (a slope the
+#: allocator's rounding made tiny must not send the first trace to the ceiling).
+_FIRST_JUMP = 1024
 
 
 @dataclass(frozen=True)
 class MaxBatch:
     """The largest batch that fits, and the traces that show it."""
 
-    #: Largest batch size that fits (0: not even one sample fits).
+    #: Largest batch size that fits (0: not even one sample fits). When ``limit_found``
+    #: is False, the largest size traced, all of which fit: larger ones may fit too.
     batch_size: int
     #: The estimate at ``batch_size`` (None when nothing fits).
     estimate: Estimate | None
     #: Every traced point: (batch size, peak device bytes, fits).
     curve: list[tuple[int, int, bool]] = field(default_factory=list)
-    #: Bytes per extra sample and fixed bytes of the affine fit.
+    #: Bytes per extra sample and fixed bytes of the affine fit through the traces near
+    #: the answer (the probes alone can show 0 when the allocator rounds samples away).
     per_sample: float = 0.0
     fixed: float = 0.0
     #: With ``lengths=True``: the largest length that fits at batch 1 (None otherwise).
@@ -50,10 +67,30 @@ class MaxBatch:
     #: Whether ``max_length`` is the longest length searched (the model's limit, or
     #: :data:`LENGTH_BOUND` for a model without one): longer inputs may fit too.
     length_at_ceiling: bool = False
+    #: Whether traces bracket ``batch_size``: it fits and ``batch_size + 1`` does not (or
+    #: could not be traced; ``notes`` say so). False: no limit was found up to
+    #: ``search_ceiling``.
+    limit_found: bool = True
+    #: The largest batch the search could trace: ``limit``, :data:`BATCH_BOUND`, or less
+    #: where a larger batch from the callable would take over :data:`SEARCH_INPUT_BYTES`.
+    search_ceiling: int = 0
+    #: Why a search that found no limit stopped: ``"limit"`` (the ``limit`` given),
+    #: ``"bound"`` (:data:`BATCH_BOUND`), ``"input"`` (the callable's next batch would
+    #: take over :data:`SEARCH_INPUT_BYTES` of host memory) or ``"traces"`` (the search
+    #: used its traces up); None when ``limit_found``.
+    stopped_by: str | None = None
+    #: Whether fitting was judged at the safe end of each estimate's device range.
+    safe: bool = True
+    #: What the answer rests on beyond fitting traces (sizes that could not be traced).
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "max_batch_size": self.batch_size,
+            "limit_found": self.limit_found,
+            "search_ceiling": self.search_ceiling,
+            "stopped_by": self.stopped_by,
+            "safe": self.safe,
             "per_sample_bytes": round(self.per_sample),
             "fixed_bytes": round(self.fixed),
             "curve": [
@@ -66,6 +103,7 @@ class MaxBatch:
                 {"length": n, "peak_device_bytes": p, "fits": f} for n, p, f in self.length_curve
             ],
             "estimate": None if self.estimate is None else self.estimate.to_dict(),
+            "notes": list(self.notes),
             "elapsed_s": round(self.elapsed, 3),
         }
 
@@ -113,24 +151,32 @@ def max_batch_size(
     checkpointing: bool = False,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     probe: Sequence[int] = (1, 2, 4),
-    limit: int = 1 << 16,
+    limit: int | None = None,
     lengths: bool = False,
     allocator_config: AllocatorConfig | None = None,
     calibration: CalibrationSource = None,
+    safe: bool = True,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.
 
     ``batch`` is a callable ``batch_size -> batch`` (built-in models need
     none). The peak is traced at the ``probe`` sizes, an affine fit predicts the
-    answer, and traces confirm it: the answer fits and one more sample does
-    not (or ``limit`` is reached). With ``lengths=True`` (built-in text and
-    speech models) the largest ``seq_len`` or ``seconds`` at batch 1 is found
-    the same way from a quadratic fit. ``calibration`` is as for
-    :func:`~vramctl.estimator.estimate`.
+    answer, and traces bracket it: the answer fits and one more sample does not.
+    Where the probes cannot tell sizes apart, the batch doubles until memory
+    binds. The search goes up to ``limit`` (default :data:`BATCH_BOUND`, and no
+    further than a batch from ``batch`` of :data:`SEARCH_INPUT_BYTES`); if every
+    size up to there fits, ``limit_found`` is False and ``batch_size`` is the
+    largest traced. With ``lengths=True`` (built-in text and speech models) the
+    largest ``seq_len`` or ``seconds`` at batch 1 is found the same way from a
+    quadratic fit. ``calibration`` and ``safe`` are as for
+    :func:`~vramctl.estimator.estimate`: by default a size fits when the safe
+    end of its device range does.
     """
     t0 = time.perf_counter()
     if not probe or any(p < 1 for p in probe) or len(set(probe)) < 2:
         raise EstimateError("probe needs at least two distinct batch sizes of 1 or more")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise EstimateError(f"limit must be a positive integer, got {limit!r}")
     session = open_session(
         model,
         device=device,
@@ -142,9 +188,10 @@ def max_batch_size(
         loss_fn=loss_fn,
         allocator_config=allocator_config,
         calibration=calibration,
+        safe=safe,
     )
-    budget = int(session.target.capacity * target_utilization)
     cache: dict[tuple[int, float | None], Estimate] = {}
+    host: dict[int, int] = {}
 
     def at(b: int, n: float | None = None) -> Estimate:
         key = (b, n)
@@ -152,65 +199,116 @@ def max_batch_size(
             sl = int(n) if n is not None and length_arg == "seq_len" else seq_len
             sec = float(n) if n is not None and length_arg == "seconds" else seconds
             cache[key] = session.estimate(model, batch, b, sl, sec)
+            if n is None:
+                host[b] = session.last_batch_bytes
         return cache[key]
 
     length_arg = None
+    builtin = isinstance(model, str) and ":" not in model and batch is None
     if lengths:
-        if not isinstance(model, str) or ":" in model:
+        if not builtin:
             raise EstimateError("lengths=True needs a built-in model name")
+        assert isinstance(model, str)
         length_arg = zoo.get(model).length_arg
         if length_arg is None:
             raise EstimateError(f"{model} takes fixed-size inputs; it has no length to search")
 
-    points = [(b, at(b).peak_device) for b in sorted(set(probe))]
+    probes = sorted(set(probe))
+    points = [(b, at(b).peak_device) for b in probes]
     slope, fixed = _affine(points)
+    # The budget the judged peak is held to, in peak_device's terms (less the device
+    # range's uncertainty when judging at its safe end).
+    budget = at(probes[0]).peak_device + at(probes[0]).headroom
+    ceiling = limit if limit is not None else BATCH_BOUND
+    stop = "limit" if limit is not None else "bound"
+    per_input = max(host[b] / b for b in probes)
+    if not builtin and per_input > 0 and SEARCH_INPUT_BYTES // per_input < ceiling:
+        ceiling, stop = max(probes[-1], int(SEARCH_INPUT_BYTES // per_input)), "input"
+    untraceable: dict[int, str] = {}
+    notes: list[str] = []
     if not at(1).fits:
-        best = 0
+        best, found = 0, True
     else:
-        guess = limit if slope <= 0 else int((budget - fixed) // slope)
-        fitting = sorted(b for b, _ in points if at(b).fits)
-        best = _confirm(at, max(1, min(guess, limit)), limit, slope, fitting)
+        guess = 2 * probes[-1] if slope <= 0 else int((budget - fixed) // slope)
+        guess = min(guess, _FIRST_JUMP * probes[-1], ceiling)
+        fitting = sorted(b for b, _ in points if at(b).fits and b <= ceiling)
+        best, _hi = _confirm(at, max(1, guess), ceiling, slope, fitting, untraceable)
+        # Found only where a trace of one more sample does not fit (or could not be made).
+        above = cache.get((best + 1, None))
+        found = (above is not None and not above.fits) or best + 1 in untraceable
+        if not found and best < ceiling:
+            stop = "traces"
+        if best + 1 in untraceable:
+            notes.append(
+                f"batch {best + 1} could not be traced, so it counts as not fitting: "
+                f"{untraceable[best + 1]}"
+            )
     result_est = at(best) if best else None
+    curve = sorted((b, e.peak_device, e.fits) for (b, n), e in cache.items() if n is None)
+    per, base = _affine_near(curve, best) if best else (slope, fixed)
 
     max_len: int | float | None = None
     length_curve: list[tuple[float, int, bool]] = []
     at_ceiling = False
     if lengths and length_arg is not None and isinstance(model, str):
         max_len, length_curve, at_ceiling = _search_length(model, length_arg, at, budget)
-    curve = sorted((b, e.peak_device, e.fits) for (b, n), e in cache.items() if n is None)
     return MaxBatch(
         best,
         result_est,
         curve,
-        slope,
-        fixed,
+        per,
+        base,
         max_len,
         length_arg,
         length_curve,
         time.perf_counter() - t0,
         at_ceiling,
+        limit_found=found,
+        search_ceiling=ceiling,
+        stopped_by=None if found else stop,
+        safe=safe,
+        notes=tuple(notes),
     )
 
 
+def _affine_near(curve: Sequence[tuple[int, int, bool]], best: int) -> tuple[float, float]:
+    """The affine fit through the traces from a quarter of ``best`` up (all of them when
+    fewer than two sizes lie there): the slope near the answer, not the probes'."""
+    near = [(b, p) for b, p, _ in curve if b >= best / 4]
+    if len({b for b, _ in near}) < 2:
+        near = [(b, p) for b, p, _ in curve]
+    return _affine(near)
+
+
 def _confirm(
-    at: Callable[[int], Estimate], guess: int, limit: int, slope: float, fitting: list[int]
-) -> int:
+    at: Callable[[int], Estimate],
+    guess: int,
+    ceiling: int,
+    slope: float,
+    fitting: list[int],
+    untraceable: dict[int, str] | None = None,
+) -> tuple[int, int | None]:
     """From the fitted guess to the largest size whose trace fits (and whose +1 does not).
 
-    Keeps a bracket (largest fitting, smallest not fitting) and proposes the
-    size the line through the two nearest traced points predicts, clamped
-    inside the bracket (or doubling while nothing above is known): an
-    interpolation search that ends in a few traces when memory is affine.
+    Returns (largest fitting size traced, smallest non-fitting size traced or None).
+    While nothing above is known to fail, the size grows to where the chord from the
+    smallest fitting trace meets the budget, by at least 1/64 and at most doubling, up
+    to ``ceiling``. Then the bracket is narrowed where the line through its ends meets
+    the budget, every third step at its middle: an interpolation search that ends in a
+    few traces when memory is affine, and in logarithmically many when the allocator's
+    rounding makes it jumpy. A size that cannot be traced counts as not fitting
+    (``untraceable`` gets why).
     """
     lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
-    untraceable: set[int] = set()
+    failed = {} if untraceable is None else untraceable
     b = guess
-    for _ in range(40):
+    bracketed = 0
+    for _ in range(80):
         try:
             fits = at(b).fits
-        except EstimateError:
+        except EstimateError as exc:
             # A batch too big to trace (the probes, smaller, traced) does not fit.
-            untraceable.add(b)
+            failed[b] = str(exc)
             fits = False
         if fits:
             fitting.append(b)
@@ -218,21 +316,31 @@ def _confirm(
             lo = max(lo, b)
         else:
             hi = b if hi is None else min(hi, b)
-        if lo >= limit or (hi is not None and hi <= lo + 1):
+        if lo >= ceiling or (hi is not None and hi <= lo + 1):
             break
-        # The line through the traced points nearest the budget predicts the next size.
+        # The line through the traced points predicts the next size.
         if hi is None:
             per = max(slope, 1.0)
             below = [x for x in fitting if x < lo]
-            if below and at(lo).peak_device > at(below[-1]).peak_device:
-                prev = at(below[-1])
-                per = (at(lo).peak_device - prev.peak_device) / (lo - below[-1])
+            if below and at(lo).peak_device > at(below[0]).peak_device:
+                # The chord from the smallest fitting size: peak is convex in the batch,
+                # so it is at most the slope at lo, and the step it gives reaches the edge.
+                first = at(below[0])
+                per = (at(lo).peak_device - first.peak_device) / (lo - below[0])
             step = int(at(lo).headroom // per) if lo else 0
-            b = min(limit, max(lo + 1, min(lo + step, 2 * lo)))
+            b = min(ceiling, max(lo + 1, lo + lo // 64, min(lo + step, 2 * lo)))
         else:
+            # The line through the bracket's traces, or (every third step, so that peaks
+            # the allocator's rounding makes jumpy cannot creep it up one by one) its middle.
+            bracketed += 1
             base = at(lo) if lo else None
-            top = None if hi in untraceable else at(hi)
-            if base is not None and top is not None and top.peak_device > base.peak_device:
+            top = None if hi in failed else at(hi)
+            if (
+                bracketed % 3
+                and base is not None
+                and top is not None
+                and top.peak_device > base.peak_device
+            ):
                 per = (top.peak_device - base.peak_device) / (hi - lo)
                 b = lo + int(base.headroom // per)
             else:
@@ -242,8 +350,8 @@ def _confirm(
             if b == lo and hi - lo > 1:
                 b = lo + 1
             if b <= 0:
-                return 0
-    return lo
+                return 0, hi
+    return lo, hi
 
 
 #: The longest input a length search tries for a model without a length limit:

@@ -7,7 +7,7 @@ from typing import Any
 
 from vramctl._units import format_bytes
 
-__all__ = ["CATEGORIES", "Estimate"]
+__all__ = ["CATEGORIES", "Estimate", "uncalibrated_note"]
 
 CATEGORIES = (
     "parameters",
@@ -26,11 +26,25 @@ CATEGORIES = (
 class Estimate:
     """A step's predicted peak memory on a device, and where it goes.
 
-    ``peak_allocated`` and ``peak_reserved`` are what ``torch.cuda``'s
-    ``max_memory_allocated`` and ``max_memory_reserved`` would report;
-    ``peak_device`` adds the CUDA context (what ``nvidia-smi`` shows for the
-    process). On a CPU target the three equal ``logical_peak``, the bytes of
-    live tensor storages.
+    Three peaks, each what a different tool would show for the step's process:
+
+    - ``peak_allocated``: PyTorch's allocator peak, what
+      ``torch.cuda.max_memory_allocated`` would report (live tensor blocks);
+    - ``peak_reserved``: what ``torch.cuda.max_memory_reserved`` would report (the
+      caching allocator's segments, cached blocks included);
+    - ``peak_device``: ``peak_reserved`` plus the CUDA context (driver state and loaded
+      kernels, outside the allocator): what ``nvidia-smi`` shows for the process. It is
+      the sum of ``breakdown``, whose ``context`` entry is what the reserved peak leaves
+      out.
+
+    ``peak_device`` is modelled with constants that differ by driver, CUDA version,
+    module loading and ``cudnn.benchmark``: ``nvidia-smi`` may read up to
+    ``device_uncertainty`` more, ``peak_device_high`` (large when ``calibrated`` is
+    False: no ``vramctl calibrate`` profile for the GPU). ``fits`` and ``headroom``
+    judge by ``peak_device_high`` unless the estimate was made with ``safe=False``.
+
+    On a CPU target the three peaks equal ``logical_peak``, the bytes of live tensor
+    storages, and there is no uncertainty.
     """
 
     model: str
@@ -39,11 +53,19 @@ class Estimate:
     mode: str
     precision: str
     batch_size: int | None
+    #: The tokens per sample the batch was made with (a built-in text model's default
+    #: included); None when the model's inputs take no such length.
     seq_len: int | None
+    #: The audio seconds per sample, as ``seq_len`` is for tokens.
     seconds: float | None
+    #: Bytes of live tensor storages at the peak, before any CUDA modelling.
     logical_peak: int
+    #: What ``torch.cuda.max_memory_allocated`` would report.
     peak_allocated: int
+    #: What ``torch.cuda.max_memory_reserved`` would report (no CUDA context).
     peak_reserved: int
+    #: ``peak_reserved`` plus the CUDA context: what ``nvidia-smi`` shows for the process
+    #: (the point estimate, and the low end of its range).
     peak_device: int
     #: Bytes by category at the peak; they sum to ``peak_device``.
     breakdown: dict[str, int]
@@ -51,6 +73,8 @@ class Estimate:
     peak_module: str
     peak_phase: str
     target_utilization: float
+    #: Whether the step fits the budget, judged at ``peak_device_high`` (``safe``, the
+    #: default) or at ``peak_device`` (made with ``safe=False``).
     fits: bool
     #: Assumptions where the trace could not know values (data-dependent operators).
     assumptions: tuple[str, ...] = ()
@@ -59,6 +83,29 @@ class Estimate:
     ops: int = 0
     elapsed: float = 0.0
     parameters: int = 0
+    #: The optimizer the training step used (its name, or a callable's); None for
+    #: inference or none.
+    optimizer: str | None = None
+    checkpointing: bool = False
+    #: Whether CUDA's extras (context, workspaces, caching allocator) were modelled.
+    cuda: bool = False
+    #: The calibration profile whose constants were used, described (its GPU, date and
+    #: software); None for the built-in constants or a CPU target.
+    calibration: str | None = None
+    #: False for a GPU estimate without a profile measured on this GPU model (built-in
+    #: constants, or another GPU's profile): its ``peak_device`` is then the least certain
+    #: figure. True for a profile of this GPU, and for a CPU target (nothing to calibrate).
+    calibrated: bool = True
+    #: Bytes ``nvidia-smi`` may read above ``peak_device`` (the CUDA context and cuDNN
+    #: workspaces vary by driver, CUDA version, module loading and ``cudnn.benchmark``).
+    device_uncertainty: int = 0
+    #: Whether ``fits`` and ``headroom`` judge at ``peak_device_high`` (True) or at
+    #: ``peak_device`` (False).
+    safe: bool = True
+    #: Whether the step fits at ``peak_device``, the point estimate.
+    fits_point: bool = False
+    #: Whether the step fits at ``peak_device_high``, the safe end.
+    fits_safe: bool = False
 
     @property
     def budget(self) -> int:
@@ -66,9 +113,20 @@ class Estimate:
         return int(self.capacity * self.target_utilization)
 
     @property
+    def peak_device_high(self) -> int:
+        """The high (safe) end of what ``nvidia-smi`` may show: ``peak_device`` plus
+        ``device_uncertainty``."""
+        return self.peak_device + self.device_uncertainty
+
+    @property
+    def judged_peak(self) -> int:
+        """The peak ``fits`` and ``headroom`` judge by: ``peak_device_high`` when ``safe``."""
+        return self.peak_device_high if self.safe else self.peak_device
+
+    @property
     def headroom(self) -> int:
-        """Budget left at the peak (negative when it does not fit)."""
-        return self.budget - self.peak_device
+        """Budget left at ``judged_peak`` (negative when it does not fit)."""
+        return self.budget - self.judged_peak
 
     @property
     def exact(self) -> bool:
@@ -85,17 +143,27 @@ class Estimate:
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "seconds": self.seconds,
+            "optimizer": self.optimizer,
+            "checkpointing": self.checkpointing,
             "parameters": self.parameters,
+            "cuda": self.cuda,
+            "calibrated": self.calibrated,
+            "calibration": self.calibration,
             "logical_peak_bytes": self.logical_peak,
             "peak_allocated_bytes": self.peak_allocated,
             "peak_reserved_bytes": self.peak_reserved,
             "peak_device_bytes": self.peak_device,
+            "device_uncertainty_bytes": self.device_uncertainty,
+            "peak_device_high_bytes": self.peak_device_high,
             "breakdown_bytes": dict(self.breakdown),
             "peak_at": {"op": self.peak_op, "module": self.peak_module, "phase": self.peak_phase},
             "target_utilization": self.target_utilization,
             "budget_bytes": self.budget,
+            "safe": self.safe,
             "headroom_bytes": self.headroom,
             "fits": self.fits,
+            "fits_point": self.fits_point,
+            "fits_safe": self.fits_safe,
             "exact": self.exact,
             "assumptions": list(self.assumptions),
             "notes": list(self.notes),
@@ -104,16 +172,45 @@ class Estimate:
             "elapsed_s": round(self.elapsed, 4),
         }
 
+    def device_range(self) -> str:
+        """``peak_device`` and, when uncertain, the range up to ``peak_device_high``."""
+        if not self.device_uncertainty:
+            return format_bytes(self.peak_device)
+        return f"{format_bytes(self.peak_device)} to {format_bytes(self.peak_device_high)}"
+
     def __str__(self) -> str:
         verdict = "fits" if self.fits else "does NOT fit"
+        if self.fits_point != self.fits_safe:
+            verdict += f" (at the {'safe end' if self.safe else 'point estimate'})"
         lines = [
             f"{self.model} {self.mode} {self.precision} batch {self.batch_size} on {self.device}: "
-            f"peak {format_bytes(self.peak_device)} of {format_bytes(self.budget)} "
+            f"peak {self.device_range()} of {format_bytes(self.budget)} "
             f"({self.target_utilization:.0%} of {format_bytes(self.capacity)}), {verdict}",
-            f"  allocated {format_bytes(self.peak_allocated)}, "
-            f"reserved {format_bytes(self.peak_reserved)}; peak at {self.peak_op} in "
-            f"{self.peak_module or '(top level)'} ({self.peak_phase})",
         ]
+        if self.cuda:
+            lines.append(
+                f"  allocated {format_bytes(self.peak_allocated)} (max_memory_allocated), "
+                f"reserved {format_bytes(self.peak_reserved)} (max_memory_reserved), "
+                f"device {format_bytes(self.peak_device)} (nvidia-smi: reserved + context)"
+            )
+        lines.append(
+            f"  peak at {self.peak_op} in {self.peak_module or '(top level)'} ({self.peak_phase})"
+        )
         lines += [f"  {k:<12} {format_bytes(v):>12}" for k, v in self.breakdown.items() if v]
         lines += [f"  assumed: {a}" for a in self.assumptions]
+        lines += [f"  {n}" for n in self.notes if n.startswith(_UNCALIBRATED)]
         return "\n".join(lines)
+
+
+def uncalibrated_note(device: str, generic: bool = False) -> str:
+    """What an estimate for a GPU without its own calibration profile says (``generic``: a
+    GPU named by its size alone, which no profile can be found for)."""
+    if generic:
+        return (
+            f"{_UNCALIBRATED} for a {device} GPU: run `vramctl calibrate` on the GPU "
+            "you mean and pass its profile"
+        )
+    return f"{_UNCALIBRATED} for {device}: run `vramctl calibrate` on it"
+
+
+_UNCALIBRATED = "no calibration profile"

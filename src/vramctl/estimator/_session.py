@@ -4,6 +4,7 @@ each trace replayed through the CUDA caching-allocator model into an :class:`Est
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import numbers
@@ -19,17 +20,18 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from vramctl._errors import VramctlError
 from vramctl._step import call_model
+from vramctl._units import format_bytes
 from vramctl.device import Device
-from vramctl.estimator import zoo
+from vramctl.estimator import _cuda_model, zoo
 from vramctl.estimator._allocator import (
     AllocatorConfig,
     AllocatorOutOfMemory,
     CachingAllocatorModel,
 )
 from vramctl.estimator._autocast import CudaAutocast
-from vramctl.estimator._calibration import CalibrationSource
+from vramctl.estimator._calibration import CalibrationSource, measured_on
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace
-from vramctl.estimator._result import CATEGORIES, Estimate
+from vramctl.estimator._result import CATEGORIES, Estimate, uncalibrated_note
 from vramctl.estimator._spec import (
     BatchSource,
     EstimateError,
@@ -74,6 +76,10 @@ class Session:
     build_seconds: float = 0.0
     target_utilization: float = 0.9
     allocator_config: AllocatorConfig | None = None
+    #: Whether verdicts judge at the safe end of the device peak's range.
+    safe: bool = True
+    #: Host bytes of the tensors of the last batch traced (the search bounds its batches).
+    last_batch_bytes: int = 0
 
     @classmethod
     def open(cls, source: ModelSource, spec: StepSpec, target: Target) -> Session:
@@ -121,16 +127,34 @@ class Session:
         """Trace one batch and turn the trace into an :class:`Estimate`."""
         t0 = time.perf_counter()
         real, size = make_batch_for(self, source, batch, batch_size, seq_len, seconds)
+        self.last_batch_bytes = sum(t.nbytes for t in flat_tensors(real) if not t.is_meta)
         traced = self.trace(real, size)
-        return build_estimate(
+        used_len, used_sec = _lengths_used(source, batch, seq_len, seconds)
+        est = build_estimate(
             self,
             traced,
             target_utilization=self.target_utilization,
-            seq_len=seq_len,
-            seconds=seconds,
+            seq_len=used_len,
+            seconds=used_sec,
             elapsed=time.perf_counter() - t0,
             allocator_config=self.allocator_config,
         )
+        why = (
+            f"{self.name}'s inputs take no such length"
+            if batch is None
+            else "the batch is made by what was passed, not from it"
+        )
+        unused = [
+            f"{name}={given} was given but not used: {why}"
+            for name, given, used in (
+                ("seq_len", seq_len, used_len),
+                ("seconds", seconds, used_sec),
+            )
+            if given is not None and used is None
+        ]
+        if unused:
+            est = dataclasses.replace(est, notes=(*est.notes, *unused))
+        return est
 
     @property
     def parameter_count(self) -> int:
@@ -266,6 +290,27 @@ class Session:
         else:
             for p in self.params:
                 p.grad = None
+
+
+def _lengths_used(
+    source: ModelSource, batch: BatchSource, seq_len: int | None, seconds: float | None
+) -> tuple[int | None, float | None]:
+    """The lengths the traced batch was made with: a built-in model's, defaults filled in.
+
+    A batch passed in (or built by a callable) is what it is: no length of ours went in.
+    """
+    if batch is None and isinstance(source, str) and ":" not in source:
+        return zoo.get(source).lengths(seq_len, seconds)
+    return None, None
+
+
+def _optimizer_name(session: Session) -> str | None:
+    if session.optimizer is None:
+        return None
+    opt = session.spec.optimizer
+    if isinstance(opt, str):
+        return opt
+    return str(getattr(opt, "__qualname__", None) or type(session.optimizer).__name__)
 
 
 def _pseudo(tracer: Tracer, nbytes: int, op: str, category: str) -> None:
@@ -421,7 +466,11 @@ def build_estimate(
     peak_rec = trace.records[trace.events[at]] if at >= 0 else None
     budget = int(target.capacity * target_utilization)
     notes: list[str] = []
-    retries = 0
+    retries = {False: 0, True: 0}
+    fits = {False: False, True: False}  # at the point estimate, at the safe end
+    uncertainty = 0
+    calibrated = True
+    profile = None
     if target.cuda:
         consts = target.constants
         context = consts.context_bytes + (consts.cudnn_context_bytes if traced.convolutions else 0)
@@ -429,31 +478,52 @@ def build_estimate(
             allocator_config = consts.allocator
         alloc = _replay(trace, None, allocator_config)
         allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
-        fits = reserved + context <= budget
-        if not fits and budget > context:
-            try:
-                tight = _replay(trace, budget - context, allocator_config)
-            except AllocatorOutOfMemory:
-                pass
-            else:
-                fits, retries = True, tight.alloc_retries
-                notes.append(
-                    f"fits only because the allocator frees its cache {retries} time(s) "
-                    "(alloc retries slow a step)"
-                )
+        cal = target.calibration
+        same_gpu = cal is not None and measured_on(cal, target.name)
+        calibrated = same_gpu
+        profile = cal.describe() if cal is not None else None
+        uncertainty = _cuda_model.device_uncertainty(cal, same_gpu, traced.convolutions)
+        for safe in (False, True):
+            extra = context + (uncertainty if safe else 0)
+            fits[safe] = reserved + extra <= budget
+            if not fits[safe] and budget > extra:
+                try:
+                    tight = _replay(trace, budget - extra, allocator_config)
+                except AllocatorOutOfMemory:
+                    pass
+                else:
+                    fits[safe], retries[safe] = True, tight.alloc_retries
+        if retries[session.safe]:
+            notes.append(
+                f"fits only because the allocator frees its cache {retries[session.safe]} "
+                "time(s) (alloc retries slow a step)"
+            )
         by_cat["allocator"] = reserved - logical
         by_cat["context"] = context
         peak_device = reserved + context
-        if target.calibration is not None:
-            notes.append(f"CUDA constants measured on {target.calibration.describe()}")
+        if cal is None:
+            varies = (
+                "the CUDA context and cuDNN's kernels and workspaces vary"
+                if traced.convolutions
+                else "the CUDA context varies"
+            )
+            notes.append(
+                f"CUDA constants: built-in values; nvidia-smi may read up to "
+                f"{format_bytes(uncertainty)} more ({varies} with the driver, CUDA version "
+                "and module loading)"
+            )
+        elif same_gpu:
+            notes.append(f"CUDA constants measured on {cal.describe()}")
         else:
             notes.append(
-                "CUDA constants: built-in values, not measured on this GPU (`vramctl calibrate` "
-                "measures them)"
+                f"CUDA constants measured on {cal.describe()}, another GPU than "
+                f"{target.name}; nvidia-smi may read up to {format_bytes(uncertainty)} more"
             )
+        if not calibrated:
+            notes.append(uncalibrated_note(target.name, target.capability is None))
     else:
         allocated = reserved = peak_device = logical
-        fits = peak_device <= budget
+        fits[False] = fits[True] = peak_device <= budget
         notes.append("CPU target: live tensor bytes, no CUDA context or allocator modelled")
     if spec.autocast_dtype is not None and target.cuda:
         notes.append(
@@ -478,13 +548,22 @@ def build_estimate(
         peak_module=peak_rec.module if peak_rec else "",
         peak_phase=peak_rec.phase if peak_rec else "",
         target_utilization=target_utilization,
-        fits=fits,
+        fits=fits[session.safe],
         assumptions=tuple(trace.assumptions),
         notes=tuple(notes),
-        alloc_retries=retries,
+        alloc_retries=retries[session.safe],
         ops=trace.ops,
         elapsed=elapsed,
         parameters=session.parameter_count,
+        optimizer=_optimizer_name(session),
+        checkpointing=spec.checkpointing,
+        cuda=target.cuda,
+        calibration=profile,
+        calibrated=calibrated,
+        device_uncertainty=uncertainty,
+        safe=session.safe,
+        fits_point=fits[False],
+        fits_safe=fits[True],
     )
 
 
@@ -500,6 +579,7 @@ def open_session(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     allocator_config: AllocatorConfig | None,
     calibration: CalibrationSource = None,
+    safe: bool = True,
 ) -> Session:
     """Check the arguments, resolve the device and build the model on fake tensors."""
     check_utilization(target_utilization)
@@ -516,6 +596,7 @@ def open_session(
     session = Session.open(model, spec, target)
     session.target_utilization = target_utilization
     session.allocator_config = allocator_config
+    session.safe = safe
     return session
 
 

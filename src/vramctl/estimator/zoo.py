@@ -35,6 +35,8 @@ from vramctl._optional import require
 __all__ = ["ZooModel", "build", "get", "make_batch", "names"]
 
 SAMPLE_RATE = 16_000
+#: Decoder tokens of a Whisper batch when no ``seq_len`` is given (its maximum).
+WHISPER_DECODER_TOKENS = 448
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,27 @@ class ZooModel:
         labels: bool = True,
     ) -> dict[str, torch.Tensor]:
         return make_batch(self.name, batch_size, seq_len=seq_len, seconds=seconds, labels=labels)
+
+    def lengths(
+        self, seq_len: int | None = None, seconds: float | None = None
+    ) -> tuple[int | None, float | None]:
+        """The ``(seq_len, seconds)`` its batches are made with, defaults filled in.
+
+        A length the model's inputs do not take is None: images have neither,
+        Whisper's mel input is always 30 s (``seq_len`` is its decoder's tokens).
+
+        >>> get("gpt2").lengths()
+        (512, None)
+        >>> get("wav2vec2-base").lengths(seq_len=64)
+        (None, 10.0)
+        """
+        if self.inputs in ("tokens", "sequence"):
+            return seq_len or self.default_seq_len or 512, None
+        if self.inputs == "audio":
+            return None, seconds if seconds is not None else (self.default_seconds or 10.0)
+        if self.inputs == "mel":
+            return seq_len or WHISPER_DECODER_TOKENS, None
+        return None, None
 
     @property
     def length_arg(self) -> str | None:
@@ -257,8 +280,9 @@ def make_batch(
     m = get(name)
     if batch_size < 1:
         raise VramctlError(f"batch size must be at least 1, got {batch_size}")
+    n, s = m.lengths(seq_len, seconds)
     if m.inputs in ("tokens", "sequence"):
-        n = seq_len or m.default_seq_len or 512
+        assert n is not None
         if n < 1:
             raise VramctlError(f"sequence length must be at least 1, got {n}")
         ids = torch.randint(0, m.vocab_size, (batch_size, n))
@@ -269,7 +293,7 @@ def make_batch(
             batch["decoder_input_ids"] = torch.randint(0, m.vocab_size, (batch_size, n))
         return batch
     if m.inputs == "audio":
-        s = seconds if seconds is not None else (m.default_seconds or 10.0)
+        assert s is not None
         samples = int(s * SAMPLE_RATE)
         if samples < 400:
             raise VramctlError(f"{name} needs at least 0.025 s of audio, got {s} s")
@@ -281,7 +305,7 @@ def make_batch(
         return batch
     if m.inputs == "mel":
         batch = {"input_features": torch.empty(batch_size, 80, 3000)}
-        tokens = torch.randint(0, m.vocab_size, (batch_size, seq_len or 448))
+        tokens = torch.randint(0, m.vocab_size, (batch_size, n or WHISPER_DECODER_TOKENS))
         batch["labels" if labels else "decoder_input_ids"] = tokens
         return batch
     batch = {"pixel_values": torch.empty(batch_size, 3, 224, 224)}

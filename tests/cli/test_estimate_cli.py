@@ -1,0 +1,117 @@
+"""`vramctl estimate`: every input in its JSON, the device range, and a --max-batch that does
+not claim a limit it did not find."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from vramctl.cli._app import app
+
+runner = CliRunner()
+
+
+def wide_mlp() -> torch.nn.Module:
+    """Small inputs and 40 KB of activations a sample (the probes' peaks round together)."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 64)
+    )
+
+
+def wide_batch(b: int) -> torch.Tensor:
+    return torch.zeros(b, 64)
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_json_reports_every_input_used_defaults_included() -> None:
+    r = runner.invoke(app, ["estimate", "lstm", "--batch", "2", "--device", "T4-16GB", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    inputs = doc["inputs"]
+    assert inputs == {
+        "model": "lstm",
+        "batch_fn": None,
+        "batch_sizes": [2],
+        "mode": "train",
+        "precision": "fp32",
+        "optimizer": "adamw",
+        "seq_len": 256,  # lstm's default, which the trace used: not null
+        "seconds": None,
+        "checkpointing": False,
+        "device": "T4-16GB",
+        "capacity_bytes": doc["estimates"][0]["capacity_bytes"],
+        "target_utilization": 0.9,
+        "calibration": None,
+        "calibrated": False,
+        "safe": True,
+        "max_batch": False,
+        "max_length": False,
+    }
+    est = doc["estimates"][0]
+    assert est["seq_len"] == 256 and est["optimizer"] == "adamw"
+    assert est["device_uncertainty_bytes"] == 2**30
+    assert est["peak_device_high_bytes"] == est["peak_device_bytes"] + 2**30
+    infer = runner.invoke(
+        app, ["estimate", "lstm", "--mode", "infer", "--device", "cpu", "--optimistic", "--json"]
+    )
+    inputs = json.loads(infer.stdout)["inputs"]
+    assert inputs["optimizer"] is None and inputs["safe"] is False and inputs["calibrated"]
+
+
+def test_text_shows_which_peak_is_which_the_range_and_the_missing_profile() -> None:
+    r = runner.invoke(app, ["estimate", "lstm", "--batch", "2", "--device", "T4-16GB"])
+    assert r.exit_code == 0, r.output
+    out = flat(r.stdout)
+    assert "nvidia-smi" in out and "max_memory_allocated" in out and "max_memory_reserved" in out
+    assert "iB to " in out and "1.00 GiB above it" in out  # the range
+    assert "no calibration profile for T4-16GB: run `vramctl calibrate` on it" in out
+    cpu = flat(runner.invoke(app, ["estimate", "lstm", "--device", "cpu"]).stdout)
+    assert "calibrat" not in cpu and "iB to " not in cpu  # no range: nothing to calibrate
+    assert "CPU target: live tensor bytes" in cpu
+
+
+def test_max_batch_says_no_limit_found_rather_than_a_size_it_did_not_bracket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import vramctl.estimator._maxbatch as mb
+
+    monkeypatch.setattr(mb, "SEARCH_INPUT_BYTES", 1 << 16)  # 256 samples of 256 bytes
+    args = [
+        "estimate",
+        "tests.cli.test_estimate_cli:wide_mlp",
+        "--batch-fn",
+        "tests.cli.test_estimate_cli:wide_batch",
+        "--device",
+        "T4-16GB",
+        "--max-batch",
+    ]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    out = flat(r.stdout)
+    assert "no limit found up to 256" in out and "host memory" in out
+    assert "256 fits" not in out and "confirmed" not in out
+    assert "judged at the safe end" in out and "--optimistic" in out
+    doc = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    assert doc["max_batch"]["limit_found"] is False
+    assert doc["max_batch"]["stopped_by"] == "input"
+    assert doc["max_batch"]["max_batch_size"] == 256
+
+
+def test_max_batch_found_names_the_traces_that_bracket_it() -> None:
+    args = ["estimate", "lstm", "--seq-len", "64", "--device", "T4-16GB", "--max-batch"]
+    safe = runner.invoke(app, [*args, "--json"])
+    best = json.loads(safe.stdout)["max_batch"]
+    n = best["max_batch_size"]
+    assert best["limit_found"] and best["safe"]
+    fits = {p["batch_size"]: p["fits"] for p in best["curve"]}
+    assert fits[n] and fits[n + 1] is False
+    text = flat(runner.invoke(app, args).stdout)
+    assert f"largest batch that fits: {n} " in text and f"{n} fits, {n + 1} does not" in text
+    loose = json.loads(runner.invoke(app, [*args, "--optimistic", "--json"]).stdout)
+    assert loose["max_batch"]["max_batch_size"] > n and not loose["max_batch"]["safe"]
