@@ -2,11 +2,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from typing import Any
 
 import psutil
 import pytest
+import typer.main
 from typer.testing import CliRunner
 
 import vramctl
@@ -184,6 +187,30 @@ def test_help_explains_each_command() -> None:
     status_help = runner.invoke(app, ["status", "--help"], env={"COLUMNS": "200"}).stdout
     assert "--watch" in status_help and "--json" in status_help and "N/A" in status_help
     assert "--policy" in runner.invoke(app, ["devices", "--help"]).stdout
+
+
+def _commands() -> list[list[str]]:
+    """``[]`` (vramctl itself) and every command."""
+    group: Any = typer.main.get_command(app)
+    return [[], *([name] for name in sorted(group.commands))]
+
+
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "vramctl")
+def test_help_reads_whole_at_80_columns(command: list[str]) -> None:
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    group: Any = typer.main.get_command(app)
+    cmd = group.commands[command[0]] if command else group
+    names = [n for p in cmd.params if not getattr(p, "hidden", False) for n in p.opts]
+    names += [n for p in cmd.params for n in getattr(p, "secondary_opts", [])]
+    assert "--help" in text and names
+    for name in names:
+        if name.startswith("-"):  # an option: its whole name, not a cut one
+            assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), (name, text)
+    assert "<bool>" not in text and "…" not in text
+    widest = max(text.splitlines(), key=len)
+    assert len(widest) <= 80, widest
 
 
 def test_the_installed_command_runs() -> None:

@@ -99,12 +99,43 @@ def _usage_errors_on_one_line(command: Callable[[], str]) -> Iterator[None]:
 _COMMAND_KEY = "vramctl.command"
 
 
+#: The widest line of a help text kept as written: Click indents it by 2, and 80 columns fit it.
+_HELP_TEXT_WIDTH = 78
+
+
+def _keep_examples(text: str) -> str:
+    """Mark the indented paragraphs of a help text (examples) to be printed as written.
+
+    Click rewraps every paragraph unless a line holding only ``\\b`` precedes it, which
+    would run an example's lines together. A one-line example too wide for 80 columns is
+    left to be wrapped.
+    """
+    paragraphs = text.split("\n\n")
+    for i, par in enumerate(paragraphs):
+        lines = par.splitlines()
+        if (
+            lines
+            and all(line.startswith(" ") for line in lines)
+            and (len(lines) > 1 or len(lines[0]) <= _HELP_TEXT_WIDTH)
+        ):
+            paragraphs[i] = "\b\n" + par
+    return "\n\n".join(paragraphs)
+
+
 class _Commands(TyperGroup):
-    """vramctl's command group: a usage error of any command is one line on stderr, status 2.
+    """vramctl's command group: a usage error of any command is one line on stderr, status 2,
+    and the help is Click's plain layout, whole at 80 columns.
 
     (Typer draws usage errors in a box of several lines; vramctl's own bad-input errors
-    are one line, see :func:`user_errors`.)
+    are one line, see :func:`user_errors`. Typer's boxed help squeezes long option names
+    into a narrow column and cuts them, and shows ``<bool>`` beside flags.)
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for command in (self, *self.commands.values()):
+            if command.help:
+                command.help = _keep_examples(command.help)
 
     def make_context(self, info_name: Any, args: Any, parent: Any = None, **extra: Any) -> Any:
         with _usage_errors_on_one_line(lambda: str(info_name or self.name)):
@@ -134,7 +165,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,
 )
 console = Console()
 err = Console(stderr=True)
