@@ -147,6 +147,35 @@ def test_devices_select_says_which_and_why(gpus: list[FakeGpu]) -> None:
     assert "no GPU fits" in doc["reason"]
 
 
+def test_devices_select_with_room_nowhere_exits_1_with_every_verdict(
+    gpus: list[FakeGpu],
+) -> None:
+    result = runner.invoke(app, ["devices", "--select", "99999999TiB"], env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.output
+    assert "no device has room for" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if "needs" in line]
+    for dev in ("cuda:0", "cuda:1", "cuda:2", "cpu"):
+        assert any(re.search(rf"(?<![\w:]){dev}(?![\w:])", row) for row in rows), result.stdout
+    result = runner.invoke(app, ["devices", "--select", "99999999TiB", "--json"])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    assert doc["fits"] is False and doc["device"]["id"] == "cpu"
+    verdicts = [*doc["considered"], doc["fallback"]]
+    assert [v["device"] for v in verdicts] == ["cuda:0", "cuda:1", "cuda:2", "cpu"]
+    assert not any(v["fits"] for v in verdicts)
+    assert all("needs" in v["reason"] for v in verdicts)
+
+
+def test_devices_select_without_a_gpu_exits_1_when_the_cpu_has_no_room() -> None:
+    result = runner.invoke(app, ["devices", "--select", "99999999TiB", "--json"])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    assert doc["fits"] is False and doc["fallback"]["device"] == "cpu"
+    assert "needs" in doc["fallback"]["reason"]
+    result = runner.invoke(app, ["devices", "--select", "1MiB", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["fits"] is True
+
+
 def test_devices_list_json(gpus: list[FakeGpu]) -> None:
     doc = json.loads(runner.invoke(app, ["devices", "--json"]).stdout)
     assert [d["id"] for d in doc["devices"]] == ["cuda:0", "cuda:1", "cuda:2", "cpu"]
