@@ -2,11 +2,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from typing import Any
 
 import psutil
 import pytest
+import typer.main
 from typer.testing import CliRunner
 
 import vramctl
@@ -144,6 +147,35 @@ def test_devices_select_says_which_and_why(gpus: list[FakeGpu]) -> None:
     assert "no GPU fits" in doc["reason"]
 
 
+def test_devices_select_with_room_nowhere_exits_1_with_every_verdict(
+    gpus: list[FakeGpu],
+) -> None:
+    result = runner.invoke(app, ["devices", "--select", "99999999TiB"], env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.output
+    assert "no device has room for" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if "needs" in line]
+    for dev in ("cuda:0", "cuda:1", "cuda:2", "cpu"):
+        assert any(re.search(rf"(?<![\w:]){dev}(?![\w:])", row) for row in rows), result.stdout
+    result = runner.invoke(app, ["devices", "--select", "99999999TiB", "--json"])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    assert doc["fits"] is False and doc["device"]["id"] == "cpu"
+    verdicts = [*doc["considered"], doc["fallback"]]
+    assert [v["device"] for v in verdicts] == ["cuda:0", "cuda:1", "cuda:2", "cpu"]
+    assert not any(v["fits"] for v in verdicts)
+    assert all("needs" in v["reason"] for v in verdicts)
+
+
+def test_devices_select_without_a_gpu_exits_1_when_the_cpu_has_no_room() -> None:
+    result = runner.invoke(app, ["devices", "--select", "99999999TiB", "--json"])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    assert doc["fits"] is False and doc["fallback"]["device"] == "cpu"
+    assert "needs" in doc["fallback"]["reason"]
+    result = runner.invoke(app, ["devices", "--select", "1MiB", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["fits"] is True
+
+
 def test_devices_list_json(gpus: list[FakeGpu]) -> None:
     doc = json.loads(runner.invoke(app, ["devices", "--json"]).stdout)
     assert [d["id"] for d in doc["devices"]] == ["cuda:0", "cuda:1", "cuda:2", "cpu"]
@@ -184,6 +216,30 @@ def test_help_explains_each_command() -> None:
     status_help = runner.invoke(app, ["status", "--help"], env={"COLUMNS": "200"}).stdout
     assert "--watch" in status_help and "--json" in status_help and "N/A" in status_help
     assert "--policy" in runner.invoke(app, ["devices", "--help"]).stdout
+
+
+def _commands() -> list[list[str]]:
+    """``[]`` (vramctl itself) and every command."""
+    group: Any = typer.main.get_command(app)
+    return [[], *([name] for name in sorted(group.commands))]
+
+
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "vramctl")
+def test_help_reads_whole_at_80_columns(command: list[str]) -> None:
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    group: Any = typer.main.get_command(app)
+    cmd = group.commands[command[0]] if command else group
+    names = [n for p in cmd.params if not getattr(p, "hidden", False) for n in p.opts]
+    names += [n for p in cmd.params for n in getattr(p, "secondary_opts", [])]
+    assert "--help" in text and names
+    for name in names:
+        if name.startswith("-"):  # an option: its whole name, not a cut one
+            assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), (name, text)
+    assert "<bool>" not in text and "…" not in text
+    widest = max(text.splitlines(), key=len)
+    assert len(widest) <= 80, widest
 
 
 def test_the_installed_command_runs() -> None:

@@ -66,6 +66,50 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str) -> None:
     one_line_error(runner.invoke(app, args), needle)
 
 
+#: What a box drawn around an error is made of.
+BOX = set("─│╭╮╰╯")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["estimate", "gpt2", "--seq-len", "0"], "estimate: --seq-len 0: must be at least 1"),
+        (["estimate", "gpt2", "--seq-len", "many"], "--seq-len many: must be a whole number"),
+        (["estimate", "gpt2", "--target-utilization", "2"], "--target-utilization 2: must be"),
+        (["estimate", "gpt2", "--seq-len"], "'--seq-len' requires an argument"),
+        (["dashboard", "--port", "99999"], "dashboard: --port 99999: must be at most 65535"),
+        (["status", "-n", "0"], "--count 0: must be at least 1"),
+        (["status", "--no-such-option"], "no such option: --no-such-option"),
+        (["catalog", "--json=yes"], "'--json' does not take a value"),
+        (["process", "wav2vec2-mini"], "missing argument"),
+        (["no-such-command"], "no such command 'no-such-command'"),
+        (["--no-such-option"], "no such option: --no-such-option"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(args: list[str], needle: str) -> None:
+    # Typer's checks (ranges, types, unknown options, missing arguments), not vramctl's.
+    result = runner.invoke(app, args, env={"COLUMNS": "80"})
+    one_line_error(result, needle)
+    assert not BOX & set(result.stderr), result.stderr
+    assert result.stdout == ""
+    command = args[0] if not args[0].startswith("-") and args[0] != "no-such-command" else ""
+    assert f"{command} --help" in result.stderr
+
+
+def test_a_usage_error_is_one_line_from_the_installed_command() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "vramctl", "dashboard", "--port", "99999"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert "--port 99999" in lines[0] and not BOX & set(proc.stderr)
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

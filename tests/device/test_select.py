@@ -47,6 +47,23 @@ def test_falls_back_to_cpu_with_the_reason_logged(
     assert any(r.levelno == logging.WARNING and "no GPU fits" in r.message for r in caplog.records)
 
 
+def test_room_nowhere_is_said_with_every_verdict(
+    gpus: list[FakeGpu], caplog: pytest.LogCaptureFixture
+) -> None:
+    sel = vramctl.rank_devices("99999999TiB")
+    assert sel.device.id == "cpu" and sel.fell_back and not sel.fits
+    assert [v.device.id for v in sel.verdicts] == ["cuda:0", "cuda:1", "cuda:2", "cpu"]
+    assert sel.fallback is not None and not sel.fallback.fits
+    assert "needs" in sel.fallback.reason and "the CPU has no room either" in sel.reason
+    assert sel.to_dict()["fallback"]["device"] == "cpu" and sel.to_dict()["fits"] is False
+    assert vramctl.rank_devices("8GiB").fits and vramctl.rank_devices("8GiB").fallback is None
+    fell_back = vramctl.rank_devices("1MiB", candidates=["cpu"])
+    assert fell_back.fits and fell_back.fallback is not None and fell_back.fallback.fits
+    caplog.set_level(logging.INFO, "vramctl.device")
+    vramctl.select_device("99999999TiB", candidates=["cpu"])  # no GPU, and the CPU is full
+    assert any(r.levelno == logging.WARNING and "no room" in r.message for r in caplog.records)
+
+
 def test_no_gpu_means_cpu() -> None:
     sel = vramctl.rank_devices("1MiB", candidates=["cpu"])
     assert sel.device.id == "cpu" and "no GPU found" in sel.reason

@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fastapi import APIRouter
 from typer.testing import CliRunner
 
-import vramctl.cli._dashboard  # noqa: F401  (registers ``vramctl dashboard``)
+import vramctl
+import vramctl.cli._dashboard  # registers ``vramctl dashboard``
 from vramctl.cli._app import app as cli_app
 from vramctl.monitor import AddressError, Monitor
 from vramctl.server import DashboardServer, create_app, serve_dashboard
@@ -106,6 +108,39 @@ def test_state_has_devices_history_alerts_and_events(
     assert doc["alerts"] == [] and doc["active_alerts"] == []
     assert doc["events"][-1]["kind"] == "leak"
     assert doc["events"][-1]["data"]["rate_bytes_per_step"] == 1024
+
+
+def test_a_simulated_gpu_is_shown_as_one_with_its_capacity_and_count() -> None:
+    sim = vramctl.simulate("T4-16GB")
+    busy = vramctl.simulate("64MiB")
+    mon = Monitor([sim, busy, "cpu"], interval=60, rules=[])
+    server = serve_dashboard(mon, port=0)
+    try:
+        with busy:
+            held = torch.zeros(1024, 1024)  # 4 MiB, counted by the simulated GPU
+            mon.sample()
+        status, body = get(server.url + "api/state")
+        del held
+        js = get(server.url + "static/dashboard.js")[1]
+    finally:
+        server.close()
+    assert status == 200
+    t4, small, cpu = json.loads(body)["devices"]
+    assert (t4["id"], t4["simulated"], cpu["simulated"], cpu["note"]) == (
+        "sim:T4-16GB",
+        True,
+        False,
+        None,
+    )
+    spec = vramctl.gpu_spec("T4-16GB")
+    assert t4["total"] == t4["latest"]["total"] == spec.cuda_total_bytes  # not 0 B, not N/A
+    assert t4["latest"]["used"] == 0  # nothing runs on it: the simulation counts nothing
+    note = t4["note"]
+    assert "simulated GPU, no hardware" in note and "0 B while nothing runs" in note
+    assert "14.58 GiB is what a CUDA process sees of a T4-16GB" in note and "15.00 GiB" in note
+    assert small["latest"]["used"] == 4 * 2**20 and small["total"] == 64 * 2**20
+    assert "64.00 MiB is the size it was given" in small["note"]
+    assert "info.simulated" in js and "info.note" in js  # the page marks it and says so
 
 
 def test_page_static_health_and_metrics(served: tuple[Monitor, DashboardServer]) -> None:
@@ -352,6 +387,39 @@ def test_cli_serves_until_interrupted() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_says_a_simulated_gpu_runs_nothing() -> None:
+    # `vramctl dashboard -d sim:T4-16GB`, as its --help suggests.
+    code = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "import vramctl.cli._dashboard; from vramctl.cli import main; main()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "dashboard", "-d", "sim:T4-16GB", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().split()[-1]
+        status, body = get(url + "api/state")
+        proc.send_signal(signal.SIGINT)
+        _, errtext = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert status == 200, body
+    (t4,) = json.loads(body)["devices"]
+    assert t4["simulated"] is True and t4["total"] == vramctl.gpu_spec("T4-16GB").cuda_total_bytes
+    assert "simulated GPU" in t4["note"]
+    said = " ".join(errtext.split())
+    assert "sim:T4-16GB is a simulated GPU: nothing runs on it in this process" in said, errtext
+    assert "0 B in use of its 14.58 GiB" in said
 
 
 # -- the address: DNS rebinding, restarts -----------------------------------------------------

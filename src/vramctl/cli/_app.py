@@ -153,7 +153,8 @@ def devices_cmd(
     """List the devices, or choose one with room for --select SIZE.
 
     Selection skips devices in the error or disabled state and falls back to the
-    CPU, saying why, when no GPU fits or there is none.
+    CPU, saying why, when no GPU fits or there is none. When the CPU has no room
+    either, it prints every device's verdict and exits with status 1.
     """
     if select is None:
         for option, value in (("--policy", policy), ("--target", target)):
@@ -191,9 +192,21 @@ def devices_cmd(
     )
     if as_json:
         emit_json({"schema": "vramctl.selection/1", **sel.to_dict()}, indent=True)
-        return
-    console.print(f"[bold]{sel.device.id}[/]  {sel.device.name}")
-    console.print(f"why: {sel.reason}", highlight=False, soft_wrap=True)
+    elif sel.fits:
+        console.print(f"[bold]{sel.device.id}[/]  {sel.device.name}")
+        console.print(f"why: {sel.reason}", highlight=False, soft_wrap=True)
+    else:
+        table = Table(
+            title=f"no device has room for {format_bytes(sel.need_bytes)}",
+            title_justify="left",
+        )
+        for col in ("device", "name", "free", "why not"):
+            table.add_column(col, justify="right" if col == "free" else "left")
+        for v in sel.verdicts:
+            table.add_row(v.device.id, v.device.name, format_bytes(v.memory.free), v.reason)
+        console.print(table)
+    if not sel.fits:
+        raise typer.Exit(1)  # nothing can take it: not even the CPU
 
 
 @app.command()

@@ -479,17 +479,28 @@ def _print_demo(doc: dict[str, Any]) -> None:
     sizes.add_row(*(str(n) for n in doc["batch_sizes"].values()))
     console.print(sizes)
     fit = Table(title="fit: one real step per bucket", title_justify="left")
-    for col in ("longest", "batch", "predicted peak", "measured peak", "of capacity"):
+    for col in (
+        "longest",
+        "batch",
+        "predicted peak",
+        "measured peak",
+        "difference",
+        "of capacity",
+    ):
         fit.add_column(col, justify="right")
     for f in doc["fit"]:
+        over = f["predicted_bytes"] / f["measured_bytes"] - 1 if f["measured_bytes"] else None
         fit.add_row(
             f"{f['seconds']:g} s",
             str(f["count"]),
             format_bytes(f["predicted_bytes"]),
             format_bytes(f["measured_bytes"]),
+            "N/A" if over is None else f"{over:+.0%}",
             f"{f['measured_bytes'] / cap:.0%}",
         )
     console.print(fit)
+    if doc.get("fit_note"):
+        console.print(f"[dim]predicted vs measured: {doc['fit_note']}.[/]", highlight=False)
     report = Table(title="processing", title_justify="left", show_header=False)
     report.add_column("what")
     report.add_column("value", justify="right")

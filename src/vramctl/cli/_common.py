@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -16,6 +17,8 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
 import vramctl
 from vramctl import VramctlError
@@ -32,7 +35,128 @@ __all__ = [
     "user_errors",
 ]
 
+#: Click's UsageError (bad option values, unknown options, missing arguments), from the
+#: Click that Typer runs on: its own copy in recent Typers, the ``click`` package before.
+_USAGE_ERROR: type[Exception] = next(
+    c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError"
+)
+
+#: Pydantic's wording of Typer's range and type checks, and vramctl's.
+_REWORDED = [
+    (re.compile(r"Input should be greater than or equal to (\S+)"), r"must be at least \1"),
+    (re.compile(r"Input should be less than or equal to (\S+)"), r"must be at most \1"),
+    (re.compile(r"Input should be greater than (\S+)"), r"must be more than \1"),
+    (re.compile(r"Input should be less than (\S+)"), r"must be less than \1"),
+    (re.compile(r"Input should be a valid integer.*"), "must be a whole number"),
+    (re.compile(r"Input should be a valid number.*"), "must be a number"),
+    (re.compile(r"Input should be a valid boolean.*"), "must be true or false"),
+]
+
+
+def _usage_line(exc: Exception, command: str) -> str:
+    """A usage error as one line: the command, what was given, what is wrong, where to look.
+
+    ``vramctl estimate: --seq-len 0: must be at least 1 (see 'vramctl estimate --help')``.
+    ``command`` is the command's path where the error does not carry it.
+    """
+    ctx = getattr(exc, "ctx", None)
+    param = getattr(exc, "param", None)
+    message = str(getattr(exc, "message", "") or "")
+    if param is not None and message and type(exc).__name__ == "BadParameter":
+        opts = [o for o in getattr(param, "opts", ()) if o.startswith("--")]
+        if getattr(param, "param_type_name", "") == "argument" or not opts:
+            name = str(param.name or "").upper()
+        else:
+            name = max(opts, key=len)
+        # The value, where the check kept it (Typer's pydantic checks do).
+        errors = getattr(exc.__cause__, "errors", None)
+        given = errors()[0].get("input") if callable(errors) and errors() else None
+        for pattern, words in _REWORDED:
+            message = pattern.sub(words, message)
+        what = f"{name} {given}" if isinstance(given, str) else name
+        text = f"{what}: {message}"
+    else:
+        text = str(getattr(exc, "format_message", lambda: str(exc))())
+        if text[:1].isupper() and not text[1:2].isupper():
+            text = text[0].lower() + text[1:]
+    text = " ".join(text.split()).rstrip(".")
+    path = command if ctx is None else ctx.command_path
+    return f"{path}: {text} (see '{path} --help')"
+
+
+@contextlib.contextmanager
+def _usage_errors_on_one_line(command: Callable[[], str]) -> Iterator[None]:
+    try:
+        yield
+    except _USAGE_ERROR as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            raise  # `vramctl` alone: the help was printed, as asked
+        line = escape(_usage_line(exc, command()))
+        err.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+        raise typer.Exit(getattr(exc, "exit_code", 2)) from None
+
+
+_COMMAND_KEY = "vramctl.command"
+
+
+#: The widest line of a help text kept as written: Click indents it by 2, and 80 columns fit it.
+_HELP_TEXT_WIDTH = 78
+
+
+def _keep_examples(text: str) -> str:
+    """Mark the indented paragraphs of a help text (examples) to be printed as written.
+
+    Click rewraps every paragraph unless a line holding only ``\\b`` precedes it, which
+    would run an example's lines together. A one-line example too wide for 80 columns is
+    left to be wrapped.
+    """
+    paragraphs = text.split("\n\n")
+    for i, par in enumerate(paragraphs):
+        lines = par.splitlines()
+        if (
+            lines
+            and all(line.startswith(" ") for line in lines)
+            and (len(lines) > 1 or len(lines[0]) <= _HELP_TEXT_WIDTH)
+        ):
+            paragraphs[i] = "\b\n" + par
+    return "\n\n".join(paragraphs)
+
+
+class _Commands(TyperGroup):
+    """vramctl's command group: a usage error of any command is one line on stderr, status 2,
+    and the help is Click's plain layout, whole at 80 columns.
+
+    (Typer draws usage errors in a box of several lines; vramctl's own bad-input errors
+    are one line, see :func:`user_errors`. Typer's boxed help squeezes long option names
+    into a narrow column and cuts them, and shows ``<bool>`` beside flags.)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for command in (self, *self.commands.values()):
+            if command.help:
+                command.help = _keep_examples(command.help)
+
+    def make_context(self, info_name: Any, args: Any, parent: Any = None, **extra: Any) -> Any:
+        with _usage_errors_on_one_line(lambda: str(info_name or self.name)):
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def resolve_command(self, ctx: Any, args: Any) -> Any:
+        name, cmd, rest = super().resolve_command(ctx, args)
+        ctx.meta[_COMMAND_KEY] = name  # for the errors that come without their context
+        return name, cmd, rest
+
+    def invoke(self, ctx: Any) -> Any:
+        def command() -> str:
+            name = ctx.meta.get(_COMMAND_KEY)
+            return f"{ctx.command_path} {name}" if name else str(ctx.command_path)
+
+        with _usage_errors_on_one_line(command):
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
+    cls=_Commands,
     name="vramctl",
     help=(
         "See, predict, fit and share GPU memory for PyTorch work.\n\n"
@@ -41,7 +165,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,
 )
 console = Console()
 err = Console(stderr=True)

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from vramctl import format_bytes
 from vramctl._optional import EXTRAS, require
 from vramctl.cli._common import app, check_seconds, console, err, user_errors
 
@@ -46,7 +47,8 @@ def dashboard_cmd(
         typer.Option(
             "--device",
             "-d",
-            help="Show this device (repeatable): 0, cuda:1, cpu, a UUID, sim:NAME. "
+            help="Show this device (repeatable): 0, cuda:1, cpu, a UUID, sim:NAME (a "
+            "simulated GPU: its capacity, and nothing in use, as nothing runs on it). "
             "Default: every device.",
         ),
     ] = None,
@@ -94,6 +96,13 @@ def dashboard_cmd(
             f"[dim]showing {devices}, sampled every {interval:g} s; press Ctrl-C to stop[/]",
             highlight=False,
         )
+        for dev in mon.devices:
+            if dev.is_simulated:
+                err.print(
+                    f"[dim]{dev.id} is a simulated GPU: nothing runs on it in this process, "
+                    f"so it shows 0 B in use of its {format_bytes(dev.capacity())}[/]",
+                    highlight=False,
+                )
         if open_browser:
             webbrowser.open(server.page_url)
         _wait_for_interrupt()

@@ -215,11 +215,9 @@ def monitor_cmd(
 
     Examples:
 
-      vramctl monitor                               # every device, once a second, until Ctrl-C
-
-      vramctl monitor --prometheus :9400 --quiet    # metrics for Prometheus, alerts on stderr
-
-      vramctl monitor -d cpu -i 0.5 --duration 60 --jsonl mem.jsonl --plot mem.html
+      vramctl monitor                       # every device, each second, to Ctrl-C
+      vramctl monitor --prometheus :9400 -q # Prometheus metrics; alerts on stderr
+      vramctl monitor -d cpu -i 0.5 --duration 60 --plot mem.html
     """
     check_seconds("--interval", interval, "0.5")
     if duration is not None:

@@ -68,6 +68,12 @@ class Device(abc.ABC):
         """Whether it is a MIG instance (a slice of a GPU) rather than a whole device."""
         return False
 
+    @property
+    def is_simulated(self) -> bool:
+        """Whether it is a simulated GPU: no hardware, its memory in use is this process's
+        count of the tensors made inside its ``with`` block (0 while nothing runs there)."""
+        return False
+
     # -- behaviour: what differs by kind is answered here, never by asking the kind ------
 
     @abc.abstractmethod

@@ -78,18 +78,33 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Selection:
-    """The chosen device, why, and what every candidate looked like."""
+    """The chosen device, why, and what every candidate looked like.
+
+    ``considered`` holds every GPU's verdict; ``fallback`` the CPU's, when no GPU fitted
+    and the CPU was chosen. :attr:`fits` says whether the chosen device has room.
+    """
 
     device: Device
     reason: str
     need_bytes: int
     policy: Policy
     considered: list[Verdict] = field(default_factory=list)
+    fallback: Verdict | None = None
 
     @property
     def fell_back(self) -> bool:
         """True when no GPU fitted and the CPU was chosen."""
         return self.device.kind == "cpu"
+
+    @property
+    def fits(self) -> bool:
+        """Whether the chosen device has room: a GPU that fits, or else the CPU that does."""
+        return self.fallback is None or self.fallback.fits
+
+    @property
+    def verdicts(self) -> list[Verdict]:
+        """Every device's verdict: the GPUs', then the CPU's when it was considered."""
+        return [*self.considered, *([self.fallback] if self.fallback is not None else [])]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,8 +112,10 @@ class Selection:
             "reason": self.reason,
             "need_bytes": self.need_bytes,
             "policy": self.policy.value,
+            "fits": self.fits,
             "fell_back_to_cpu": self.fell_back,
             "considered": [v.to_dict() for v in self.considered],
+            "fallback": None if self.fallback is None else self.fallback.to_dict(),
         }
 
 
@@ -157,7 +174,8 @@ def rank_devices(
 
     A GPU fits when ``need`` stays within ``target`` of its total and within
     its free memory, and its health is usable. Among those that fit, ``policy``
-    chooses. When none fits, or there is no GPU, the CPU is chosen.
+    chooses. When none fits, or there is no GPU, the CPU is chosen, judged the same
+    way: :attr:`Selection.fits` is False when it has no room either.
     """
     need_b = parse_size(need)
     pol = Policy.parse(policy)
@@ -176,10 +194,10 @@ def rank_devices(
         why = "no GPU found; using the CPU"
     else:
         why = "no GPU fits (" + "; ".join(f"{v.device.id}: {v.reason}" for v in verdicts) + ")"
-    cpu_mem = cpu.memory()
-    if not cpu_mem.fits(need_b, target):
-        why += f"; the CPU has only {format_bytes(cpu_mem.free)} free too"
-    return Selection(cpu, why, need_b, pol, verdicts)
+    on_cpu = _judge(cpu, need_b, target)
+    if not on_cpu.fits:
+        why += f"; the CPU has no room either ({on_cpu.reason})"
+    return Selection(cpu, why, need_b, pol, verdicts, on_cpu)
 
 
 def select_device(
@@ -191,7 +209,8 @@ def select_device(
 ) -> Device:
     """The device to put ``need`` bytes of work on; the CPU when no GPU fits.
 
-    The reason is logged at INFO (at WARNING on a fallback to the CPU).
+    The reason is logged at INFO (at WARNING on a fallback to the CPU from GPUs that did
+    not fit, or to a CPU without room either: ``rank_devices(...).fits`` is False then).
     See :func:`rank_devices` for the explanation as data.
 
     >>> import vramctl
@@ -199,7 +218,7 @@ def select_device(
     True
     """
     sel = rank_devices(need, policy=policy, target=target, candidates=candidates)
-    level = logging.WARNING if sel.fell_back and sel.considered else logging.INFO
+    level = logging.WARNING if sel.fell_back and (sel.considered or not sel.fits) else logging.INFO
     log.log(
         level, "selected %s for %s: %s", sel.device.id, format_bytes(sel.need_bytes), sel.reason
     )

@@ -259,6 +259,10 @@ class SimulatedDevice(Device):
     def is_gpu(self) -> bool:
         return True
 
+    @property
+    def is_simulated(self) -> bool:
+        return True
+
     def capacity(self) -> int:
         return self.total_bytes
 

@@ -40,6 +40,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vramctl._na import NA
+from vramctl._units import format_bytes
 from vramctl.monitor import (
     AddressError,
     Event,
@@ -204,6 +205,24 @@ def _value(v: object) -> object:
     return None if v is NA else v
 
 
+def _simulated_note(dev: Any) -> str | None:
+    """What a simulated GPU's figures are, for a reader who could take it for hardware."""
+    if not dev.is_simulated:
+        return None
+    size = format_bytes(dev.capacity())
+    spec = dev.spec
+    where = (
+        f"{size} is what a CUDA process sees of a {spec.name} (NVML reports "
+        f"{format_bytes(spec.total_bytes)})"
+        if spec is not None
+        else f"{size} is the size it was given"
+    )
+    return (
+        "A simulated GPU, no hardware: its memory in use is this process's count of the "
+        f"tensors made inside its `with` block, 0 B while nothing runs there; {where}."
+    )
+
+
 def _device_state(monitor: Monitor, dev: Any) -> dict[str, Any]:
     latest = monitor.history.latest(dev.id)
     history = monitor.history.columns(dev.id, SERIES, last=HISTORY_WINDOW)
@@ -212,6 +231,8 @@ def _device_state(monitor: Monitor, dev: Any) -> dict[str, Any]:
         "name": dev.name,
         "uuid": _value(dev.uuid),
         "kind": dev.kind,
+        "simulated": dev.is_simulated,
+        "note": _simulated_note(dev),
         "total": None if latest is None else _value(latest.memory.total),
         "latest": None if latest is None else latest.memory.to_dict(),
         "peak": monitor.history.peak(dev.id).to_dict(),

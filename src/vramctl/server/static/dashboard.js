@@ -139,12 +139,14 @@
       ])]),
       tbody,
     ]);
-    var box = el("article", { class: "device", "data-device": info.id }, [
+    var box = el("article", { class: info.simulated ? "device simulated" : "device", "data-device": info.id }, [
       el("header", {}, [
         el("h2", { text: info.name || info.id }),
         el("span", { class: "id muted", text: info.id + " \u00b7 " + info.kind }),
+        info.simulated ? el("span", { class: "badge sim", text: "simulated" }) : null,
         figure,
       ]),
+      info.note ? el("p", { class: "note muted", text: info.note }) : null,
       bar, chartEl, peak, table,
     ]);
     var data = { t: [] };
