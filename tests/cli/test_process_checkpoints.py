@@ -113,11 +113,8 @@ def test_output_kinds(ckpts: dict[str, Path], tmp_path: Path) -> None:
     # Text needs a tokenizer: a built-in architecture (random weights) gives frames.
     manifest = tmp_path / "m.jsonl"
     manifest.write_text('{"id": "a", "duration": 1.0}\n')
-    text = runner.invoke(
-        app,
-        ["process", "wav2vec2-mini", str(manifest), str(tmp_path / "t.jsonl")]
-        + ["--loader", "synthetic", "--output-kind", "text"],
-    )
+    args = ["process", "wav2vec2-mini", str(manifest), str(tmp_path / "t.jsonl")]
+    text = runner.invoke(app, [*args, "--loader", "synthetic", "--output-kind", "text"])
     assert text.exit_code == 2 and "needs a CTC checkpoint with a tokenizer" in text.stderr
 
 
@@ -131,7 +128,8 @@ def test_exit_codes_tell_a_script_what_happened(ckpts: dict[str, Path], tmp_path
     bad = tmp_path / "bad.jsonl"
     bad.write_text('not json\n{"id": "x", "duration": -1}\n{"duration": 2}\n')
     result = runner.invoke(app, [*nomodel, str(bad), str(tmp_path / "o.jsonl")])
-    assert result.exit_code == 2 and "no valid record: all 3 of its records are bad" in result.stderr
+    assert result.exit_code == 2
+    assert "no valid record: all 3 of its records are bad" in result.stderr
     assert result.stderr.count("bad.jsonl:2") == 1  # each bad line once, on one stream
     assert result.stdout == ""
     # A recording that fails (its file is missing): exit 1 with a summary, unless allowed.
@@ -212,9 +210,7 @@ def test_module_factory_is_found_in_the_current_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "mymodel_cwd.py").write_text(
-        "import torch\n"
-        "def build():\n"
-        "    return torch.nn.Conv1d(1, 4, 320, stride=320)\n"
+        "import torch\ndef build():\n    return torch.nn.Conv1d(1, 4, 320, stride=320)\n"
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])

@@ -161,8 +161,9 @@ def _pretrained(spec: str, *, local: bool) -> ModelSource:
     loader = transformers.AutoModelForCTC if ctc else transformers.AutoModel
 
     def build() -> nn.Module:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging
 
+        hf_logging: Any = logging  # untyped functions
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # the run shows its own progress
         try:
