@@ -85,6 +85,11 @@ def test_public_objects_say_they_are_from_vramctl() -> None:
 
 BATCHING = {
     "AdaptiveBatcher",
+    "ModelSource",
+    "OUTPUT_KINDS",
+    "ProcessInterrupted",
+    "RunConflictError",
+    "load_model",
     "ProcessResult",
     "ProcessStatus",
     "ProgressStore",

@@ -186,6 +186,8 @@ class AdaptiveBatcher:
         limit = self.max_batch or min(max(n, 4), _ESTIMATE_LIMIT)
         kwargs: dict[str, Any] = {"limit": limit, **(options or {})}
         try:
+            # On the device itself, whose context is already made and whose free memory
+            # the batcher follows: the point estimate, not the safe end of the context's range.
             found = max_batch_size(
                 model,
                 make_batch,
@@ -193,7 +195,7 @@ class AdaptiveBatcher:
                 target_utilization=self.target,
                 mode=mode,
                 optimizer=optimizer,
-                **kwargs,
+                **{"safe": False, **kwargs},
             )
         except VramctlError as exc:
             raise BatchingError(f"the estimator could not size a sample: {exc}") from exc

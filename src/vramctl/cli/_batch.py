@@ -259,7 +259,7 @@ def process_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
-    """Transcribe (or embed) every recording of a folder or manifest, durably, in memory.
+    """Transcribe (or embed) every recording of a folder or manifest, durably.
 
     Long recordings are chunked and stitched back before decoding; recordings are
     batched by duration, each bucket's batch size predicted by the estimator for the
@@ -275,15 +275,15 @@ def process_cmd(
     OUT.failed.jsonl; --allow-failures makes it 0); 2 for bad input; 130 when
     interrupted.
     """
-    from vramctl.batching import ProcessInterrupted, RunConflictError, process
+    from vramctl.batching import OUTPUT_KINDS, ProcessInterrupted, RunConflictError, process
 
     _check_process_options(target, chunk, overlap)
     if sum((resume, fresh, overwrite)) > 1:
         raise VramctlError("--resume, --fresh and --overwrite exclude each other: give one")
-    if output_kind is not None and output_kind not in _OUTPUT_KINDS:
+    if output_kind is not None and output_kind not in OUTPUT_KINDS:
         raise VramctlError(
-            f"--output-kind {output_kind!r}: give {', '.join(_OUTPUT_KINDS[:-1])} or"
-            f" {_OUTPUT_KINDS[-1]}"
+            f"--output-kind {output_kind!r}: give {', '.join(OUTPUT_KINDS[:-1])} or"
+            f" {OUTPUT_KINDS[-1]}"
         )
     source = _load_model(model)
     bar = progress_bar(not quiet and not as_json)
@@ -322,9 +322,6 @@ def process_cmd(
         )
         raise typer.Exit(130) from None
     _report_process(result, as_json, allow_failures)
-
-
-_OUTPUT_KINDS = ("text", "frames", "embedding", "summary")
 
 
 def _conflict_message(exc: RunConflictError) -> str:

@@ -190,8 +190,14 @@ def predict(
         if where is None:
             return None, None, "no room left for the step: the estimate was skipped"
         with device.uncounted():
+            # The seed of a search by real steps: the point estimate (the probes settle the
+            # rest; the safe end of the CUDA context's range would only start it lower).
             est = max_batch_size(
-                model, make_batch, device=where[0], target_utilization=where[1], **kwargs
+                model,
+                make_batch,
+                device=where[0],
+                target_utilization=where[1],
+                **{"safe": False, **kwargs},
             )
     except Exception as exc:
         return None, None, f"estimate failed ({type(exc).__name__}: {exc}); searched without it"
