@@ -17,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from tests.batching.checkpoints import reference_text, save_parakeet, save_wav2vec2, write_wavs
-from vramctl.batching import Manifest, ManifestError, load_model, process
+from vramctl.batching import Manifest, ManifestError, ProgressStore, load_model, process
 from vramctl.batching._models import model_identity
 from vramctl.cli._app import app
 
@@ -164,11 +164,8 @@ def test_ctrl_c_saves_and_the_same_command_resumes(tmp_path: Path) -> None:
     proc = subprocess.Popen([*cmd, code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     db = tmp_path / "out.progress.db"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if db.exists() and db.stat().st_size > 0 and (tmp_path / "out.progress.db-wal").exists():
-            break
-        time.sleep(0.2)
-    time.sleep(0.5)  # a few batches committed
+    while time.monotonic() < deadline and proc.poll() is None and committed(db) == 0:
+        time.sleep(0.1)  # until a first batch is committed
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     text = " ".join(stderr.decode().split())
@@ -185,6 +182,18 @@ def test_ctrl_c_saves_and_the_same_command_resumes(tmp_path: Path) -> None:
     assert len(out.read_text().splitlines()) == 600
 
 
+def committed(db: Path) -> int:
+    """Recordings a running process has committed to its store (0 before it has one)."""
+    if not db.exists():
+        return 0
+    try:
+        with ProgressStore.reader(db) as store:
+            stats = store.stats()
+            return int(stats.done + stats.failed)
+    except Exception:  # made but not yet set up by the writer
+        return 0
+
+
 def test_sigterm_ends_a_run_as_ctrl_c_does(tmp_path: Path) -> None:
     manifest = tmp_path / "m.jsonl"
     manifest.write_text(
@@ -195,11 +204,10 @@ def test_sigterm_ends_a_run_as_ctrl_c_does(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "vramctl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    wal = tmp_path / "o.progress.db-wal"
+    db = tmp_path / "o.progress.db"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None and not wal.exists():
-        time.sleep(0.2)
-    time.sleep(1)
+    while time.monotonic() < deadline and proc.poll() is None and committed(db) == 0:
+        time.sleep(0.1)  # the run is under way (its SIGTERM handler is in place)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr.decode()[-2000:]
