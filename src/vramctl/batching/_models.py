@@ -34,11 +34,13 @@ from torch import nn
 
 from vramctl._optional import require
 from vramctl.batching._adaptive import BatchingError
+from vramctl.batching._outputs import valid_frames
 
 __all__ = [
     "OUTPUT_KINDS",
     "ModelSource",
     "PretrainedForward",
+    "callable_name",
     "load_model",
     "model_identity",
 ]
@@ -87,7 +89,7 @@ def load_model(spec: str | nn.Module | Callable[[], nn.Module] | ModelSource) ->
         return ModelSource(type(spec).__name__, spec, kind="module")
     if not isinstance(spec, str):
         if callable(spec):
-            return ModelSource(_qualname(spec), spec, kind="factory")
+            return ModelSource(callable_name(spec), spec, kind="factory")
         raise BatchingError(
             f"model must be an nn.Module, a factory or a name, got {type(spec).__name__}"
         )
@@ -110,17 +112,14 @@ def load_model(spec: str | nn.Module | Callable[[], nn.Module] | ModelSource) ->
                 f" ({', '.join(_audio_names())}) or 'package.module:factory'"
             )
         return ModelSource(entry.name, entry.build, kind="zoo", random_weights=True)
-    if os.path.exists(spec) or spec.startswith((".", "/", "~")) or os.sep in spec.strip("/"):
-        if not os.path.exists(os.path.expanduser(spec)) and spec.count("/") == 1:
-            return _pretrained(spec, local=False)  # "org/name": a Hub id
-        raise BatchingError(
-            f"model {spec!r}: no such folder; give a folder saved with save_pretrained,"
-            " a Hub id like facebook/wav2vec2-base-960h, 'package.module:factory' or a"
-            f" built-in audio model ({', '.join(_audio_names())})"
-        )
+    local = spec.startswith((".", "/", "~")) or os.path.exists(spec)
+    if not local and spec.count("/") == 1 and all(spec.split("/")):
+        return _pretrained(spec, local=False)  # "org/name": a Hub id
+    what = "no such folder" if local else "not a folder, a Hub id or a built-in name"
     raise BatchingError(
-        f"model {spec!r}: not a folder, a Hub id (org/name), 'package.module:factory' or a"
-        f" built-in audio model ({', '.join(_audio_names())})"
+        f"model {spec!r}: {what}; give a folder saved with save_pretrained, a Hub id like"
+        " facebook/wav2vec2-base-960h, 'package.module:factory' or a built-in audio model"
+        f" ({', '.join(_audio_names())})"
     )
 
 
@@ -130,10 +129,13 @@ def _audio_names() -> list[str]:
     return [n for n in zoo.names() if zoo.get(n).inputs == "audio"]
 
 
-def _qualname(fn: Any) -> str:
-    module = getattr(fn, "__module__", None) or ""
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    return f"{module}.{name}" if module and module != "__main__" else name
+def callable_name(fn: Any) -> str:
+    """A callable's stable name: its module and qualified name (an instance: its own
+    ``__name__``, else its class's), for messages and a run's identity."""
+    qual = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    qual = qual or type(fn).__qualname__
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return f"{module}.{qual}" if module and module != "__main__" else str(qual)
 
 
 # -- pretrained checkpoints ------------------------------------------------------------
@@ -301,15 +303,14 @@ def _frames(
     mask = getattr(out, "attention_mask", None)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == limit:
         return mask.sum(-1).to("cpu", torch.int64)
-    rule = getattr(model, "_get_feat_extract_output_lengths", None)
-    if callable(rule):
-        return torch.as_tensor(rule(lengths.cpu())).to(torch.int64).clamp(0, limit)
+    # A model that subsamples its feature frames (Parakeet): its rule on the features' mask.
     subsample = getattr(model, "_get_subsampling_output_length", None)
     feat_mask = feats.get("attention_mask")
     if callable(subsample) and isinstance(feat_mask, torch.Tensor):
         return torch.as_tensor(subsample(feat_mask.sum(-1))).to("cpu", torch.int64).clamp(0, limit)
-    padded = int(lengths.max()) if len(lengths) else 1
-    return ((lengths.cpu() * limit + padded - 1) // max(padded, 1)).clamp(0, limit)
+    # Else the waveform's rule (wav2vec2's), or in proportion: as for any forward.
+    lengths = lengths.cpu()
+    return valid_frames(model, lengths, int(lengths.max()) if len(lengths) else 1, limit)
 
 
 class _CtcDecoder:

@@ -59,7 +59,7 @@ from vramctl.batching._adaptive import BatchingError
 from vramctl.batching._audio import AudioBatches, load_audio, synthesize
 from vramctl.batching._budget import Budget, MemoryBudget
 from vramctl.batching._manifest import DEFAULT_SAMPLE_RATE, Item, Manifest, check_has_records
-from vramctl.batching._models import ModelSource, load_model, model_identity
+from vramctl.batching._models import ModelSource, callable_name, load_model, model_identity
 from vramctl.batching._outputs import (
     Collector,
     Forward,
@@ -323,8 +323,8 @@ def process(
         fingerprint = model_identity(workers[0].model)
     run_config = {
         "model": {"name": src.name, "kind": src.kind, **src.identity, **fingerprint},
-        "forward": _name_of(opts.forward),
-        "output_kind": _name_of(post),
+        "forward": callable_name(opts.forward),
+        "output_kind": callable_name(post),
         "chunk_duration": opts.chunk,
         "overlap": opts.overlap,
         "sample_rate": int(rate),
@@ -338,14 +338,6 @@ def process(
         return _run(workers, source, store, opts, t0)
     finally:
         store.close()
-
-
-def _name_of(fn: Any) -> str:
-    """A callable's stable name: module and qualified name (a class instance: its class's)."""
-    own = getattr(fn, "__name__", None)
-    qual = getattr(fn, "__qualname__", None) or own or type(fn).__qualname__
-    module = getattr(fn, "__module__", None) or type(fn).__module__
-    return f"{module}.{qual}" if module else str(qual)
 
 
 def _workers(
