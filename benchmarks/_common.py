@@ -127,6 +127,76 @@ def last_json(text: str) -> Any:
     return None
 
 
+# -- the CPU truth of a step ---------------------------------------------------------------
+
+
+def storages_bytes(tensors: list[Any]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def held_tensors(model: Any, data: Any, opt: Any) -> list[Any]:
+    """What a step holds before it starts: parameters, buffers, inputs, optimizer state."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    held = list(model.parameters()) + list(model.buffers())
+    held += [t for t in tree_leaves(data) if isinstance(t, torch.Tensor)]
+    if opt is not None:
+        held += [
+            v
+            for st in opt.state.values()
+            for k, v in st.items()
+            if isinstance(v, torch.Tensor) and not (k == "step" and v.numel() == 1)
+        ]
+    return held
+
+
+def cpu_step_peak(model: Any, data: Any, spec: Any, opt: Any) -> int:
+    """The real CPU peak of one step: the live bytes before it (parameters, buffers,
+    optimizer state, inputs) plus the peak of PyTorch's profiler memory timeline (its
+    CREATE and DESTROY events) during the step, after a warm-up step."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    from vramctl.estimator import run_step
+
+    baseline = storages_bytes(held_tensors(model, data, opt))
+    run_step(model, data, spec, opt)  # warm-up: one-off kernel caches, as on CUDA
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        run_step(model, data, spec, opt)
+    live = peak = 0
+    for _t, action, _key, size in prof._memory_profile().timeline:
+        if action == Action.CREATE:
+            live += size
+        elif action == Action.DESTROY:
+            live -= size
+        peak = max(peak, live)
+    del prof
+    return baseline + peak
+
+
+def error_stats(pairs: list[tuple[int | None, int | None]]) -> dict[str, float | int | None]:
+    """Median and largest absolute error, and the worst under-estimate, in percent."""
+    import statistics
+
+    errs = [100.0 * (p - m) / m for p, m in pairs if p is not None and m]
+    if not errs:
+        return {"rows": 0, "median_pct": None, "max_pct": None, "worst_under_pct": None}
+    return {
+        "rows": len(errs),
+        "median_pct": round(statistics.median(abs(e) for e in errs), 3),
+        "max_pct": round(max(abs(e) for e in errs), 3),
+        "worst_under_pct": round(max([0.0] + [-e for e in errs]), 3),
+    }
+
+
 # -- out-of-memory errors ----------------------------------------------------------------
 
 

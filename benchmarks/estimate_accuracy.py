@@ -69,6 +69,7 @@ from vramctl.estimator import (
 )
 
 import _common
+from _common import error_stats as stats
 
 #: (model, length keyword, length) for the rows; lengths kept small so real CPU runs are quick.
 ZOO = [
@@ -142,17 +143,9 @@ def accelerate_figure(name: str, mode: str, precision: str) -> int | None:
     return int(max(estimate_training_usage(total, dtype).values()))
 
 
-def storages_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
 def real_setup(
     name: str, mode: str, precision: str, batch: int, lk: dict[str, Any], device: str
-) -> tuple[Any, Any, StepSpec, Any, list[torch.Tensor]]:
+) -> tuple[Any, Any, StepSpec, Any]:
     torch.manual_seed(0)
     spec = StepSpec(
         mode=mode,
@@ -181,46 +174,21 @@ def real_setup(
         if v.is_floating_point():
             v = v.normal_().to(spec.param_dtype or v.dtype)
         data[k] = v.to(device)
-    held = list(model.parameters()) + list(model.buffers()) + list(data.values())
-    if opt is not None:
-        held += [
-            v
-            for st in opt.state.values()
-            for k, v in st.items()
-            if isinstance(v, torch.Tensor) and not (k == "step" and v.numel() == 1)
-        ]
-    return model, data, spec, opt, held
+    return model, data, spec, opt
 
 
 def measure_cpu(name: str, mode: str, precision: str, batch: int, lk: dict[str, Any]) -> int:
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
-
-    model, data, spec, opt, held = real_setup(name, mode, precision, batch, lk, "cpu")
-    baseline = storages_bytes(held)
-    del held
-    run_step(model, data, spec, opt)  # warm-up: one-off kernel caches, as on CUDA
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
-        run_step(model, data, spec, opt)
-    live = peak = 0
-    for _t, action, _key, size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
-        peak = max(peak, live)
-    del model, data, opt, prof
+    model, data, spec, opt = real_setup(name, mode, precision, batch, lk, "cpu")
+    peak = _common.cpu_step_peak(model, data, spec, opt)
+    del model, data, opt
     gc.collect()
-    return baseline + peak
+    return peak
 
 
 def measure_cuda(
     name: str, mode: str, precision: str, batch: int, lk: dict[str, Any]
 ) -> tuple[int, int, int | None]:
-    model, data, spec, opt, held = real_setup(name, mode, precision, batch, lk, "cuda")
-    del held
+    model, data, spec, opt = real_setup(name, mode, precision, batch, lk, "cuda")
     run_step(model, data, spec, opt)  # warm-up: cuBLAS handles, cuDNN plans
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -243,19 +211,6 @@ def measure_cuda(
     gc.collect()
     torch.cuda.empty_cache()
     return allocated, reserved, device
-
-
-def error_stats(pairs: list[tuple[int | None, int | None]]) -> dict[str, float | int | None]:
-    """Median and largest absolute error, and the worst under-estimate, in percent."""
-    errs = [100.0 * (p - m) / m for p, m in pairs if p is not None and m]
-    if not errs:
-        return {"rows": 0, "median_pct": None, "max_pct": None, "worst_under_pct": None}
-    return {
-        "rows": len(errs),
-        "median_pct": round(statistics.median(abs(e) for e in errs), 3),
-        "max_pct": round(max(abs(e) for e in errs), 3),
-        "worst_under_pct": round(max([0.0] + [-e for e in errs]), 3),
-    }
 
 
 def pick_calibration(args: argparse.Namespace) -> Calibration | None:
@@ -406,11 +361,9 @@ def main() -> int:
             "cuda": torch.version.cuda,
             "calibration": cal.describe() if cal is not None else None,
             "calibrated" if cal is not None else "builtin": {
-                "allocated": error_stats([(r.predicted, r.measured) for r in rows]),
-                "reserved": error_stats(
-                    [(r.predicted_reserved, r.measured_reserved) for r in rows]
-                ),
-                "device": error_stats([(r.predicted_device, r.measured_device) for r in rows]),
+                "allocated": stats([(r.predicted, r.measured) for r in rows]),
+                "reserved": stats([(r.predicted_reserved, r.measured_reserved) for r in rows]),
+                "device": stats([(r.predicted_device, r.measured_device) for r in rows]),
             },
             "not_run_too_large": sum(
                 1 for r in rows if r.predicted is not None and r.measured is None and not r.error
@@ -418,9 +371,9 @@ def main() -> int:
         }
         if cal is not None:
             cuda_figures["builtin"] = {
-                "allocated": error_stats([(r.builtin_allocated, r.measured) for r in rows]),
-                "reserved": error_stats([(r.builtin_reserved, r.measured_reserved) for r in rows]),
-                "device": error_stats([(r.builtin_device, r.measured_device) for r in rows]),
+                "allocated": stats([(r.builtin_allocated, r.measured) for r in rows]),
+                "reserved": stats([(r.builtin_reserved, r.measured_reserved) for r in rows]),
+                "device": stats([(r.builtin_device, r.measured_device) for r in rows]),
             }
     summary = {
         "benchmark": "estimate_accuracy",

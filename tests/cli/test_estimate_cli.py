@@ -43,6 +43,9 @@ def test_json_reports_every_input_used_defaults_included() -> None:
         "optimizer": "adamw",
         "seq_len": 256,  # lstm's default, which the trace used: not null
         "seconds": None,
+        "image_size": None,
+        "task": None,
+        "trust_remote_code": False,
         "checkpointing": False,
         "device": "T4-16GB",
         "capacity_bytes": doc["estimates"][0]["capacity_bytes"],
@@ -115,3 +118,54 @@ def test_max_batch_found_names_the_traces_that_bracket_it() -> None:
     assert f"largest batch that fits: {n} " in text and f"{n} fits, {n + 1} does not" in text
     loose = json.loads(runner.invoke(app, [*args, "--optimistic", "--json"]).stdout)
     assert loose["max_batch"]["max_batch_size"] > n and not loose["max_batch"]["safe"]
+
+
+CONFIGS = __import__("pathlib").Path(__file__).parents[1] / "estimator" / "configs"
+
+
+def test_a_config_folder_estimates_with_its_head_named() -> None:
+    r = runner.invoke(
+        app,
+        [
+            "estimate",
+            str(CONFIGS / "tiny-llama"),
+            "--batch",
+            "1,2",
+            "--seq-len",
+            "16",
+            "--device",
+            "T4-16GB",
+            "--task",
+            "seq-classification",
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["inputs"]["task"] == "seq-classification"
+    assert [e["batch_size"] for e in doc["estimates"]] == [1, 2]
+    assert any("LlamaForSequenceClassification" in n for n in doc["estimates"][0]["notes"])
+
+
+def test_a_config_that_needs_its_own_code_is_one_line_and_status_2() -> None:
+    r = runner.invoke(app, ["estimate", str(CONFIGS / "custom-code"), "--device", "cpu"])
+    assert r.exit_code == 2
+    assert "--trust-remote-code" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_image_size_reaches_a_config_model() -> None:
+    r = runner.invoke(
+        app,
+        [
+            "estimate",
+            str(CONFIGS / "tiny-vit.json"),
+            "--image-size",
+            "32",
+            "--device",
+            "cpu",
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["inputs"]["image_size"] == 32

@@ -242,8 +242,10 @@ def estimate_cmd(
     model: Annotated[
         str,
         typer.Argument(
-            help="A built-in model (see --list), or 'package.module:factory' returning an "
-            "nn.Module (its batch then comes from --batch-fn).",
+            help="A built-in model (see --list); a Hugging Face model by its config: a Hub "
+            "id (only config.json is fetched, no weights), a folder with a config.json, or "
+            "the JSON file; or 'package.module:factory' returning an nn.Module (its batch "
+            "then comes from --batch-fn).",
             show_default=False,
         ),
     ] = "",
@@ -262,6 +264,29 @@ def estimate_cmd(
     seconds: Annotated[
         float | None, typer.Option(help="Audio seconds per sample (speech models).", min=0.03)
     ] = None,
+    image_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Image side in pixels (image models; a model by its config is built for it).",
+            min=1,
+        ),
+    ] = None,
+    task: Annotated[
+        str | None,
+        typer.Option(
+            help="The head of a model by its config: causal-lm, seq2seq-lm, speech-seq2seq, "
+            "ctc, masked-lm, image-classification, audio-classification, seq-classification, "
+            "token-classification or base. Default: the config's architectures.",
+            show_default=False,
+        ),
+    ] = None,
+    trust_remote_code: Annotated[
+        bool,
+        typer.Option(
+            "--trust-remote-code",
+            help="Let a Hub model with its own code (auto_map) run that code to build.",
+        ),
+    ] = False,
     device: Annotated[
         str | None,
         typer.Option(
@@ -324,6 +349,8 @@ def estimate_cmd(
 
         vramctl estimate gpt2 --precision amp-bf16 --batch 1,8,32 --seq-len 512 \\
             --device A10G-24GB --max-batch
+        vramctl estimate Qwen/Qwen2.5-0.5B --batch 4 --seq-len 2048 --device H100-80GB
+        vramctl estimate ./my-model/config.json --task seq-classification --seq-len 128
     """
     from vramctl.estimator import zoo
 
@@ -349,6 +376,9 @@ def estimate_cmd(
         "target_utilization": target_utilization,
         "calibration": _calibration_arg(calibration),
         "safe": not optimistic,
+        "task": task,
+        "image_size": image_size,
+        "trust_remote_code": trust_remote_code,
     }
     results = []
     with err.status("tracing", spinner="dots") as spin:
@@ -373,6 +403,9 @@ def estimate_cmd(
                     "optimizer": first.optimizer,
                     "seq_len": first.seq_len,
                     "seconds": first.seconds,
+                    "image_size": image_size,
+                    "task": task,
+                    "trust_remote_code": trust_remote_code,
                     "checkpointing": first.checkpointing,
                     "device": first.device,
                     "capacity_bytes": first.capacity,

@@ -25,6 +25,7 @@ from vramctl.estimator._calibration import (
 )
 from vramctl.estimator._cuda_model import builtin as builtin_calibration
 from vramctl.estimator._estimate import estimate
+from vramctl.estimator._hub import TASKS, ConfigModel, config_model
 from vramctl.estimator._maxbatch import (
     BATCH_BOUND,
     LENGTH_BOUND,
@@ -35,9 +36,11 @@ from vramctl.estimator._maxbatch import (
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._spec import (
     EstimateError,
+    ResolvedSource,
     StepSpec,
     load_model_source,
     prepare_model,
+    resolve_source,
     run_step,
     warm_optimizer,
 )
@@ -47,19 +50,23 @@ __all__ = [
     "BATCH_BOUND",
     "LENGTH_BOUND",
     "SEARCH_INPUT_BYTES",
+    "TASKS",
     "AllocatorConfig",
     "AllocatorOutOfMemory",
     "CachingAllocatorModel",
     "Calibration",
     "CalibrationError",
+    "ConfigModel",
     "Estimate",
     "EstimateError",
     "MaxBatch",
+    "ResolvedSource",
     "StepSpec",
     "Target",
     "builtin_calibration",
     "calibrate",
     "calibration_dir",
+    "config_model",
     "constant_rows",
     "estimate",
     "find_calibration",
@@ -68,6 +75,7 @@ __all__ = [
     "load_model_source",
     "max_batch_size",
     "prepare_model",
+    "resolve_source",
     "resolve_target",
     "run_step",
     "run_target",

@@ -44,15 +44,26 @@ def estimate(
     allocator_config: AllocatorConfig | None = None,
     calibration: CalibrationSource = None,
     safe: bool = True,
+    task: str | None = None,
+    image_size: int | tuple[int, int] | None = None,
+    trust_remote_code: bool = False,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
 
     ``model`` is an ``nn.Module``, a built-in name (see
-    :func:`vramctl.estimator.zoo.names`), ``"package.module:factory"``, or a
+    :func:`vramctl.estimator.zoo.names`), a Hugging Face model by its config (a Hub
+    id such as ``"Qwen/Qwen2.5-0.5B"``, a folder with a ``config.json``, the JSON file,
+    or a ``transformers.PretrainedConfig``), ``"package.module:factory"``, or a
     zero-argument factory. ``batch`` is a tensor, a tuple or dict of tensors
     (what the model's forward takes), or a callable ``batch_size -> batch``;
-    built-in models build their own from ``batch_size`` and ``seq_len`` or
-    ``seconds``.
+    built-in and config models build their own from ``batch_size`` and ``seq_len``,
+    ``seconds`` or ``image_size``.
+
+    A model named by its config is built from it with no weights (only
+    ``config.json`` is fetched from the Hub, where it is not in the local cache);
+    the head is the config's ``architectures`` or ``task`` (one of
+    :data:`vramctl.estimator.TASKS`); ``trust_remote_code=True`` lets a model with
+    its own code on the Hub build.
 
     The step runs on fake tensors: no real memory, no real compute. Training
     is forward, loss, backward and an optimizer step, with the optimizer's state
@@ -83,6 +94,9 @@ def estimate(
         allocator_config=allocator_config,
         calibration=calibration,
         safe=safe,
+        task=task,
+        image_size=image_size,
+        trust_remote_code=trust_remote_code,
     )
-    est = session.estimate(model, batch, batch_size, seq_len, seconds)
+    est = session.estimate(batch, batch_size, seq_len, seconds)
     return dataclasses.replace(est, elapsed=time.perf_counter() - t0)

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from vramctl.device import Device
-from vramctl.estimator import zoo
 from vramctl.estimator._allocator import AllocatorConfig
 from vramctl.estimator._calibration import CalibrationSource
 from vramctl.estimator._result import Estimate
@@ -156,17 +155,22 @@ def max_batch_size(
     allocator_config: AllocatorConfig | None = None,
     calibration: CalibrationSource = None,
     safe: bool = True,
+    task: str | None = None,
+    image_size: int | tuple[int, int] | None = None,
+    trust_remote_code: bool = False,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.
 
-    ``batch`` is a callable ``batch_size -> batch`` (built-in models need
+    ``model`` is what :func:`~vramctl.estimator.estimate` takes (``task``,
+    ``image_size`` and ``trust_remote_code`` too). ``batch`` is a callable
+    ``batch_size -> batch`` (built-in models and models by their config need
     none). The peak is traced at the ``probe`` sizes, an affine fit predicts the
     answer, and traces bracket it: the answer fits and one more sample does not.
     Where the probes cannot tell sizes apart, the batch doubles until memory
     binds. The search goes up to ``limit`` (default :data:`BATCH_BOUND`, and no
     further than a batch from ``batch`` of :data:`SEARCH_INPUT_BYTES`); if every
     size up to there fits, ``limit_found`` is False and ``batch_size`` is the
-    largest traced. With ``lengths=True`` (built-in text and speech models) the
+    largest traced. With ``lengths=True`` (built-in and config text and speech models) the
     largest ``seq_len`` or ``seconds`` at batch 1 is found the same way from a
     quadratic fit. ``calibration`` and ``safe`` are as for
     :func:`~vramctl.estimator.estimate`: by default a size fits when the safe
@@ -189,6 +193,9 @@ def max_batch_size(
         allocator_config=allocator_config,
         calibration=calibration,
         safe=safe,
+        task=task,
+        image_size=image_size,
+        trust_remote_code=trust_remote_code,
     )
     cache: dict[tuple[int, float | None], Estimate] = {}
     host: dict[int, int] = {}
@@ -198,20 +205,25 @@ def max_batch_size(
         if key not in cache:
             sl = int(n) if n is not None and length_arg == "seq_len" else seq_len
             sec = float(n) if n is not None and length_arg == "seconds" else seconds
-            cache[key] = session.estimate(model, batch, b, sl, sec)
+            cache[key] = session.estimate(batch, b, sl, sec)
             if n is None:
                 host[b] = session.last_batch_bytes
         return cache[key]
 
     length_arg = None
-    builtin = isinstance(model, str) and ":" not in model and batch is None
+    entry = session.entry if batch is None else None
+    builtin = entry is not None
     if lengths:
-        if not builtin:
-            raise EstimateError("lengths=True needs a built-in model name")
-        assert isinstance(model, str)
-        length_arg = zoo.get(model).length_arg
+        if entry is None:
+            raise EstimateError(
+                "lengths=True needs a model that makes its own batches (a built-in name or "
+                "a model by its config)"
+            )
+        length_arg = entry.length_arg
         if length_arg is None:
-            raise EstimateError(f"{model} takes fixed-size inputs; it has no length to search")
+            raise EstimateError(
+                f"{session.name} takes fixed-size inputs; it has no length to search"
+            )
 
     probes = sorted(set(probe))
     points = [(b, at(b).peak_device) for b in probes]
@@ -251,7 +263,7 @@ def max_batch_size(
     length_curve: list[tuple[float, int, bool]] = []
     at_ceiling = False
     if lengths and length_arg is not None and isinstance(model, str):
-        max_len, length_curve, at_ceiling = _search_length(model, length_arg, at, budget)
+        max_len, length_curve, at_ceiling = _search_length(entry, length_arg, at, budget)
     return MaxBatch(
         best,
         result_est,
@@ -360,7 +372,7 @@ LENGTH_BOUND: dict[str, float] = {"seq_len": float(1 << 22), "seconds": 86_400.0
 
 
 def _search_length(
-    model: str, length_arg: str, at: Callable[..., Estimate], budget: int
+    entry: Any, length_arg: str, at: Callable[..., Estimate], budget: int
 ) -> tuple[int | float, list[tuple[float, int, bool]], bool]:
     """The largest length that fits at batch 1, its traces, and whether it is the ceiling.
 
@@ -372,7 +384,6 @@ def _search_length(
     not fit, or that cannot be traced at all (too long for the model), counts as
     not fitting; only a failure at the shortest probe is an error.
     """
-    entry = zoo.get(model)
     base = (
         float(entry.default_seq_len or 512)
         if length_arg == "seq_len"

@@ -22,7 +22,7 @@ from vramctl._errors import VramctlError
 from vramctl._step import call_model
 from vramctl._units import format_bytes
 from vramctl.device import Device
-from vramctl.estimator import _cuda_model, zoo
+from vramctl.estimator import _cuda_model
 from vramctl.estimator._allocator import (
     AllocatorConfig,
     AllocatorOutOfMemory,
@@ -38,7 +38,7 @@ from vramctl.estimator._spec import (
     ModelSource,
     StepSpec,
     flat_tensors,
-    load_model_source,
+    resolve_source,
     run_step,
     step_mode,
     warm_optimizer,
@@ -80,11 +80,15 @@ class Session:
     safe: bool = True
     #: Host bytes of the tensors of the last batch traced (the search bounds its batches).
     last_batch_bytes: int = 0
+    #: How a named model's batches are made (a built-in model, or one from its config).
+    entry: Any = None
 
     @classmethod
-    def open(cls, source: ModelSource, spec: StepSpec, target: Target) -> Session:
-        name, obj = load_model_source(source)
-        s = cls(name, spec, target)
+    def open(cls, source: ModelSource, spec: StepSpec, target: Target, **options: Any) -> Session:
+        """Build ``source`` on fake tensors; ``options`` are :func:`resolve_source`'s."""
+        resolved = resolve_source(source, **options)
+        name, obj = resolved.name, resolved.model
+        s = cls(name, spec, target, entry=resolved.entry)
         t0 = time.perf_counter()
         builder = Tracer(s.fake_mode)
         builder.record = False
@@ -118,7 +122,6 @@ class Session:
 
     def estimate(
         self,
-        source: ModelSource,
         batch: BatchSource,
         batch_size: int | None,
         seq_len: int | None,
@@ -126,10 +129,10 @@ class Session:
     ) -> Estimate:
         """Trace one batch and turn the trace into an :class:`Estimate`."""
         t0 = time.perf_counter()
-        real, size = make_batch_for(self, source, batch, batch_size, seq_len, seconds)
+        real, size = make_batch_for(self, batch, batch_size, seq_len, seconds)
         self.last_batch_bytes = sum(t.nbytes for t in flat_tensors(real) if not t.is_meta)
         traced = self.trace(real, size)
-        used_len, used_sec = _lengths_used(source, batch, seq_len, seconds)
+        used_len, used_sec = self.lengths_used(batch, seq_len, seconds)
         est = build_estimate(
             self,
             traced,
@@ -152,9 +155,22 @@ class Session:
             )
             if given is not None and used is None
         ]
-        if unused:
-            est = dataclasses.replace(est, notes=(*est.notes, *unused))
+        notes = tuple(getattr(self.entry, "notes", ())) if batch is None else ()
+        if unused or notes:
+            est = dataclasses.replace(est, notes=(*est.notes, *notes, *unused))
         return est
+
+    def lengths_used(
+        self, batch: BatchSource, seq_len: int | None, seconds: float | None
+    ) -> tuple[int | None, float | None]:
+        """The lengths the traced batch was made with: a named model's, defaults filled in.
+
+        A batch passed in (or built by a callable) is what it is: no length of ours went in.
+        """
+        if batch is None and self.entry is not None:
+            result: tuple[int | None, float | None] = self.entry.lengths(seq_len, seconds)
+            return result
+        return None, None
 
     @property
     def parameter_count(self) -> int:
@@ -273,6 +289,7 @@ class Session:
         phase("backward")
         tracer.module = "loss"
         loss.backward()
+        tracer.settle()
         del out, loss
         for p in self.params:
             if p.grad is not None:
@@ -290,18 +307,6 @@ class Session:
         else:
             for p in self.params:
                 p.grad = None
-
-
-def _lengths_used(
-    source: ModelSource, batch: BatchSource, seq_len: int | None, seconds: float | None
-) -> tuple[int | None, float | None]:
-    """The lengths the traced batch was made with: a built-in model's, defaults filled in.
-
-    A batch passed in (or built by a callable) is what it is: no length of ours went in.
-    """
-    if batch is None and isinstance(source, str) and ":" not in source:
-        return zoo.get(source).lengths(seq_len, seconds)
-    return None, None
 
 
 def _optimizer_name(session: Session) -> str | None:
@@ -580,6 +585,9 @@ def open_session(
     allocator_config: AllocatorConfig | None,
     calibration: CalibrationSource = None,
     safe: bool = True,
+    task: str | None = None,
+    image_size: int | tuple[int, int] | None = None,
+    trust_remote_code: bool = False,
 ) -> Session:
     """Check the arguments, resolve the device and build the model on fake tensors."""
     check_utilization(target_utilization)
@@ -593,7 +601,14 @@ def open_session(
         autocast_device="cpu",
         foreach=True if target.cuda else None,
     )
-    session = Session.open(model, spec, target)
+    session = Session.open(
+        model,
+        spec,
+        target,
+        task=task,
+        image_size=image_size,
+        trust_remote_code=trust_remote_code,
+    )
     session.target_utilization = target_utilization
     session.allocator_config = allocator_config
     session.safe = safe
@@ -602,7 +617,6 @@ def open_session(
 
 def make_batch_for(
     session: Session,
-    source: ModelSource,
     batch: BatchSource,
     batch_size: int | None,
     seq_len: int | None,
@@ -611,8 +625,8 @@ def make_batch_for(
     """The batch to trace, and its batch size."""
     check_batch_size(batch_size)
     if batch is None:
-        if isinstance(source, str) and ":" not in source:
-            entry = zoo.get(source)
+        entry = session.entry
+        if entry is not None:
             size = batch_size or 1
             return (
                 entry.make_batch(

@@ -19,6 +19,7 @@ from vramctl._errors import VramctlError
 from vramctl._step import call_model
 from vramctl._tensors import tensors
 from vramctl.estimator import zoo
+from vramctl.estimator._hub import config_model, is_config_source
 
 __all__ = [
     "MODES",
@@ -27,10 +28,12 @@ __all__ = [
     "BatchSource",
     "EstimateError",
     "ModelSource",
+    "ResolvedSource",
     "StepSpec",
     "import_factory",
     "load_model_source",
     "prepare_model",
+    "resolve_source",
     "run_step",
     "warm_optimizer",
 ]
@@ -211,26 +214,75 @@ def run_step(
 # -- sources ------------------------------------------------------------------------
 
 
-def load_model_source(source: ModelSource) -> tuple[str, Callable[[], nn.Module] | nn.Module]:
-    """A display name and a builder (or the module) for a model source."""
+@dataclass(frozen=True)
+class ResolvedSource:
+    """A model source made concrete: its display name, the module or its builder, and
+    for a named model (built-in, or from a Hugging Face config) how its batches are made
+    (``entry``: a :class:`~vramctl.estimator.zoo.ZooModel` or a ``ConfigModel``)."""
+
+    name: str
+    model: Callable[[], nn.Module] | nn.Module
+    entry: Any = None
+
+
+def resolve_source(
+    source: ModelSource | Any,
+    *,
+    task: str | None = None,
+    image_size: int | tuple[int, int] | None = None,
+    trust_remote_code: bool = False,
+) -> ResolvedSource:
+    """What ``source`` names: a module, a factory, ``'package.module:factory'``, a built-in
+    name, or a model by its Hugging Face config (a Hub id, a folder with ``config.json``,
+    the file itself, or a ``PretrainedConfig``).
+
+    ``task``, ``image_size`` and ``trust_remote_code`` apply to a model named by its
+    config (``image_size`` also to the built-in image models).
+    """
     if isinstance(source, nn.Module):
-        return type(source).__name__, source
-    if isinstance(source, str):
-        if ":" in source:
-            obj = import_factory(source, error=EstimateError)
-            if isinstance(obj, nn.Module):
-                return source, obj
-            if not callable(obj):
-                raise EstimateError(f"{source!r} is neither an nn.Module nor a factory")
-            return source, obj
+        return ResolvedSource(type(source).__name__, source)
+    if isinstance(source, str) and ":" in source:
+        obj = import_factory(source, error=EstimateError)
+        if not isinstance(obj, nn.Module) and not callable(obj):
+            raise EstimateError(f"{source!r} is neither an nn.Module nor a factory")
+        return ResolvedSource(source, obj)
+    if isinstance(source, str) and source.lower() in zoo.names():
         entry = zoo.get(source)
-        return entry.name, entry.build
+        if image_size is not None and entry.inputs == "images":
+            entry = dataclasses.replace(entry, image_size=image_size)
+        return ResolvedSource(entry.name, entry.build, entry)
+    if is_config_source(source):
+        try:
+            model = config_model(
+                source, task=task, image_size=image_size, trust_remote_code=trust_remote_code
+            )
+        except VramctlError as exc:
+            if isinstance(source, str) and "/" not in source and not os.path.exists(source):
+                raise EstimateError(
+                    f"{source!r} is not a built-in model ({', '.join(zoo.names())}), and as a "
+                    f"Hub id: {exc}"
+                ) from exc
+            raise EstimateError(str(exc)) from exc
+        return ResolvedSource(model.name, model.build, model)
     if callable(source):
-        return getattr(source, "__name__", "model"), source
+        return ResolvedSource(getattr(source, "__name__", "model"), source)
+    if isinstance(source, str):
+        raise EstimateError(
+            f"unknown model {source!r}: not a built-in model ({', '.join(zoo.names())}), a "
+            "Hugging Face Hub id like openai-community/gpt2, a folder or file with a "
+            "config.json, or 'package.module:factory'"
+        )
     raise EstimateError(
         f"cannot estimate a {type(source).__name__}: give an nn.Module, a built-in name "
-        f"({', '.join(zoo.names())}), 'package.module:factory' or a factory"
+        f"({', '.join(zoo.names())}), a Hub id or config.json, 'package.module:factory' or "
+        "a factory"
     )
+
+
+def load_model_source(source: ModelSource) -> tuple[str, Callable[[], nn.Module] | nn.Module]:
+    """A display name and a builder (or the module) for a model source."""
+    resolved = resolve_source(source)
+    return resolved.name, resolved.model
 
 
 def import_factory(spec: str, *, error: type[VramctlError] = VramctlError) -> Any:

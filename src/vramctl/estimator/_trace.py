@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -102,6 +103,8 @@ class StorageRecord:
     #: Set after the trace: parameters, gradients, optimizer, inputs, activations, temporaries.
     category: str = ""
     freed_phase: str | None = None
+    #: The autograd node (its sequence number) whose backward made it; -1: none.
+    node: int = -1
 
 
 @dataclass
@@ -179,6 +182,11 @@ class Tracer(TorchDispatchMode):
         ) = None
         #: autograd node sequence number -> module that made it (for backward attribution).
         self.node_module: dict[int, str] = {}
+        #: The autograd node running the current operator in backward (-1: none).
+        self._node = -1
+        #: A gradient sum that eager autograd would do in place, until its operand's free
+        #: is seen: (event index of the sum's output, the operands' storage ids).
+        self._pending_sum: tuple[int, tuple[int, ...]] | None = None
 
     # -- storages -----------------------------------------------------------------
 
@@ -201,7 +209,10 @@ class Tracer(TorchDispatchMode):
         if nbytes == 0:
             return None
         sid = len(self.trace.records)
-        self.trace.records.append(StorageRecord(nbytes, op, self.module, self.phase))
+        record = StorageRecord(nbytes, op, self.module, self.phase)
+        if self.phase == "backward":
+            record.node = self._node
+        self.trace.records.append(record)
         self.trace.events.append(sid)
         self._sid[st] = sid
         weakref.finalize(st, self._freed, sid)
@@ -225,17 +236,25 @@ class Tracer(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        self.settle()
         self.trace.ops += 1
         self.last_op = _op_name(func)
         self.failed_op = self.last_op
+        self._node = -1
         if self.phase == "backward":
             node = torch._C._current_autograd_node()
             if node is not None:
-                self.module = self.node_module.get(node._sequence_nr(), self.module)
+                self._node = node._sequence_nr()
+                self.module = self.node_module.get(self._node, self.module)
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             out = self._data_dependent(func, args, kwargs)
+        except RuntimeError:
+            rule = _FAKE_RULES.get(func)
+            if rule is None:
+                raise
+            out = rule(*args, **kwargs)
         else:
             self._propagate_known(func, args, kwargs, out)
         name = _op_name(func)
@@ -248,13 +267,68 @@ class Tracer(TorchDispatchMode):
             )
             self.trace.events.append(sid)
         real = self.output_bytes(func, args, kwargs, outs) if self.output_bytes else None
+        first_event = len(self.trace.events)
         for i, t in enumerate(outs):
             self.register(t, name, real[i] if real is not None else None)
+        if func is _aten.add.Tensor and self.phase == "backward":
+            self._gradient_sum(args, kwargs, outs, first_event)
         if ws > 0:
             self.trace.events.append(~sid)
             self.trace.records[sid].freed_phase = self.phase
         self.failed_op = None
         return out
+
+    # -- gradient sums -------------------------------------------------------------
+
+    def _gradient_sum(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor], at: int
+    ) -> None:
+        """Note a sum that autograd's engine makes of two gradients for one input.
+
+        Eager autograd adds the new gradient into the one its buffer holds, in place,
+        when that one is a plain dense tensor referenced nowhere else
+        (``InputBuffer::accumulate``), but never for a tensor subclass such as a fake
+        tensor, which it sums out of place: one gradient more at that moment (a tied
+        embedding's, an activation's with two consumers). The sum is the engine's when
+        its first operand (the buffer's) was made by another node and its second by the
+        node now running. It would have been in place when the first is not a view (a
+        view's base holds its storage too) and is freed right after the sum, which
+        :meth:`settle` sees and models.
+        """
+        if len(args) < 2 or kwargs.get("alpha", 1) != 1 or len(outs) != 1:
+            return
+        old, new, out = args[0], args[1], outs[0]
+        if not all(
+            isinstance(t, torch.Tensor) and t.shape == out.shape and t.dtype == out.dtype
+            for t in (old, new)
+        ):
+            return
+        if old._is_view() or not is_non_overlapping_and_dense_or_false(old):
+            return
+        sid_old, sid_new = self.sid_of(old), self.sid_of(new)
+        if sid_old is None or sid_new is None or self._node < 0:
+            return
+        made_by = self.trace.records[sid_old].node
+        if made_by in (-1, self._node) or self.trace.records[sid_new].node != self._node:
+            return
+        if at >= len(self.trace.events) or self.trace.events[at] != self.sid_of(out):
+            return
+        self._pending_sum = (at, (sid_old,))
+
+    def settle(self) -> None:
+        """Model the last gradient sum in place if an operand was freed right after it:
+        its free moves to before the sum's output (the output takes its memory)."""
+        pending, self._pending_sum = self._pending_sum, None
+        if pending is None:
+            return
+        at, sids = pending
+        events = self.trace.events
+        for i in range(at + 1, len(events)):
+            e = events[i]
+            if e < 0 and ~e in sids:
+                del events[i]
+                events.insert(at, e)
+                return
 
     # -- values -------------------------------------------------------------------
 
@@ -387,6 +461,42 @@ class Tracer(TorchDispatchMode):
         self._assumed.add(key)
         where = f" in {self.module}" if self.module else ""
         self.trace.assumptions.append(f"{name}{where} {what}")
+
+
+def _grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``aten._grouped_mm``'s output, for the inputs its meta kernel refuses.
+
+    The meta kernel checks CUDA's constraints (bf16 inputs, 16-byte strides), so a fake
+    fp32 call fails where the real CPU and fp32 kernels run (transformers' grouped-GEMM
+    mixture-of-experts layers). The output is what the kernel returns: 2-D x 3-D and
+    3-D x 2-D give ``[M, N]``, 2-D x 2-D one ``[M, N]`` per group, 3-D x 3-D a batch.
+    """
+    del bias
+    if offs is None and (a.dim() == 2 or b.dim() == 2):
+        raise RuntimeError("_grouped_mm: offsets are needed for 2-D operands")
+    if a.dim() == 2 and b.dim() == 2:
+        assert offs is not None
+        size = [offs.size(0), a.size(0), b.size(1)]
+    elif a.dim() == 2:
+        size = [a.size(0), b.size(-1)]
+    elif b.dim() == 2:
+        size = [a.size(1), b.size(1)]
+    else:
+        size = [a.size(0), a.size(1), b.size(-1)]
+    return torch.empty(size, dtype=out_dtype or a.dtype, device=a.device)
+
+
+#: Operators whose meta kernels refuse inputs their real kernels take: the output made
+#: another way (called under the fake mode, so it is fake too).
+_FAKE_RULES: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten._grouped_mm.default: _grouped_mm,
+}
 
 
 class EagerLinear(TorchFunctionMode):

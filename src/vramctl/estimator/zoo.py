@@ -52,6 +52,8 @@ class ZooModel:
     vocab_size: int = 0
     #: Longest input the architecture accepts (position table), if it has a limit.
     max_length: float | None = None
+    #: Side of the square images of an ``images`` model's batches (or ``(height, width)``).
+    image_size: int | tuple[int, int] = 224
 
     def build(self) -> nn.Module:
         return _BUILDERS[self.name]()
@@ -64,7 +66,7 @@ class ZooModel:
         seconds: float | None = None,
         labels: bool = True,
     ) -> dict[str, torch.Tensor]:
-        return make_batch(self.name, batch_size, seq_len=seq_len, seconds=seconds, labels=labels)
+        return _make_batch(self, batch_size, seq_len=seq_len, seconds=seconds, labels=labels)
 
     def lengths(
         self, seq_len: int | None = None, seconds: float | None = None
@@ -277,7 +279,18 @@ def make_batch(
     usual context), ``seconds`` the audio length of speech models. With
     ``labels`` the batch carries what the model's loss needs.
     """
-    m = get(name)
+    return _make_batch(get(name), batch_size, seq_len=seq_len, seconds=seconds, labels=labels)
+
+
+def _make_batch(
+    m: ZooModel,
+    batch_size: int,
+    *,
+    seq_len: int | None,
+    seconds: float | None,
+    labels: bool,
+) -> dict[str, torch.Tensor]:
+    name = m.name
     if batch_size < 1:
         raise VramctlError(f"batch size must be at least 1, got {batch_size}")
     n, s = m.lengths(seq_len, seconds)
@@ -308,7 +321,9 @@ def make_batch(
         tokens = torch.randint(0, m.vocab_size, (batch_size, n or WHISPER_DECODER_TOKENS))
         batch["labels" if labels else "decoder_input_ids"] = tokens
         return batch
-    batch = {"pixel_values": torch.empty(batch_size, 3, 224, 224)}
+    size = m.image_size
+    h, w = (size, size) if isinstance(size, int) else size
+    batch = {"pixel_values": torch.empty(batch_size, 3, h, w)}
     if labels:
         batch["labels"] = torch.randint(0, 1000, (batch_size,))
     return batch
