@@ -604,7 +604,8 @@ def _feature_shapes(config: Any, samples: int) -> dict[str, tuple[tuple[int, ...
     from transformers.models.auto import feature_extraction_auto
 
     tf = _transformers()
-    fe_name = feature_extraction_auto.FEATURE_EXTRACTOR_MAPPING_NAMES.get(getattr(config, "model_type", ""))
+    names: dict[str, str] = feature_extraction_auto.FEATURE_EXTRACTOR_MAPPING_NAMES
+    fe_name = names.get(getattr(config, "model_type", ""))
     fe_cls = getattr(tf, fe_name, None) if fe_name else None
     if fe_cls is None:
         raise VramctlError(
