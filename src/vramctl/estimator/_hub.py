@@ -604,7 +604,7 @@ def _feature_shapes(config: Any, samples: int) -> dict[str, tuple[tuple[int, ...
     from transformers.models.auto import feature_extraction_auto
 
     tf = _transformers()
-    names: dict[str, str] = feature_extraction_auto.FEATURE_EXTRACTOR_MAPPING_NAMES
+    names: dict[str, str] = vars(feature_extraction_auto)["FEATURE_EXTRACTOR_MAPPING_NAMES"]
     fe_name = names.get(getattr(config, "model_type", ""))
     fe_cls = getattr(tf, fe_name, None) if fe_name else None
     if fe_cls is None:
