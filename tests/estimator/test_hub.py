@@ -25,9 +25,12 @@ CONFIGS = Path(__file__).parent / "configs"
 
 @pytest.fixture
 def offline_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No network and an empty cache (huggingface_hub reads both when it is imported)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
 
 
 def _real_peak(source: Any, mode: str, precision: str = "fp32", **lengths: Any) -> int:
@@ -122,7 +125,7 @@ def test_image_size_builds_the_model_for_that_size() -> None:
 
 def test_max_batch_and_lengths_search_a_config_model() -> None:
     best = vramctl.max_batch_size(
-        str(CONFIGS / "tiny-llama"), device="1GiB", seq_len=64, lengths=True
+        str(CONFIGS / "tiny-llama"), device="4GiB", seq_len=64, lengths=True, limit=64
     )
     assert best.batch_size > 1
     assert best.length_arg == "seq_len"

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import _disable_current_modes
 
 from vramctl._errors import VramctlError
 from vramctl._step import call_model
@@ -94,7 +95,7 @@ class Session:
         builder.record = False
         with s.fake_mode, builder:
             try:
-                model = obj if isinstance(obj, nn.Module) else obj()
+                model = obj if isinstance(obj, nn.Module) else _build(obj)
             except VramctlError:
                 raise
             except Exception as exc:
@@ -307,6 +308,20 @@ class Session:
         else:
             for p in self.params:
                 p.grad = None
+
+
+def _build(factory: Callable[[], Any]) -> Any:
+    """Call ``factory`` under the fake mode; if it converts a parameter (``.to(dtype)``
+    in ``__init__``), which a fake parameter refuses (``Module._apply`` swaps a fake
+    tensor, and the fake mode holds a weak reference to it), build it on the meta device
+    instead: the session gives every parameter and buffer a fresh fake tensor anyway."""
+    try:
+        return factory()
+    except RuntimeError as exc:
+        if "Couldn't swap" not in str(exc):
+            raise
+    with _disable_current_modes(), torch.device("meta"):
+        return factory()
 
 
 def _optimizer_name(session: Session) -> str | None:

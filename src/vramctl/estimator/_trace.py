@@ -365,6 +365,8 @@ class Tracer(TorchDispatchMode):
             if _is_inplace(func):  # an in-place write makes values unknown
                 for t in inputs:
                     self.known.pop(t, None)
+            elif func is _aten.topk.default and self.record:
+                self._balanced_topk(args, kwargs, outs)
             return
         if sum(t.numel() for t in outs) > KNOWN_NUMEL_LIMIT:
             for t in inputs:  # an in-place write makes values unknown
@@ -384,6 +386,34 @@ class Tracer(TorchDispatchMode):
                 self.known[f] = r
                 if random:
                     self._random[f] = True
+
+    def _balanced_topk(self, args: Any, kwargs: Any, outs: list[torch.Tensor]) -> None:
+        """Known stand-in indices for a ``topk`` of unknown values: spread evenly.
+
+        A mixture-of-experts router picks its experts with ``topk`` of scores the trace
+        cannot know; what follows (tokens per expert, ``split`` sizes, loops over the
+        experts) needs values that agree with each other. Row ``r`` takes the ``k``
+        entries after ``r * k`` (wrapping), so every expert gets an equal share of the
+        tokens: the load of a trained, balanced router.
+        """
+        if len(outs) != 2 or outs[1].numel() > KNOWN_NUMEL_LIMIT:
+            return
+        x = args[0]
+        k = int(args[1] if len(args) > 1 else kwargs["k"])
+        dim = int(args[2] if len(args) > 2 else kwargs.get("dim", -1)) % max(1, x.dim())
+        n = x.shape[dim] if x.dim() else 1
+        idx = outs[1]
+        with unset_fake_temporarily():
+            moved = list(idx.shape)
+            moved.append(moved.pop(dim))
+            rows = max(1, idx.numel() // max(1, k))
+            values = (torch.arange(rows).unsqueeze(1) * k + torch.arange(k)) % max(1, n)
+            self.known[idx] = values.reshape(moved).movedim(-1, dim).contiguous()
+        self._assume(
+            "topk",
+            "picks from values the trace cannot know (a router's scores); taken as spread "
+            "evenly over the choices (every expert an equal share of the tokens)",
+        )
 
     def _data_dependent(self, func: Any, args: Any, kwargs: Any) -> Any:
         real = self._real_args(args, kwargs)
