@@ -6,6 +6,9 @@ import os
 import pytest
 import torch
 
+# The tests never reach the network: Hub ids resolve from the (test's own) cache only.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 import vramctl.device._discover as discover
 from tests.fake_nvml import FakeGpu, FakeNvml, make_gpus
 from vramctl.device._nvml import reset_nvml

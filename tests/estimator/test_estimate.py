@@ -141,7 +141,7 @@ def test_max_batch_size_is_confirmed_by_traces() -> None:
 def test_bad_input_names_what_to_supply() -> None:
     with pytest.raises(vramctl.UnknownDeviceError, match="A10G-24GB"):
         vramctl.estimate(mlp(), torch.randn(2, 256), device="Z99-1GB")
-    with pytest.raises(vramctl.VramctlError, match=r"built-in models: .*gpt2"):
+    with pytest.raises(vramctl.VramctlError, match=r"not a built-in model \(.*gpt2"):
         vramctl.estimate("gpt-17")
     with pytest.raises(EstimateError, match=r"expected Sequential\.forward"):
         vramctl.estimate(mlp(), lambda b: 1 / 0, batch_size=2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import vramctl
-from vramctl.estimator import EstimateError
+from vramctl.estimator import EstimateError, zoo
 from vramctl.estimator._maxbatch import LENGTH_BOUND, _confirm, _search_length
 
 BUDGET = 10**9
@@ -37,7 +37,7 @@ def fake_at(
 def test_length_without_a_limit_is_searched_not_overflowed() -> None:
     # lstm has no max_length: its ceiling was infinity, and rounding it overflowed.
     at, asked = fake_at(lambda n: 10**8 + 4000 * n)  # fits up to 225,000 tokens
-    n, curve, at_ceiling = _search_length("lstm", "seq_len", at, BUDGET)
+    n, curve, at_ceiling = _search_length(zoo.get("lstm"), "seq_len", at, BUDGET)
     assert isinstance(n, int) and not at_ceiling
     assert n <= 225_000 < n * 1.05
     assert (n, 10**8 + 4000 * n, True) in curve
@@ -46,19 +46,19 @@ def test_length_without_a_limit_is_searched_not_overflowed() -> None:
 
 def test_length_that_always_fits_stops_at_the_bound_and_says_so() -> None:
     at, asked = fake_at(lambda n: 10**8)
-    n, _curve, at_ceiling = _search_length("lstm", "seq_len", at, BUDGET)
+    n, _curve, at_ceiling = _search_length(zoo.get("lstm"), "seq_len", at, BUDGET)
     assert n == LENGTH_BOUND["seq_len"] and at_ceiling
     assert len(set(asked)) < 30
     # wav2vec2-base has no limit either: its bound is in seconds.
     at, _ = fake_at(lambda s: 10**8)
-    s, _curve, at_ceiling = _search_length("wav2vec2-base", "seconds", at, BUDGET)
+    s, _curve, at_ceiling = _search_length(zoo.get("wav2vec2-base"), "seconds", at, BUDGET)
     assert s == LENGTH_BOUND["seconds"] and at_ceiling
 
 
 def test_length_too_long_to_trace_does_not_fit() -> None:
     # Everything that traces fits; past 61 s the trace fails (as a long CTC loss does).
     at, _ = fake_at(lambda s: 10**8 + 1000 * s * s, untraceable_above=61.0)
-    s, curve, at_ceiling = _search_length("wav2vec2-base", "seconds", at, BUDGET)
+    s, curve, at_ceiling = _search_length(zoo.get("wav2vec2-base"), "seconds", at, BUDGET)
     assert 58.0 <= s <= 61.0 and not at_ceiling
     assert all(x <= 61.0 for x, _p, _f in curve)
 
@@ -66,18 +66,18 @@ def test_length_too_long_to_trace_does_not_fit() -> None:
 def test_length_that_cannot_be_traced_at_its_shortest_is_an_error() -> None:
     at, _ = fake_at(lambda s: 10**8, untraceable_above=0.5)
     with pytest.raises(EstimateError, match="could not trace"):
-        _search_length("wav2vec2-base", "seconds", at, BUDGET)
+        _search_length(zoo.get("wav2vec2-base"), "seconds", at, BUDGET)
 
 
 def test_length_that_does_not_fit_at_its_shortest_is_zero() -> None:
     at, _ = fake_at(lambda n: 2 * BUDGET)
-    n, _curve, at_ceiling = _search_length("lstm", "seq_len", at, BUDGET)
+    n, _curve, at_ceiling = _search_length(zoo.get("lstm"), "seq_len", at, BUDGET)
     assert n == 0 and not at_ceiling
 
 
 def test_length_with_a_limit_stops_at_it() -> None:
     at, asked = fake_at(lambda n: 10**8)
-    n, _curve, at_ceiling = _search_length("gpt2", "seq_len", at, BUDGET)
+    n, _curve, at_ceiling = _search_length(zoo.get("gpt2"), "seq_len", at, BUDGET)
     assert n == 1024 and at_ceiling and max(asked) == 1024
 
 
