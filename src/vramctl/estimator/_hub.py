@@ -18,10 +18,12 @@ features, or pixels) from a batch size and a length.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,7 @@ __all__ = [
     "TASKS",
     "ConfigModel",
     "config_model",
+    "eager_masks",
     "is_config_source",
 ]
 
@@ -254,6 +257,36 @@ class ConfigModel:
             else:
                 out[name] = torch.ones(batch_size, *shape, dtype=torch.long)
         return out
+
+
+# -- tracing transformers' models as they run eagerly ----------------------------------------
+
+
+@contextlib.contextmanager
+def eager_masks() -> Iterator[None]:
+    """transformers' attention masks made as for real tensors while the trace runs.
+
+    transformers takes a fake tensor for a sign of graph tracing (``is_tracing``), and then
+    always builds the full ``[batch, 1, query, key]`` causal mask, where an eager step
+    with no padding passes none and lets SDPA apply causality (``is_causal=True``): a
+    mask the real step does not hold, and another SDPA kernel. The mask decisions read the
+    padding mask's values, which the trace knows (a batch's masks are real), so they are
+    made as the eager step makes them. Other uses of ``is_tracing`` are left alone.
+    """
+    module = sys.modules.get("transformers.masking_utils")
+    original = getattr(module, "is_tracing", None) if module is not None else None
+    if module is None or original is None:
+        yield
+        return
+
+    def is_tracing(tensor: Any = None) -> bool:
+        return bool(original(None))
+
+    module.is_tracing = is_tracing  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        module.is_tracing = original  # type: ignore[attr-defined]
 
 
 # -- reading the configuration -------------------------------------------------------------

@@ -44,6 +44,7 @@ from vramctl.estimator._spec import (
     step_mode,
     warm_optimizer,
 )
+from vramctl.estimator._hub import eager_masks
 from vramctl.estimator._target import Target, resolve_target
 from vramctl.estimator._trace import DataDependentError, EagerLinear, Trace, Tracer
 
@@ -220,6 +221,7 @@ class Session:
             es.enter_context(step_mode(model, spec))
             fake_batch = _fake_batch(batch, self.fake_mode, tracer, spec)
             es.enter_context(EagerLinear())
+            es.enter_context(eager_masks())
             if self.target.cuda and spec.autocast_dtype is not None:
                 es.enter_context(CudaAutocast())
             es.enter_context(tracer)
