@@ -32,6 +32,7 @@ from vramctl.estimator._allocator import (
 from vramctl.estimator._autocast import CudaAutocast
 from vramctl.estimator._calibration import CalibrationSource, measured_on
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace
+from vramctl.estimator._hub import eager_masks
 from vramctl.estimator._result import CATEGORIES, Estimate, uncalibrated_note
 from vramctl.estimator._spec import (
     BatchSource,
@@ -44,7 +45,6 @@ from vramctl.estimator._spec import (
     step_mode,
     warm_optimizer,
 )
-from vramctl.estimator._hub import eager_masks
 from vramctl.estimator._target import Target, resolve_target
 from vramctl.estimator._trace import DataDependentError, EagerLinear, Trace, Tracer
 
