@@ -161,6 +161,20 @@ def test_a_model_that_cannot_be_built_says_why_in_one_line(
     assert "\n" not in str(info.value)
 
 
+def test_trusted_custom_code_builds_the_models_own_class(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers.dynamic_module_utils as dynamic
+
+    # transformers copies a model's own code into its modules cache: a temporary one here.
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    source = str(CONFIGS / "custom-code")
+    est = vramctl.estimate(source, trust_remote_code=True, batch_size=2, seq_len=16)
+    assert any("AcmeForCausalLM (causal-lm)" in n for n in est.notes)
+    # 100 x 64 embedding, 64 x 64 mixer, 64 x 100 head, with biases.
+    assert est.parameters == 100 * 64 + 64 * 64 + 64 + 64 * 100 + 100
+
+
 def test_a_folder_without_config_json_is_named(tmp_path: Path) -> None:
     with pytest.raises(EstimateError, match=r"without a config\.json"):
         vramctl.estimate(str(tmp_path), device="cpu")
