@@ -125,6 +125,8 @@ class Row:
     shrink: str = ""
     params: int = 0
     seconds: float = 0.0
+    #: The architecture group the class is counted in (see :func:`group_of`).
+    group: str = ""
 
 
 # -- shrinking a config ----------------------------------------------------------------------
@@ -228,6 +230,87 @@ def _width(c: Any, level: str) -> None:
         c.num_key_value_heads = 1 if kv == 1 else 2
 
 
+# -- architecture groups -------------------------------------------------------------------
+
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_STATE = ("state_size", "ssm_state_size", "mamba_d_state", "d_state", "conv_L_cache")
+GROUPS = (
+    "mixture of experts",
+    "state-space and recurrent",
+    "encoder-decoder text",
+    "speech seq2seq",
+    "speech CTC",
+    "vision",
+    "decoder LM",
+    "encoder (masked LM, classification)",
+)
+
+
+def group_of(config: Any, task: str) -> str:
+    """The architecture group a class is reported in, from its config and task."""
+    subs = list(_configs(config))
+    if any(
+        isinstance(getattr(c, n, None), int) and getattr(c, n) > 1 for c in subs for n in _EXPERTS
+    ):
+        return GROUPS[0]
+    recurrent = ("rwkv", "xlstm", "recurrent", "mamba", "ssm", "lfm2")
+    if any(getattr(c, n, None) for c in subs for n in _STATE) or any(
+        r in getattr(config, "model_type", "") for r in recurrent
+    ):
+        return GROUPS[1]
+    if task == "speech-seq2seq":
+        return GROUPS[3]
+    if task == "ctc":
+        return GROUPS[4]
+    if task == "image-classification":
+        return GROUPS[5]
+    if task == "seq2seq-lm" or getattr(config, "is_encoder_decoder", False):
+        return GROUPS[2]
+    if task == "causal-lm":
+        return GROUPS[6]
+    return GROUPS[7]
+
+
+def markdown(rows: list[Row]) -> str:
+    """The tables of docs/benchmarks/estimate_coverage.md: per group and per task, then
+    every class not estimated or off by more than 1%."""
+
+    def line(name: str, group: list[Row]) -> str:
+        built = [r for r in group if r.built]
+        done = [r for r in built if r.estimated]
+        errs = [e for r in done for e in r.errors.values()]
+        med = f"{statistics.median(abs(e) for e in errs):.2f}%" if errs else "-"
+        worst = f"{max(abs(e) for e in errs):.2f}%" if errs else "-"
+        under = f"{max([0.0] + [-e for e in errs]):.2f}%" if errs else "-"
+        cover = f"{100.0 * len(done) / len(built):.1f}%" if built else "-"
+        cells = [name, len(group), len(built), len(done), cover, med, worst, under]
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    head = (
+        "| {} | classes | built | estimated | coverage | median error | max error | "
+        "worst under-estimate |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
+    out = [head.format("architecture group")]
+    out += [
+        line(g, [r for r in rows if r.group == g])
+        for g in GROUPS
+        if any(r.group == g for r in rows)
+    ]
+    out += ["", head.format("task mapping")]
+    out += [
+        line(t, [r for r in rows if r.task == t])
+        for t in (*TASKS, "timm")
+        if any(r.task == t for r in rows)
+    ]
+    out += ["", "| class | task | train | infer | note |", "| --- | --- | ---: | ---: | --- |"]
+    for r in rows:
+        off = r.estimated and max(abs(e) for e in r.errors.values()) > 1.0
+        if r.built and (not r.estimated or off):
+            tr, inf = (f"{r.errors[m]:+.2f}%" if m in r.errors else "-" for m in ("train", "infer"))
+            out.append(f"| {r.cls} | {r.task} | {tr} | {inf} | {r.reason or ''} |")
+    return "\n".join(out) + "\n"
+
+
 # -- one class ---------------------------------------------------------------------------------
 
 
@@ -324,6 +407,7 @@ def run_transformers(task: str, model_type: str, class_name: str, verbose: bool)
             _common.free_failed(exc)
             continue
         row.built, row.shrink, row.params = True, level, n
+        row.group = group_of(config, task)
         break
     if not row.built:
         row.reason = "not built: " + reason_of(first) if first else "not built"
@@ -435,6 +519,7 @@ def main() -> int:
     ap.add_argument("--no-timm", action="store_true", help="skip timm's registry")
     ap.add_argument("--verbose", action="store_true", help="print each failure's message")
     ap.add_argument("--rows", help="write every row as JSON lines to this file")
+    ap.add_argument("--markdown", help="write the per-group and per-task tables to this file")
     args = _common.parse(ap)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -492,6 +577,9 @@ def main() -> int:
     if sink is not None:
         sink.close()
 
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as fh:
+            fh.write(markdown(rows))
     built = [r for r in rows if r.built]
     estimated = [r for r in built if r.estimated]
     errs = [e for r in estimated for e in r.errors.values()]
