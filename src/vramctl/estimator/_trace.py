@@ -257,6 +257,9 @@ class Tracer(TorchDispatchMode):
             out = rule(*args, **kwargs)
         else:
             self._propagate_known(func, args, kwargs, out)
+        layout = _EAGER_LAYOUT.get(func)
+        if layout is not None:
+            out = layout(out)
         name = _op_name(func)
         outs = list(tensors(out))
         ws = self.workspace(func, args, kwargs, outs) if self.workspace is not None else 0
@@ -522,6 +525,23 @@ def _grouped_mm(
     return torch.empty(size, dtype=out_dtype or a.dtype, device=a.device)
 
 
+def _contiguous_first(out: Any) -> Any:
+    """The first output made contiguous, as the CPU and CUDA kernels return it."""
+    first = out[0]
+    if not isinstance(first, torch.Tensor) or first.is_contiguous():
+        return out
+    return (torch.empty(first.shape, dtype=first.dtype, device=first.device), *out[1:])
+
+
+#: Operators whose meta kernels return another layout than the real ones: the output as
+#: the real kernel lays it out. Layer norm's backward computes on contiguous copies and
+#: returns a contiguous input gradient; the meta kernel copies the input's strides, so
+#: after a transpose (audio feature encoders normalise over channels) the gradient the
+#: next operator gets was contiguous in the trace and not in the real step, which then
+#: copies it (a convolution's backward does).
+_EAGER_LAYOUT: dict[Any, Callable[[Any], Any]] = {
+    _aten.native_layer_norm_backward.default: _contiguous_first,
+}
 #: Operators whose meta kernels refuse inputs their real kernels take: the output made
 #: another way (called under the fake mode, so it is fake too).
 _FAKE_RULES: dict[Any, Callable[..., Any]] = {
