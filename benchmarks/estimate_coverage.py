@@ -172,22 +172,52 @@ def shrink(config: Any, level: str) -> Any:
 
 
 def _layers(c: Any) -> None:
+    """At most 2 layers; a hybrid keeps one layer of each of its kinds (an attention layer
+    and a state-space one, a dense MLP and a sparse one)."""
     aliases = getattr(c, "attribute_map", {}) or {}
+    count = getattr(c, "num_hidden_layers", None)
+    per_layer = {
+        k: v
+        for k, v in vars(c).items()
+        if isinstance(v, list)
+        and isinstance(count, int)
+        and len(v) == count > 2
+        and k not in aliases
+        and all(isinstance(x, str | int | float) for x in v)
+    }
+    kinds = [k for k in per_layer if k.endswith(("layer_types", "block_type", "block_types"))]
+    keep: list[int] = []
+    for k in kinds:  # the first layer of each kind
+        seen: set[Any] = set()
+        for i, value in enumerate(per_layer[k]):
+            if value not in seen:
+                seen.add(value)
+                keep.append(i)
+    keep = sorted(set(keep))[:4]
+    for i in range(count or 0):
+        if len(keep) >= 2:
+            break
+        if i not in keep:
+            keep = sorted({*keep, i})
     for name in _LAYERS:
         if name in aliases:  # another name for a field (ConvNeXt's stages): not a count
             continue
         v = getattr(c, name, None)
         if isinstance(v, int) and v > 2:
-            setattr(c, name, 2)
+            setattr(c, name, len(keep) if name == "num_hidden_layers" and per_layer else 2)
+    for k, v in per_layer.items():
+        setattr(c, k, [v[i] for i in keep])
+    for name, value in (("attn_layer_period", 2), ("attn_layer_offset", 1)):
+        if isinstance(getattr(c, name, None), int):
+            setattr(c, name, value)
+    for name, value in (("expert_layer_period", 2), ("expert_layer_offset", 1)):
+        if isinstance(getattr(c, name, None), int):
+            setattr(c, name, value)
     v = getattr(c, "depths", None)
     if isinstance(v, list | tuple) and v and all(isinstance(x, int) for x in v):
         c.depths = [min(x, 1) for x in v]
     if getattr(c, "layerdrop", None):
         c.layerdrop = 0.0  # the estimate is for the step that drops no layer
-    for name in ("layer_types", "block_types"):
-        v = getattr(c, name, None)
-        if isinstance(v, list) and len(v) > 2:
-            setattr(c, name, v[:2])
     if isinstance(getattr(c, "first_k_dense_replace", None), int):
         c.first_k_dense_replace = min(c.first_k_dense_replace, 1)
 
@@ -226,8 +256,8 @@ def _width(c: Any, level: str) -> None:
         if isinstance(getattr(c, name, None), int):
             setattr(c, name, 4)
     kv = getattr(c, "num_key_value_heads", None)
-    if isinstance(kv, int):
-        c.num_key_value_heads = 1 if kv == 1 else 2
+    if isinstance(kv, int):  # multi-head stays multi-head, multi-query stays multi-query
+        c.num_key_value_heads = 1 if kv == 1 else 4 if kv == old_heads else 2
 
 
 # -- architecture groups -------------------------------------------------------------------
@@ -516,6 +546,7 @@ def transformers_classes() -> list[tuple[str, str, str]]:
 def main() -> int:
     ap = _common.parser(__doc__, quick="a fixed sample of 20 classes, under a minute")
     ap.add_argument("--only", help="comma-separated model types (or timm modules) to run")
+    ap.add_argument("--tasks", help="comma-separated task mappings to sweep (default: all)")
     ap.add_argument("--no-timm", action="store_true", help="skip timm's registry")
     ap.add_argument("--verbose", action="store_true", help="print each failure's message")
     ap.add_argument("--rows", help="write every row as JSON lines to this file")
@@ -541,6 +572,11 @@ def main() -> int:
             if key in wanted and key not in picked:
                 picked[key] = (kind, job)
         jobs = [picked[k] for k in [(t, m) for t, m in QUICK] if k in picked]
+    if args.tasks:
+        tasks = set(args.tasks.split(","))
+        jobs = [
+            (k, j) for k, j in jobs if ("image-classification" if k == "timm" else j[0]) in tasks
+        ]
     if args.only:
         only = set(args.only.split(","))
         jobs = [(k, j) for k, j in jobs if (j[0] if k == "timm" else j[1]) in only]
