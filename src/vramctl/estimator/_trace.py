@@ -30,6 +30,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     unset_fake_temporarily,
 )
@@ -342,6 +343,8 @@ class Tracer(TorchDispatchMode):
             nonlocal missing
             if isinstance(x, torch.Tensor):
                 r = self.known.get(x)
+                if r is None and _plain(x):
+                    return x  # a real tensor (a wrapped Python number): its own value
                 if r is None:
                     missing = True
                 return r
@@ -364,7 +367,7 @@ class Tracer(TorchDispatchMode):
                     self.known[outs[0]] = torch.full(outs[0].shape, top, dtype=outs[0].dtype)
                 self._random[outs[0]] = True
             return
-        if not all(t in self.known for t in inputs):  # the common case: an activation
+        if not all(t in self.known or _plain(t) for t in inputs):  # the common case
             if _is_inplace(func):  # an in-place write makes values unknown
                 for t in inputs:
                     self.known.pop(t, None)
@@ -494,6 +497,11 @@ class Tracer(TorchDispatchMode):
         self._assumed.add(key)
         where = f" in {self.module}" if self.module else ""
         self.trace.assumptions.append(f"{name}{where} {what}")
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A real tensor among fake ones: a Python number PyTorch wrapped (``x[i] = 0``)."""
+    return not isinstance(t, FakeTensor) and not t.is_meta and t.dim() == 0
 
 
 def _grouped_mm(
