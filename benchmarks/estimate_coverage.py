@@ -51,7 +51,9 @@ TASKS = (
     "speech-seq2seq",
     "seq2seq-lm",
 )
-#: The --quick sample: (task, model type), one per family worth watching.
+#: The --quick sample: (task, model type), 20 transformers classes, one per family worth
+#: watching (dense, MoE by grouped GEMM and by loop, state-space, recurrent, hybrid,
+#: encoders, encoder-decoders, speech CTC and seq2seq, vision), and timm's ResNet.
 QUICK = [
     ("causal-lm", "gpt2"),
     ("causal-lm", "llama"),
@@ -72,7 +74,8 @@ QUICK = [
     ("image-classification", "vit"),
     ("image-classification", "convnext"),
     ("image-classification", "resnet"),
-    ("timm", "resnet"),
+    ("causal-lm", "jetmoe"),
+    ("timm", "resnet"),  # where timm is installed: a 21st
 ]
 SEQ_LEN = 32
 SECONDS = 1.0
@@ -544,7 +547,9 @@ def transformers_classes() -> list[tuple[str, str, str]]:
 
 
 def main() -> int:
-    ap = _common.parser(__doc__, quick="a fixed sample of 20 classes, under a minute")
+    ap = _common.parser(
+        __doc__, quick="a fixed sample of 20 classes (21 with timm), under a minute"
+    )
     ap.add_argument("--only", help="comma-separated model types (or timm modules) to run")
     ap.add_argument("--tasks", help="comma-separated task mappings to sweep (default: all)")
     ap.add_argument("--no-timm", action="store_true", help="skip timm's registry")
