@@ -413,10 +413,14 @@ def _from_pretrained(tf: Any, where: str, shown: str, trust_remote_code: bool) -
     except OSError as exc:
         text = str(exc)
         if "couldn't connect" in text or "offline" in text.lower():
+            why = (
+                "offline mode (HF_HUB_OFFLINE) reads only the local cache, which has"
+                if _offline()
+                else "no network to reach the Hugging Face Hub, and"
+            )
             raise VramctlError(
-                f"{shown}: no network to reach the Hugging Face Hub and no copy of its config "
-                "in the local cache; download it once where there is a network, or give a "
-                "local folder or config.json"
+                f"{shown}: {why} no copy of its config in the local cache; download it once "
+                "where there is a network, or give a local folder or config.json"
             ) from exc
         if "not a valid model identifier" in text or "Repository Not Found" in text:
             raise VramctlError(
@@ -424,6 +428,14 @@ def _from_pretrained(tf: Any, where: str, shown: str, trust_remote_code: bool) -
                 "here); check the id, or log in for a private or gated model"
             ) from exc
         raise VramctlError(f"{shown}: {_one_line(exc)}") from exc
+
+
+def _offline() -> bool:
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def _one_line(exc: BaseException) -> str:
