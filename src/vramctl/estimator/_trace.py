@@ -500,8 +500,9 @@ class Tracer(TorchDispatchMode):
 
 
 def _plain(t: torch.Tensor) -> bool:
-    """A real tensor among fake ones: a Python number PyTorch wrapped (``x[i] = 0``)."""
-    return not isinstance(t, FakeTensor) and not t.is_meta and t.dim() == 0
+    """A real tensor among fake ones: a constant (a Python number PyTorch wrapped for
+    ``x[i] = 0``, the list ``torch.tensor([...])`` lifts into the fake mode)."""
+    return not isinstance(t, FakeTensor) and not t.is_meta
 
 
 def _grouped_mm(
