@@ -114,7 +114,10 @@ class ConfigModel:
 
     @property
     def seq2seq(self) -> bool:
-        return self.task in _SEQ2SEQ or bool(getattr(self.config, "is_encoder_decoder", False))
+        # A classification head on an encoder-decoder (BART's) makes its decoder's inputs
+        # from the encoder's; the bare model needs them given.
+        encdec = bool(getattr(self.config, "is_encoder_decoder", False))
+        return self.task in _SEQ2SEQ or (encdec and self.task == "base")
 
     def build(self) -> nn.Module:
         """The model with fresh (random) weights, in fp32 whatever the config's dtype."""
@@ -175,7 +178,11 @@ class ConfigModel:
             assert n is not None
             if n < 1:
                 raise VramctlError(f"sequence length must be at least 1, got {n}")
-            batch[self.input_name] = self._ids(batch_size, n)
+            ids = self._ids(batch_size, n)
+            eos = getattr(self.config.get_text_config(), "eos_token_id", None)
+            if self.task == "seq-classification" and isinstance(eos, int) and 0 <= eos:
+                ids[:, -1] = eos  # a sentence ends with one (BART-style heads pool on it)
+            batch[self.input_name] = ids
             if "attention_mask" in self._forward_args():
                 batch["attention_mask"] = torch.ones(batch_size, n, dtype=torch.long)
         elif self.inputs == "images":
@@ -550,7 +557,7 @@ def _ready_config(config: Any, task: str) -> list[str]:
             c.pad_token_id = 0
         notes.append("the config has no pad token; token 0 was taken as one (no memory effect)")
     if task in _SEQ2SEQ or getattr(config, "is_encoder_decoder", False):
-        if getattr(config, "decoder_start_token_id", 0) is None:
+        if getattr(config, "decoder_start_token_id", None) is None:
             start = getattr(config, "pad_token_id", None)
             start = start if start is not None else getattr(config, "bos_token_id", None)
             config.decoder_start_token_id = start if start is not None else 0
@@ -558,7 +565,7 @@ def _ready_config(config: Any, task: str) -> list[str]:
                 f"the config has no decoder start token; {config.decoder_start_token_id} "
                 "was taken (no memory effect)"
             )
-        if getattr(config, "pad_token_id", 0) is None:
+        if getattr(config, "pad_token_id", None) is None:
             config.pad_token_id = 0
     return notes
 
