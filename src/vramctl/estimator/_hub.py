@@ -180,7 +180,7 @@ class ConfigModel:
                 raise VramctlError(f"sequence length must be at least 1, got {n}")
             ids = self._ids(batch_size, n)
             eos = getattr(self.config.get_text_config(), "eos_token_id", None)
-            if self.task == "seq-classification" and isinstance(eos, int) and 0 <= eos:
+            if self.task == "seq-classification" and isinstance(eos, int) and eos >= 0:
                 ids[:, -1] = eos  # a sentence ends with one (BART-style heads pool on it)
             batch[self.input_name] = ids
             if "attention_mask" in self._forward_args():
