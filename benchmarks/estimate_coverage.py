@@ -160,7 +160,7 @@ def shrink(config: Any, level: str) -> Any:
             v = getattr(c, name, None)
             if isinstance(v, int) and v > 256:
                 setattr(c, name, 256)
-        for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        for name in ("num_experts", "num_local_experts", "n_routed_experts", "zero_expert_num"):
             v = getattr(c, name, None)
             if isinstance(v, int) and v > 4:
                 setattr(c, name, 4)
