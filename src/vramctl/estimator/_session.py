@@ -46,7 +46,13 @@ from vramctl.estimator._spec import (
     warm_optimizer,
 )
 from vramctl.estimator._target import Target, resolve_target
-from vramctl.estimator._trace import DataDependentError, EagerLinear, Trace, Tracer
+from vramctl.estimator._trace import (
+    DataDependentError,
+    EagerLinear,
+    Trace,
+    Tracer,
+    no_op_module_to,
+)
 
 __all__ = ["Session", "build_estimate", "make_batch_for", "open_session"]
 
@@ -222,6 +228,7 @@ class Session:
             fake_batch = _fake_batch(batch, self.fake_mode, tracer, spec)
             es.enter_context(EagerLinear())
             es.enter_context(eager_masks())
+            es.enter_context(no_op_module_to())
             if self.target.cuda and spec.autocast_dtype is not None:
                 es.enter_context(CudaAutocast())
             es.enter_context(tracer)

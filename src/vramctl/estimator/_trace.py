@@ -20,12 +20,15 @@ records that assumption, so an estimate errs high, never low.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -41,7 +44,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from vramctl._tensors import storage, tensors
 
-__all__ = ["EagerLinear", "StorageRecord", "Trace", "Tracer"]
+__all__ = [
+    "EagerLinear",
+    "StorageRecord",
+    "Trace",
+    "Tracer",
+    "no_op_module_to",
+]
 
 #: Outputs up to this many elements get real values when their inputs have them.
 KNOWN_NUMEL_LIMIT = 1 << 22
@@ -566,6 +575,10 @@ class EagerLinear(TorchFunctionMode):
     a tensor subclass such as a fake tensor it adds out of place instead ("for
     composite compliance"), which would hold one extra output at that moment.
     This mode takes the eager path.
+
+    It also formats a one-element tensor by its value, as a real one formats
+    (``f"expert_{idx}"``): a fake tensor would format as ``FakeTensor(...)``. The
+    value is read with ``.item()``, which the tracer answers (known, or a stand-in).
     """
 
     def __torch_function__(
@@ -576,6 +589,8 @@ class EagerLinear(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.__format__ and args and args[0].numel() == 1:
+            return format(args[0].item(), *args[1:])
         if func is torch.nn.functional.linear:
             x = args[0] if args else kwargs.get("input")
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
@@ -590,6 +605,34 @@ class EagerLinear(TorchFunctionMode):
                 out = torch.matmul(x, weight.t())
                 return out.add_(bias if bias.dtype == out.dtype else bias.to(out.dtype))
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def no_op_module_to() -> Iterator[None]:
+    """``module.to(...)`` that changes nothing returns the module, as eager PyTorch's does
+    in effect, instead of swapping every fake parameter for itself.
+
+    ``Module._apply`` always swaps a fake parameter (``swap_tensors``), and the swap fails
+    while the fake mode holds a weak reference to it; a model that casts a submodule in its
+    forward (Switch Transformers' router: ``self.classifier.to(self.dtype)``) would not trace.
+    """
+    original = nn.Module.to
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        parsed: Any = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, _, memory_format = parsed
+        same = memory_format is None and all(
+            (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+            and (device is None or t.device == torch.device(device))
+            for t in itertools.chain(self.parameters(), self.buffers())
+        )
+        return self if same else original(self, *args, **kwargs)
+
+    nn.Module.to = to  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        nn.Module.to = original  # type: ignore[method-assign]
 
 
 class DataDependentError(RuntimeError):
