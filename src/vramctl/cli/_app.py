@@ -349,8 +349,9 @@ def estimate_cmd(
 
         vramctl estimate gpt2 --precision amp-bf16 --batch 1,8,32 --seq-len 512 \\
             --device A10G-24GB --max-batch
-        vramctl estimate Qwen/Qwen2.5-0.5B --batch 4 --seq-len 2048 --device H100-80GB
-        vramctl estimate ./my-model/config.json --task seq-classification --seq-len 128
+        vramctl estimate Qwen/Qwen2.5-0.5B --batch 4 --seq-len 2048 \\
+            --device H100-80GB
+        vramctl estimate ./my-model/config.json --task seq-classification
     """
     from vramctl.estimator import zoo
 
