@@ -13,7 +13,7 @@ features, or pixels) from a batch size and a length.
 >>> m.task, m.class_name, m.inputs
 ('causal-lm', 'GPT2LMHeadModel', 'tokens')
 >>> sorted(m.make_batch(2, seq_len=16))
-['input_ids', 'labels']
+['attention_mask', 'input_ids', 'labels']
 """
 
 from __future__ import annotations
