@@ -428,6 +428,7 @@ class Tracer(TorchDispatchMode):
             "topk",
             "picks from values the trace cannot know (a router's scores); taken as spread "
             "evenly over the choices (every expert an equal share of the tokens)",
+            everywhere=True,
         )
 
     def _data_dependent(self, func: Any, args: Any, kwargs: Any) -> Any:
@@ -498,13 +499,14 @@ class Tracer(TorchDispatchMode):
         ra, rk = tree_map(standin, (args, kwargs))
         return ra, rk
 
-    def _assume(self, name: str, what: str) -> None:
-        """Record an assumption once per operator and module."""
-        key = (name, self.module)
+    def _assume(self, name: str, what: str, *, everywhere: bool = False) -> None:
+        """Record an assumption once per operator and module (``everywhere``: once)."""
+        module = "" if everywhere else self.module
+        key = (name, module)
         if key in self._assumed:
             return
         self._assumed.add(key)
-        where = f" in {self.module}" if self.module else ""
+        where = f" in {module}" if module else ""
         self.trace.assumptions.append(f"{name}{where} {what}")
 
 
