@@ -252,7 +252,9 @@ def test_png_plot_is_an_image_with_a_panel_per_device(tmp_path: Path) -> None:
     rgb = (image[..., :3] * 255).round().astype(int).reshape(-1, 3)
     assert len(np.unique(rgb, axis=0)) > 10  # not blank: text, axes and lines
     first_series = np.array([0x1F, 0x77, 0xB4])  # matplotlib's first colour (C0)
-    assert (np.abs(rgb - first_series).sum(axis=1) <= 6).sum() > 100
+    # The line is drawn (its length follows the samples' values, which a loaded machine
+    # moves: 100 pixels were seen on one, thousands on a quiet one; a blank panel has 0).
+    assert (np.abs(rgb - first_series).sum(axis=1) <= 6).sum() > 50
 
     one = Monitor(["cpu"], interval=1.0, rules=[])
     one.sample()
