@@ -156,30 +156,31 @@ def held_tensors(model: Any, data: Any, opt: Any) -> list[Any]:
     return held
 
 
-def cpu_step_peak(model: Any, data: Any, spec: Any, opt: Any) -> int:
-    """The real CPU peak of one step: the live bytes before it (parameters, buffers,
-    optimizer state, inputs) plus the peak of PyTorch's profiler memory timeline (its
-    CREATE and DESTROY events) during the step, after a warm-up step."""
+def profiled_peak(run: Callable[[], Any]) -> int:
+    """The peak of PyTorch's profiler memory timeline (CREATE and DESTROY events) while
+    ``run()`` runs on the CPU: what it allocates at most, kernels' scratch included."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        run()
+    live = peak = 0
+    for _t, action, _key, size in prof._memory_profile().timeline:
+        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+        peak = max(peak, live)
+    return peak
+
+
+def cpu_step_peak(model: Any, data: Any, spec: Any, opt: Any) -> int:
+    """The real CPU peak of one step: the live bytes before it (parameters, buffers,
+    optimizer state, inputs) plus the profiler's peak during it, after a warm-up step."""
     from vramctl.estimator import run_step
 
     baseline = storages_bytes(held_tensors(model, data, opt))
     run_step(model, data, spec, opt)  # warm-up: one-off kernel caches, as on CUDA
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
-        run_step(model, data, spec, opt)
-    live = peak = 0
-    for _t, action, _key, size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
-        peak = max(peak, live)
-    del prof
-    return baseline + peak
+    return baseline + profiled_peak(lambda: run_step(model, data, spec, opt))
 
 
 def error_stats(pairs: list[tuple[int | None, int | None]]) -> dict[str, float | int | None]:

@@ -333,9 +333,7 @@ def markdown(rows: list[Row]) -> str:
     ]
     out += ["", head.format("task mapping")]
     out += [
-        line(t, [r for r in rows if r.task == t])
-        for t in (*TASKS, "timm")
-        if any(r.task == t for r in rows)
+        line(t, [r for r in rows if r.task == t]) for t in TASKS if any(r.task == t for r in rows)
     ]
     out += ["", "| class | task | train | infer | note |", "| --- | --- | ---: | ---: | --- |"]
     for r in rows:
@@ -377,8 +375,8 @@ def reason_of(exc: BaseException) -> str:
     return text[:90]
 
 
-def real_peaks(entry: Any, build: Any, lengths: dict[str, Any]) -> dict[str, int]:
-    """The real CPU peak of a train and an infer step at batch 2."""
+def real_peaks(batch_of: Any, build: Any) -> dict[str, int]:
+    """The real CPU peak of a train and an infer step at batch 2 (``batch_of(mode)``)."""
     from vramctl.estimator import StepSpec, prepare_model, warm_optimizer
 
     out = {}
@@ -391,7 +389,7 @@ def real_peaks(entry: Any, build: Any, lengths: dict[str, Any]) -> dict[str, int
         opt = spec.make_optimizer(params)
         if opt is not None:
             warm_optimizer(opt, params)
-        data = entry(mode)
+        data = batch_of(mode)
         out[mode] = _common.cpu_step_peak(model, data, spec, opt)
         del model, opt, data
         gc.collect()
@@ -433,7 +431,7 @@ def run_transformers(task: str, model_type: str, class_name: str, verbose: bool)
                 n = sum(p.numel() for p in cm.build().parameters())
             if n > MAX_PARAMS:
                 raise ValueError(f"shrunk model too large ({n // 1_000_000}M parameters)")
-            truth = real_peaks(batch_of, cm.build, lengths)
+            truth = real_peaks(batch_of, cm.build)
         except Timeout:
             raise
         except Exception as exc:
@@ -449,17 +447,23 @@ def run_transformers(task: str, model_type: str, class_name: str, verbose: bool)
         row.reason = "not built: " + reason_of(first) if first else "not built"
         row.seconds = time.perf_counter() - t0
         return row
+    sizes = {"image_size": image_size} if cm.inputs == "images" else lengths
+    return estimate_row(
+        row, truth, lambda mode: estimate(config, task=task, **sizes, **_step(mode)), t0, verbose
+    )
+
+
+def _step(mode: str) -> dict[str, Any]:
+    return {"batch_size": BATCH, "mode": mode, "device": "cpu"}
+
+
+def estimate_row(
+    row: Row, truth: dict[str, int], estimate_at: Any, t0: float, verbose: bool
+) -> Row:
+    """Estimate the train and infer steps (``estimate_at(mode)``) against their truth."""
     try:
         for mode in ("train", "infer"):
-            est = estimate(
-                config,
-                task=task,
-                batch_size=BATCH,
-                mode=mode,
-                device="cpu",
-                image_size=image_size if cm.inputs == "images" else None,
-                **lengths,
-            )
+            est = estimate_at(mode)
             row.errors[mode] = 100.0 * (est.logical_peak - truth[mode]) / truth[mode]
         row.estimated = True
     except Timeout:
@@ -510,29 +514,18 @@ def run_timm(module: str, name: str, verbose: bool) -> Row:
         def batch_of(mode: str) -> Any:
             return torch.empty(BATCH, c, h, w).normal_()
 
-        truth = real_peaks(batch_of, build, {})
-        row.built, row.params = True, n
+        truth = real_peaks(batch_of, build)
+        row.built, row.params, row.group = True, n, GROUPS[5]
     except Timeout:
         raise
     except Exception as exc:
         row.reason = "not built: " + reason_of(exc)
         _common.free_failed(exc)
         return row
-    try:
-        for mode in ("train", "infer"):
-            est = estimate(
-                build, torch.empty(BATCH, c, h, w), batch_size=BATCH, mode=mode, device="cpu"
-            )
-            row.errors[mode] = 100.0 * (est.logical_peak - truth[mode]) / truth[mode]
-        row.estimated = True
-    except Timeout:
-        raise
-    except Exception as exc:
-        row.reason = reason_of(exc)
-        if verbose:
-            print(f"#   {exc}", file=sys.stderr)
-    row.seconds = time.perf_counter() - t0
-    return row
+    pixels = torch.empty(BATCH, c, h, w)
+    return estimate_row(
+        row, truth, lambda mode: estimate(build, pixels, **_step(mode)), t0, verbose
+    )
 
 
 def transformers_classes() -> list[tuple[str, str, str]]:

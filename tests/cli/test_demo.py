@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
+from tests.estimator.real_steps import cpu_infer_peak
 from vramctl.cli._batch import _print_demo
 from vramctl.cli._demo import _make_batch, build_model, demo, demo_lengths
 
@@ -66,32 +66,6 @@ def test_the_report_shows_each_buckets_difference_and_what_it_is(
     assert "predicted vs measured: what the two figures are." in out
 
 
-def _profiled_peak(model: torch.nn.Module, batch: torch.Tensor) -> int:
-    """The step's peak as PyTorch's profiler counts it on the CPU (kernels' scratch too)."""
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
-
-    with torch.no_grad():
-        model(batch)  # one-off caches, as the estimator's own probes leave them
-        with profile(
-            activities=[ProfilerActivity.CPU],
-            profile_memory=True,
-            record_shapes=True,
-            with_stack=True,
-        ) as prof:
-            out = model(batch)
-            del out
-    live = peak = 0
-    for _t, action, _key, size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
-        peak = max(peak, live)
-    held = [*model.parameters(), *model.buffers(), batch]
-    return peak + sum(t.untyped_storage().nbytes() for t in held)
-
-
 @pytest.mark.slow
 def test_the_demo_says_why_its_prediction_is_above_the_simulated_count() -> None:
     report = demo(4, squeeze=False)
@@ -102,6 +76,6 @@ def test_the_demo_says_why_its_prediction_is_above_the_simulated_count() -> None
     # What the note says: the prediction is the step as the CPU kernels take memory (the
     # profiler's count, scratch included); the simulated GPU saw only the returned tensors.
     row = report.fit[0]
-    profiled = _profiled_peak(build_model(report.model), _make_batch(row["count"], row["seconds"]))
+    profiled = cpu_infer_peak(build_model(report.model), _make_batch(row["count"], row["seconds"]))
     assert abs(profiled - row["predicted_bytes"]) <= 0.02 * row["predicted_bytes"], (profiled, row)
     assert profiled > 1.1 * row["measured_bytes"], (profiled, row)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,15 +37,29 @@ def cuda_step_peaks(model: nn.Module, batch: torch.Tensor, *, cold_cache: bool) 
     return int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())
 
 
+def profiled_peak(run: Callable[[], Any]) -> int:
+    """The peak of PyTorch's profiler memory timeline (CREATE and DESTROY events) while
+    ``run()`` runs on the CPU: what it allocates at most, kernels' scratch included."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        run()
+    live = peak = 0
+    for _t, action, _k, size in prof._memory_profile().timeline:
+        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+        peak = max(peak, live)
+    return peak
+
+
 def cpu_step_peak(model: nn.Module, batch: Any, spec: StepSpec | None = None) -> int:
     """Peak live tensor bytes of a real steady-state step on the CPU, by the profiler.
 
     What the step holds before it starts (parameters, buffers, the batch, the optimizer's
     state) plus the peak of what it allocates, each storage counted once.
     """
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
-
     spec = spec or StepSpec()
     prepare_model(model, spec)
     params: list[torch.Tensor] = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
@@ -57,12 +72,17 @@ def cpu_step_peak(model: nn.Module, batch: Any, spec: StepSpec | None = None) ->
     base = sum(
         {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values()
     )
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
-        run_step(model, batch, spec, opt)
-    live = peak = 0
-    for _t, action, _k, size in prof._memory_profile().timeline:
-        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
-        peak = max(peak, live)
-    return base + peak
+    return base + profiled_peak(lambda: run_step(model, batch, spec, opt))
+
+
+def cpu_infer_peak(model: nn.Module, batch: torch.Tensor) -> int:
+    """Peak bytes of a real forward under ``no_grad`` on the CPU, by the profiler: the
+    parameters, buffers and batch, plus the peak of what the forward allocates (after one
+    forward for one-off caches, as the estimator's own kernel probes leave them)."""
+    held = [*model.parameters(), *model.buffers(), batch]
+    base = sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values()
+    )
+    with torch.no_grad():
+        model(batch)
+        return base + profiled_peak(lambda: model(batch))

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import vramctl
-from tests.estimator.real_steps import cpu_step_peak
+from tests.estimator.real_steps import cpu_infer_peak, cpu_step_peak
 from vramctl.estimator import StepSpec, _cpu_kernels
 
 
@@ -115,32 +115,11 @@ class PermutedLinear(nn.Module):
         return self.fc(self.conv(x).permute(0, 2, 3, 1))
 
 
-def _real_cpu_infer_peak(model: nn.Module, batch: torch.Tensor) -> int:
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
-
-    base = sum(p.nbytes for p in model.parameters()) + batch.nbytes
-    with torch.no_grad():
-        model(batch)  # warm-up
-        with profile(
-            activities=[ProfilerActivity.CPU],
-            profile_memory=True,
-            record_shapes=True,
-            with_stack=True,
-        ) as prof:
-            model(batch)
-    live = peak = 0
-    for _t, action, _k, size in prof._memory_profile().timeline:
-        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
-        peak = max(peak, live)
-    return base + peak
-
-
 def test_linear_on_a_permuted_input_adds_its_bias_in_place_as_eager_does() -> None:
     torch.manual_seed(0)
     model, batch = PermutedLinear().eval(), torch.randn(4, 8, 32, 32)
     est = vramctl.estimate(model, batch, mode="infer", device="cpu")
-    truth = _real_cpu_infer_peak(model, batch)
+    truth = cpu_infer_peak(model, batch)
     out_bytes = 4 * 32 * 32 * 256 * 4
     # An out-of-place bias add would hold a second fc output at the peak.
     assert est.logical_peak < truth + out_bytes // 2

@@ -109,10 +109,6 @@ class ConfigModel:
     notes: tuple[str, ...] = ()
 
     @property
-    def description(self) -> str:
-        return f"{self.class_name} ({self.task}) from {self.name}'s config"
-
-    @property
     def seq2seq(self) -> bool:
         # A classification head on an encoder-decoder (BART's) makes its decoder's inputs
         # from the encoder's; the bare model needs them given.
