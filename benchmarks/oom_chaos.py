@@ -77,6 +77,7 @@ finished both loops, and its weights and outputs match.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import itertools
 import statistics
@@ -119,10 +120,18 @@ from _chaos.workload import (
 HEADROOM = 0.10
 #: The co-tenant always leaves a quarter-batch step this share more than it needs.
 MARGIN = 0.20
+#: A run still going after this many seconds has the stacks of every thread printed to
+#: stderr (again every as many seconds), so that a stuck run says where it is.
+WATCHDOG_S = 120.0
 
 
 def calibrate(kind: str, cfg: Config, data: Data, train: bool) -> Pressure:
-    """Measure a step's need, whole and in quarters, on a device with no pressure."""
+    """Measure a step's need, whole and in quarters, on a device with no pressure.
+
+    On a GPU the need is the growth of the caching allocator's reserved bytes from an
+    empty cache (what a ballast-capped device must give, after a tick that emptied
+    the cache), not of the live tensors' bytes.
+    """
     with session(kind, None) as s:
         if train:
             model = tallied(cfg)
@@ -138,7 +147,7 @@ def calibrate(kind: str, cfg: Config, data: Data, train: bool) -> Pressure:
         for limit in (None, cfg.batch // 4 if train else cfg.infer_batch // 4):
             gc.collect()
             s.sync()
-            base = s.allocated()
+            base = s.footprint()  # on a GPU: reserved bytes, the cache emptied
             guard.piece_limit = limit
             s.reset_peak()
             if train:
@@ -491,13 +500,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     ref_w, ref_s = runs.train_reference(kind, cfg, data)
     ref_out = runs.infer_reference(kind, cfg, data)
-    print(runs.HEADER)
+    print(runs.HEADER, flush=True)
     rows: list[Row] = []
-    for fn in (peers.train_unguarded, peers.train_accelerate, train_vramctl):
-        rows.append(runs.run(fn, kind, cfg, data, pt, ref_w, cot))
-        runs.print_row(rows[-1])
-    for fn in (peers.infer_unguarded, peers.infer_accelerate, infer_vramctl):
-        rows.append(runs.run(fn, kind, cfg, data, pi, ref_out, cot))
+    todo: list[tuple[Callable[..., Row], Pressure, Any]] = [
+        (peers.train_unguarded, pt, ref_w),
+        (peers.train_accelerate, pt, ref_w),
+        (train_vramctl, pt, ref_w),
+        (peers.infer_unguarded, pi, ref_out),
+        (peers.infer_accelerate, pi, ref_out),
+        (infer_vramctl, pi, ref_out),
+    ]
+    for fn, p, ref in todo:
+        faulthandler.dump_traceback_later(WATCHDOG_S, repeat=True, file=sys.stderr)
+        try:
+            rows.append(runs.run(fn, kind, cfg, data, p, ref, cot))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         runs.print_row(rows[-1])
 
     overhead: dict[str, Any] = {"guard_overhead_pct": None, "aa_overhead_pct": None}

@@ -31,6 +31,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
+def _gpu_left_empty(request: pytest.FixtureRequest):
+    """After a ``cuda`` test, what it held goes back to the GPU: the next test (or device
+    selection) sees the GPU's memory as free, not cached in this process's allocator."""
+    yield
+    if "cuda" in request.keywords and torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
 def _own_config_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
     """No test reads or writes the user's calibration profiles."""
     monkeypatch.setenv("VRAMCTL_CONFIG_DIR", str(tmp_path_factory.mktemp("config")))

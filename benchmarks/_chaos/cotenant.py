@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import random
 import statistics
@@ -227,9 +228,15 @@ class ProcessCoTenant:
         argv = [sys.executable, SCRIPT, "--cotenant-worker", "--worker-device", device]
         argv += ["--seed", str(seed), "--ceiling", str(ceiling), "--mode", mode]
         argv += ["--period", repr(period)]
+        env = dict(os.environ)
+        if device.startswith("cuda"):
+            # Its grabs are plain cudaMallocs (the driver's 2 MiB pages), freed at once: its
+            # caching allocator would give every 1 to 10 MiB block a 20 MiB segment, more
+            # than the whole batch's margin, and the schedule's bytes would not be its own.
+            env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env
         )
         self.pid = self.proc.pid
         self._lines: queue.Queue[str | None] = queue.Queue()

@@ -3,14 +3,15 @@
 A ``Session`` says where tensors live and how the memory is read: the plain CPU (no
 budget: the references and the overhead timing), a simulated GPU of a given budget
 (``vramctl.simulate``: real allocations, real OOMs, on the CPU), or this machine's GPU
-shrunk by a ballast tensor. ``Pressure`` is the budget a loop is given and the most
-the co-tenant may take of it.
+shrunk by a ballast (in chunks, measured). ``Pressure`` is the budget a loop is given
+and the most the co-tenant may take of it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,6 @@ from torch import nn
 
 import vramctl
 from vramctl.device import SimulatedDevice
-from vramctl.guard import available_bytes
 
 from .workload import Data
 
@@ -48,6 +48,10 @@ class Session:
 
     def allocated(self) -> int:
         return 0
+
+    def footprint(self) -> int:
+        """What this process holds on the device now: the base a budget starts from."""
+        return self.allocated()
 
     def reset_peak(self) -> None:
         pass
@@ -93,20 +97,65 @@ class SimSession(Session):
         return int(self.gpu.peak_bytes)
 
 
+#: The ballast is taken in chunks of at most this (one block of all the free memory of a
+#: large GPU may be refused although ``mem_get_info`` counts it free), ...
+BALLAST_CHUNK = 1 << 30
+#: ... and of at least this: the caching allocator gives a 1 to 10 MiB request a 20 MiB
+#: segment; from 10 MiB on, the request rounded up to 2 MiB.
+BALLAST_MIN = 10 << 20
+_PAGE = 2 << 20
+
+
 class CudaSession(Session):
-    """The real GPU; a ballast tensor leaves this process ``budget`` bytes in all."""
+    """The real GPU; a ballast leaves this process ``budget`` bytes in all.
+
+    On the GPU a budget counts what the device gives the process, its caching
+    allocator's reserved segments, not the bytes of its live tensors: a 4 MiB
+    tensor takes a 20 MiB segment, and every tick of a process co-tenant empties
+    the cache. ``footprint`` and ``peak`` read reserved bytes, the cache emptied first.
+    """
 
     def __init__(self) -> None:
         self.device = vramctl.get_device(0)
-        self.ballast: torch.Tensor | None = None
+        self.ballast: list[torch.Tensor] = []
+        self.room_error = 0  # free memory after the ballast, less the free memory wanted
 
     def limit(self, budget: int) -> None:
+        """Take the free memory but ``budget`` less this process's reserved bytes.
+
+        In chunks, each allocation measured with ``mem_get_info`` afterwards, so that
+        what the driver keeps for itself is counted too; a refused chunk is halved.
+        Ends within 2 MiB above the target (``room_error``), in a bounded number of steps.
+        """
         gc.collect()
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        more = budget - torch.cuda.memory_allocated()
-        spare = available_bytes(self.device) - more
-        if spare > 0:
-            self.ballast = torch.empty(spare, dtype=torch.uint8, device="cuda")
+        target = budget - int(torch.cuda.memory_reserved())
+        chunk = BALLAST_CHUNK
+        while chunk >= BALLAST_MIN:
+            excess = int(torch.cuda.mem_get_info()[0]) - target
+            size = min(chunk, excess) // _PAGE * _PAGE
+            if size < BALLAST_MIN:
+                break
+            try:
+                self.ballast.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                chunk = size // 2
+        for _ in range(16):  # the last MiBs: 1 MiB blocks, two to a 2 MiB small segment
+            if int(torch.cuda.mem_get_info()[0]) - target < _PAGE:
+                break
+            try:
+                self.ballast.append(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                break
+        self.room_error = int(torch.cuda.mem_get_info()[0]) - target
+        if abs(self.room_error) > 4 * _PAGE:
+            print(
+                f"warning: the ballast leaves {vramctl.format_bytes(self.room_error)} more "
+                "free than planned",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def adopt(self, model: nn.Module) -> None:
         model.to("cuda")
@@ -123,13 +172,19 @@ class CudaSession(Session):
     def allocated(self) -> int:
         return int(torch.cuda.memory_allocated())
 
+    def footprint(self) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return int(torch.cuda.memory_reserved())
+
     def reset_peak(self) -> None:
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # cold, as after a process co-tenant's tick
         torch.cuda.reset_peak_memory_stats()
 
     def peak(self) -> int:
         torch.cuda.synchronize()
-        return int(torch.cuda.max_memory_allocated())
+        return int(torch.cuda.max_memory_reserved())
 
 
 @contextlib.contextmanager
@@ -145,7 +200,7 @@ def session(kind: str, budget: int | None) -> Iterator[Session]:
         try:
             yield s
         finally:
-            s.ballast = None
+            s.ballast = []
             gc.collect()
             torch.cuda.empty_cache()
 

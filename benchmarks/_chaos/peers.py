@@ -29,6 +29,19 @@ from .runs import Ledger, Row, close_row, infer_ledger, infer_model, infer_plan,
 from .workload import Config, Data, Tallied, make_optimizer, plan, tallied
 from _common import accelerate_search, free_failed
 
+#: An unguarded run gives up (unfinished) after this many crashes per step of its plan:
+#: it restarts from its last checkpoint, and where the whole batch hardly ever fits it
+#: would crash and restart without end.
+MAX_CRASHES_PER_STEP = 4
+
+
+def _crashed_out(row: Row, steps: int) -> bool:
+    if row.crashes < MAX_CRASHES_PER_STEP * steps:
+        return False
+    row.finished = False
+    row.note = f"gave up after {row.crashes} crashes (the whole batch kept failing)"
+    return True
+
 
 def _tallied_step(
     s: Session, data: Data, model: Tallied, opt: torch.optim.Optimizer, e: int, lo: int, hi: int
@@ -109,6 +122,9 @@ def train_unguarded(
             free_failed(err)
             err = None
             model.clear()
+            if _crashed_out(row, len(steps)):
+                ledger.forget(ck.step)  # a job that ends here keeps its last checkpoint
+                break
             tenant.tick(cfg.restart_ticks)  # the co-tenant goes on while the job restarts
             restore(s, ck, model, opt)
             ledger.forget(ck.step)
@@ -207,6 +223,9 @@ def infer_unguarded(
             row.time_lost_s += since + dt
             free_failed(err)
             err = None
+            if _crashed_out(row, len(steps)):
+                pending = []  # lost with the crash; the committed outputs stay
+                break
             tenant.tick(cfg.restart_ticks)
             i -= len(pending)
             pending, since = [], 0.0
@@ -217,7 +236,7 @@ def infer_unguarded(
             tenant,
             t_start,
             lambda: infer_ledger(cfg, steps, committed, ref),
-            lambda: [torch.cat([o for _, o in committed])],
+            lambda: [torch.cat([o for _, o in committed])] if committed else [],
             [ref],
         )
     return row

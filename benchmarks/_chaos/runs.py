@@ -167,6 +167,8 @@ def close_row(
     row.wall_s = time.perf_counter() - t_start
     row.ticks = tenant.ticks
     row.extra.update(tenant.figures())
+    if hasattr(s, "room_error"):  # a GPU: free memory the ballast left beyond the plan
+        row.extra["room_error"] = s.room_error
     with s.host():
         done = ledger()
         row.samples_lost, row.samples_duplicated = done.lost(), done.duplicated()

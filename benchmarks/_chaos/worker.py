@@ -62,10 +62,21 @@ def cotenant_worker(argv: list[str]) -> int:
             torch.zeros(1, device=dev)  # the CUDA context and a kernel, before "ready"
             torch.cuda.synchronize(dev)
             torch.cuda.empty_cache()
+
+        def grab(n: int) -> torch.Tensor:
+            try:
+                return torch.empty(n, dtype=torch.uint8, device=dev)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as exc:  # uncached: cudaMalloc's own "out of memory"
+                if "out of memory" not in str(exc).lower():
+                    raise
+                raise torch.OutOfMemoryError(str(exc).splitlines()[0]) from None
+
         player = SchedulePlayer(
             args.seed,
             args.ceiling,
-            lambda n: torch.empty(n, dtype=torch.uint8, device=dev),
+            grab,
             torch.cuda.empty_cache if cuda else None,  # freed memory goes back to the driver
         )
         lock = threading.Lock()
@@ -81,7 +92,12 @@ def cotenant_worker(argv: list[str]) -> int:
                 peak_reserved = max(peak_reserved, reserved())
 
         def reserved() -> int:
-            return int(torch.cuda.memory_reserved(dev)) if cuda else player.held
+            if not cuda:
+                return player.held
+            # Uncached (PYTORCH_NO_CUDA_MEMORY_CACHING) the allocator counts nothing: the
+            # driver's 2 MiB pages of the blocks held.
+            pages = sum(-(-size // (2 << 20)) * (2 << 20) for _, size in player.blocks.values())
+            return max(int(torch.cuda.memory_reserved(dev)), pages)
 
         def stats() -> None:
             with lock:

@@ -32,10 +32,13 @@ def test_process_on_every_gpu_matches_the_cpu_and_survives_a_squeeze(tmp_path: P
         if status.batches == 6:
             ballast.clear()
 
-    on_gpu = process(
-        Frames, manifest, tmp_path / "gpu.jsonl", loader="synthetic", on_progress=squeeze
-    )
-    ballast.clear()
+    try:
+        on_gpu = process(
+            Frames, manifest, tmp_path / "gpu.jsonl", loader="synthetic", on_progress=squeeze
+        )
+    finally:
+        ballast.clear()
+        torch.cuda.empty_cache()
     assert on_gpu.devices[0]["device"].startswith(("cuda", "mig"))
     assert (on_gpu.done, on_gpu.failed, on_gpu.lost) == (60, 0, 0)
     assert on_gpu.ooms_recovered == on_gpu.ooms

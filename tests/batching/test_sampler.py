@@ -27,6 +27,7 @@ from vramctl.batching import (
     QuadraticDuration,
     duration_edges,
 )
+from vramctl.estimator import run_target
 
 
 def _lengths(n: int, seed: int = 0) -> list[float]:
@@ -257,6 +258,31 @@ def test_memory_budget_leaves_a_simulated_gpu_untouched_and_counts_only_what_it_
         mb2 = MemoryBudget.for_model(inside, make, max_duration=30.0, device=gpu, target=0.5)
         # The adopted model's weights stay in the budget (the estimate counts them itself).
         assert mb2.budget_bytes == mb.budget_bytes
+
+
+def test_small_items_on_a_large_gpu_are_priced_from_a_line_wider_than_the_rounding() -> None:
+    rate = 16000  # one item of 0.25 s: far less than the allocator's 20 MiB blocks
+
+    def make(n: int, seconds: float) -> torch.Tensor:
+        return torch.empty(n, max(1, round(seconds * rate)), device="meta")
+
+    asked: list[int] = []
+
+    def counted(n: int, seconds: float) -> torch.Tensor:
+        asked.append(n)
+        return make(n, seconds)
+
+    with vramctl.simulate("140GiB") as gpu, torch.inference_mode():
+        model = Conv().eval()
+        mb = MemoryBudget.for_model(model, counted, max_duration=0.25, device=gpu, anchors=1)
+        n = mb.max_count(0.25)
+        where = run_target(gpu)
+        at_n = vramctl.estimate(model, make(n, 0.25), device=where, mode="infer")
+        assert 0.8 * mb.budget_bytes < at_n.peak_reserved <= mb.budget_bytes
+        over = vramctl.estimate(model, make(int(n * 1.05), 0.25), device=where, mode="infer")
+        assert over.peak_reserved > mb.budget_bytes
+    # The second anchor grew past the rounding; the count at the edge was checked.
+    assert asked[:2] == [1, 4] and max(asked[2:-1]) > 4 and asked[-1] == n
 
 
 # -- the sampler ---------------------------------------------------------------------

@@ -24,7 +24,7 @@ from vramctl.estimator import (
     load_calibration,
 )
 from vramctl.estimator._calibrate import _measure_in_child
-from vramctl.estimator._calibration import ENV_CALIBRATION, fit_constants
+from vramctl.estimator._calibration import ENV_CALIBRATION, fit_constants, workspace_envelope
 
 MiB = 2**20
 A10G = gpu_spec("A10G-24GB")
@@ -75,9 +75,37 @@ def test_constants_are_fitted_from_the_readings() -> None:
     assert cal.cudnn_context_bytes == 120 * MiB
     assert cal.cublas_workspace_bytes == 9 * MiB
     assert cal.train_handles == 2  # the backward's thread kept one more handle's workspace
-    assert cal.cudnn_workspace_ratio == 2.5  # the largest measured ratio, 25 MiB over 10 MiB
+    # The lowest line over (100 MiB, 0) and (10 MiB, 25 MiB): flat at 25 MiB.
+    assert (cal.cudnn_workspace_ratio, cal.cudnn_workspace_fixed) == (0.0, 25 * MiB)
     assert cal.cudnn_workspace_cap == _cuda_model.CUDNN_WORKSPACE_CAP
     assert cal.allocator.min_large_alloc == 10 * MiB
+
+
+def test_the_workspace_line_is_the_lowest_over_every_measured_convolution() -> None:
+    # As measured on an H200: a small backward took 116 times its output.
+    points = [
+        (25_690_112, 31_457_280),
+        (4_816_896, 36_601_344),
+        (6_422_528, 0),
+        (26_206_208, 90_177_536),
+        (52_420_608, 88_070_656),
+        (256_000, 29_650_432),
+        (1_228_800, 10_660_352),
+    ]
+    ratio, fixed = workspace_envelope(points)
+    assert all(fixed + ratio * x >= y for x, y in points)
+    # Touches the points it rests on, and at 100 MiB of output charges far less than the
+    # largest ratio (116 x) would.
+    assert min(fixed + ratio * x - y for x, y in points) < 1e3
+    assert fixed + ratio * 100 * MiB < 5 * 100 * MiB
+    assert workspace_envelope([(MiB, 0), (2 * MiB, 0)]) == (0.0, 0)
+    assert workspace_envelope([(MiB, 3 * MiB)]) == (0.0, 3 * MiB)
+
+
+def test_an_old_profile_without_the_fixed_workspace_reads_as_none() -> None:
+    doc = fitted().to_dict()
+    del doc["constants"]["cudnn_workspace_fixed"]
+    assert Calibration.from_dict(doc).cudnn_workspace_fixed == 0
 
 
 def test_what_was_not_measured_keeps_the_builtin_value_with_a_note() -> None:
@@ -215,7 +243,9 @@ def test_convolutions_add_cudnn_context_and_the_measured_workspace() -> None:
     def run(cal: Calibration) -> vramctl.Estimate:
         return vramctl.estimate(Conv(), x, mode="infer", device="A10G-24GB", calibration=cal)
 
-    base = replace(fitted(), cudnn_context_bytes=50 * MiB, cudnn_workspace_ratio=0.0)
+    base = replace(
+        fitted(), cudnn_context_bytes=50 * MiB, cudnn_workspace_ratio=0.0, cudnn_workspace_fixed=0
+    )
     none = run(base)
     assert none.breakdown["context"] == base.context_bytes + 50 * MiB
     out_bytes = 8 * 64 * 64 * 64 * 4
@@ -223,6 +253,8 @@ def test_convolutions_add_cudnn_context_and_the_measured_workspace() -> None:
     assert big.peak_allocated - none.peak_allocated == 3 * out_bytes
     capped = run(replace(base, cudnn_workspace_ratio=3.0, cudnn_workspace_cap=MiB))
     assert capped.peak_allocated - none.peak_allocated == MiB
+    line = run(replace(base, cudnn_workspace_ratio=3.0, cudnn_workspace_fixed=6 * MiB))
+    assert line.peak_allocated - none.peak_allocated == 6 * MiB + 3 * out_bytes
 
 
 def test_the_measured_allocator_constants_drive_the_replay() -> None:

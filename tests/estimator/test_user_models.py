@@ -160,3 +160,34 @@ def test_a_batch_on_the_meta_device_is_traced_like_a_real_one() -> None:
     meta = vramctl.estimate(m, torch.empty(4, 64, device="meta"), device="cpu")
     assert meta.logical_peak == real.logical_peak
     assert meta.breakdown["inputs"] == 4 * 64 * 4
+
+
+class MovesToTheGpu(nn.Module):
+    """Code written for a GPU: positions made on ``cuda`` and the input moved there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        self.pos = nn.Embedding(16, 32)
+        self.head = nn.Linear(32, 100)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to("cuda").cuda()
+        positions = torch.arange(ids.shape[1], device="cuda")
+        self.to("cuda").cuda()  # already "there" for the trace: no-ops
+        out: torch.Tensor = self.head(self.emb(ids) + self.pos(positions))
+        return out
+
+
+class SameOnTheHost(MovesToTheGpu):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.emb(ids) + self.pos(torch.arange(ids.shape[1])))
+        return out
+
+
+def test_tensors_made_on_the_gpu_in_the_forward_are_traced_on_the_host() -> None:
+    ids = torch.randint(0, 100, (4, 16))
+    on_gpu = vramctl.estimate(MovesToTheGpu(), ids, device="cpu", loss_fn=lambda o, b: o.sum())
+    on_host = vramctl.estimate(SameOnTheHost(), ids, device="cpu", loss_fn=lambda o, b: o.sum())
+    assert on_gpu.logical_peak == on_host.logical_peak
+    assert on_gpu.breakdown == on_host.breakdown

@@ -501,3 +501,25 @@ def test_a_leak_of_sparse_tensors_is_named_with_their_real_size() -> None:
     assert 2 <= top.count <= 16  # the census records until memory has grown by min_rate
     assert min(sizes) * top.count <= top.nbytes <= max(sizes) * top.count
     assert top.nbytes > top.count * 0.99 * 12 * 2**15
+
+
+def test_graph_walk_sees_nodes_whose_python_objects_are_made_afresh() -> None:
+    """torch (2.11 at least) makes a C++ node's Python object afresh on each read and frees it
+    once dropped: a later node's object may get the same id(), yet it is a node not seen."""
+    from types import SimpleNamespace
+
+    from vramctl.monitor._census import _graph_storages, _storage_key
+
+    class Node:
+        __slots__ = ("_rest", "_saved_x")
+
+        def __init__(self, saved: list[torch.Tensor]) -> None:
+            self._saved_x, self._rest = saved[0], saved[1:]
+
+        @property
+        def next_functions(self) -> tuple[tuple[Node, int], ...]:
+            return ((Node(self._rest), 0),) if self._rest else ()
+
+    saved = [torch.ones(i + 1) for i in range(6)]
+    found = _graph_storages([SimpleNamespace(grad_fn=Node(saved))])  # type: ignore[list-item]
+    assert [i for i, t in enumerate(saved) if _storage_key(t) in found] == list(range(6))

@@ -262,7 +262,9 @@ class MemoryBudget:
         """The memory budget of ``model`` on ``device``, predicted by the estimator.
 
         ``make_batch(count, seconds)`` builds a batch of ``count`` items padded
-        to ``seconds``. The step is traced on fake tensors (no memory used) at
+        to ``seconds``; tensors on the meta device cost no memory and are traced
+        as real ones (integer tensors the model reads, such as lengths, must be
+        real). The step is traced on fake tensors (no memory used) at
         ``anchors`` lengths up to ``max_duration``, at two batch sizes each,
         then once more at the predicted count to correct for the allocator's
         rounding: no real step runs. The budget is ``target`` of what the
@@ -304,17 +306,35 @@ class MemoryBudget:
                     )
                     return float(est.peak_reserved)
 
-                one, four = peak(1), peak(4)
-                per = max((four - one) / 3, 1.0)
+                one, m = peak(1), 4
+                at_m = peak(m)
+                # The allocator rounds to blocks of up to 20 MiB: for small items, grow the
+                # second anchor until the line through the two spans more than that.
+                while at_m - one < _SPAN and at_m <= budget_bytes and m < _MAX_ANCHOR:
+                    m *= 4
+                    at_m = peak(m)
+                per = max((at_m - one) / (m - 1), 1.0)
                 n = 1 + int((budget_bytes - one) // per) if one <= budget_bytes else 0
-                if n > 4:  # the line through 1 and 4 misses the allocator's rounding at n: refit
+                # The line misses the allocator's rounding at n: refit through the peak
+                # there, and check the count the new line gives once more.
+                for _ in range(2):
+                    if n <= m:
+                        break
                     at_n = peak(n)
-                    if at_n > budget_bytes:
-                        per = (at_n - one) / (n - 1) * (1 + 1e-9)
+                    if at_n <= budget_bytes:
+                        break
+                    per = (at_n - one) / (n - 1) * (1 + 1e-9)
+                    n = 1 + int((budget_bytes - one) // per)
                 rows.append((seconds, one, per))
                 if one > budget_bytes:
                     notes.append(f"one item of {seconds:g} s alone is over the budget")
         return cls(int(budget_bytes), rows, max_items=max_items, notes=notes)
+
+
+#: The least rise between the two anchors' peaks that the line through them is fitted on.
+_SPAN = 64 * 2**20
+#: The largest second anchor (items): the batch make_batch builds for it is real.
+_MAX_ANCHOR = 4**7
 
 
 def _anchor_lengths(lo: float, hi: float, k: int) -> list[float]:

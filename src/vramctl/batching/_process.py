@@ -576,7 +576,8 @@ def _default_budget(workers: list[Worker], opts: _RunOptions) -> MemoryBudget:
 
     def make(n: int, seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
         size = max(1, round(seconds * opts.sample_rate))
-        return torch.zeros(n, size), torch.full((n,), size, dtype=torch.int64)
+        # The waveforms on the meta device: the estimator needs their shape, not memory.
+        return torch.empty(n, size, device="meta"), torch.full((n,), size, dtype=torch.int64)
 
     budgets = []
     for w in workers:

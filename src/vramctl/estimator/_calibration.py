@@ -42,6 +42,7 @@ __all__ = [
     "load_calibration",
     "measured_on",
     "resolve_calibration",
+    "workspace_envelope",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,10 @@ class Calibration:
     convolutions adds ``cudnn_context_bytes`` (cuDNN's kernels). Each cuBLAS
     handle keeps ``cublas_workspace_bytes``; a training step uses
     ``train_handles`` of them (the backward runs on autograd's device thread).
-    A convolution's cuDNN workspace is modelled as ``cudnn_workspace_ratio``
-    times its largest output, at most ``cudnn_workspace_cap``.
+    A convolution's cuDNN workspace is modelled as ``cudnn_workspace_fixed``
+    plus ``cudnn_workspace_ratio`` times its largest output, at most
+    ``cudnn_workspace_cap``: the line lies on or above every convolution
+    measured, as low as it can (their upper envelope).
     """
 
     device: str
@@ -89,6 +92,7 @@ class Calibration:
     train_handles: int
     cudnn_workspace_ratio: float
     cudnn_workspace_cap: int
+    cudnn_workspace_fixed: int = 0
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     #: Versions the figures were measured with: torch, cuda, cudnn, driver.
     software: Mapping[str, str] = field(default_factory=dict)
@@ -121,6 +125,7 @@ class Calibration:
                 "train_handles": self.train_handles,
                 "cudnn_workspace_ratio": self.cudnn_workspace_ratio,
                 "cudnn_workspace_cap": self.cudnn_workspace_cap,
+                "cudnn_workspace_fixed": self.cudnn_workspace_fixed,
                 "allocator": {k: getattr(self.allocator, k) for k in ALLOCATOR_FIELDS},
             },
             "measurements": dict(self.measurements),
@@ -172,6 +177,7 @@ class Calibration:
                 f"{source}: field 'constants.cudnn_workspace_ratio' must be a number of at "
                 f"least 0, got {ratio!r}"
             )
+        fixed_given = "cudnn_workspace_fixed" in consts
         alloc_doc = consts.get("allocator", {})
         if not isinstance(alloc_doc, dict):
             raise CalibrationError(f"{source}: field 'constants.allocator' must be an object")
@@ -198,6 +204,8 @@ class Calibration:
             train_handles=size("train_handles", 1),
             cudnn_workspace_ratio=float(ratio),
             cudnn_workspace_cap=size("cudnn_workspace_cap"),
+            # Profiles written before the fixed part was measured have none.
+            cudnn_workspace_fixed=size("cudnn_workspace_fixed") if fixed_given else 0,
             allocator=AllocatorConfig(**alloc_kw),
             software={str(k): str(v) for k, v in software.items() if v is not None},
             created=str(doc.get("created", "")),
@@ -432,11 +440,12 @@ def fit_constants(
         notes.append("no cuBLAS workspace was seen; kept the built-in value")
 
     ratio, cap = defaults.cudnn_workspace_ratio, defaults.cudnn_workspace_cap
+    fixed = defaults.cudnn_workspace_fixed
     rows = [r for r in measurements.get("cudnn") or [] if r.get("output_bytes")]
     if rows:
-        ratios = [max(0, int(r["workspace_bytes"])) / int(r["output_bytes"]) for r in rows]
-        ratio = math.ceil(max(ratios) * 100) / 100
-        cap = max(cap, *(int(r["workspace_bytes"]) for r in rows))
+        points = [(int(r["output_bytes"]), max(0, int(r["workspace_bytes"]))) for r in rows]
+        ratio, fixed = workspace_envelope(points)
+        cap = max(cap, *(ws for _, ws in points))
     else:
         notes.append("no convolution was measured; kept the built-in cuDNN workspace rule")
 
@@ -459,10 +468,39 @@ def fit_constants(
         train_handles=max(1, handles),
         cudnn_workspace_ratio=ratio,
         cudnn_workspace_cap=cap,
+        cudnn_workspace_fixed=fixed,
         allocator=allocator,
         measurements=dict(measurements),
     )
     return cal, notes
+
+
+def workspace_envelope(points: list[tuple[int, int]]) -> tuple[float, int]:
+    """``(ratio, fixed)`` of the lowest line ``fixed + ratio * output`` that lies on or
+    above every ``(output_bytes, workspace_bytes)`` point, both at least 0.
+
+    A workspace is not proportional to the output (a small backward can take 100
+    times its output), so the largest ratio alone would charge large convolutions
+    gigabytes. The line minimises its total over the points (a linear programme in
+    two unknowns: its optimum is at a vertex, one of the candidate slopes here).
+    """
+    slopes = {0.0}
+    for i, (x1, y1) in enumerate(points):
+        if x1 > 0:
+            slopes.add(y1 / x1)
+        for x2, y2 in points[i + 1 :]:
+            if x1 != x2 and (y2 - y1) / (x2 - x1) > 0:
+                slopes.add((y2 - y1) / (x2 - x1))
+    total = sum(x for x, _ in points)
+    best: tuple[float, float, int] | None = None
+    for r in sorted(slopes):
+        ratio = math.ceil(r * 1000) / 1000  # rounded up: the line stays above the points
+        fixed = max(0, math.ceil(max(y - ratio * x for x, y in points)))
+        cost = len(points) * fixed + ratio * total
+        if best is None or cost < best[0]:
+            best = (cost, ratio, fixed)
+    assert best is not None
+    return best[1], best[2]
 
 
 def constant_rows(cal: Calibration, builtin: Calibration) -> list[tuple[str, Any, Any]]:
@@ -473,6 +511,7 @@ def constant_rows(cal: Calibration, builtin: Calibration) -> list[tuple[str, Any
         ("cuBLAS workspace per handle", builtin.cublas_workspace_bytes, cal.cublas_workspace_bytes),
         ("cuBLAS handles in training", builtin.train_handles, cal.train_handles),
         ("cuDNN workspace / output", builtin.cudnn_workspace_ratio, cal.cudnn_workspace_ratio),
+        ("cuDNN workspace base", builtin.cudnn_workspace_fixed, cal.cudnn_workspace_fixed),
         ("cuDNN workspace cap", builtin.cudnn_workspace_cap, cal.cudnn_workspace_cap),
     ]
     for f in fields(AllocatorConfig):

@@ -189,7 +189,9 @@ class Session:
         model, spec = self.model, self.spec
         tracer = Tracer(self.fake_mode)
         consts = self.target.constants
-        cudnn = _CudnnWorkspace(consts.cudnn_workspace_ratio, consts.cudnn_workspace_cap)
+        cudnn = _CudnnWorkspace(
+            consts.cudnn_workspace_ratio, consts.cudnn_workspace_cap, consts.cudnn_workspace_fixed
+        )
         tracer.workspace = cudnn if self.target.cuda else cpu_workspace
         tracer.output_bytes = None if self.target.cuda else cpu_output_bytes
         names = {id(m): n for n, m in model.named_modules()}
@@ -357,10 +359,11 @@ _CONV_OPS = {
 
 
 class _CudnnWorkspace:
-    """A convolution's cuDNN workspace: ``ratio`` times its largest output, at most ``cap``."""
+    """A convolution's cuDNN workspace: ``fixed`` plus ``ratio`` times its largest output,
+    at most ``cap``."""
 
-    def __init__(self, ratio: float, cap: int) -> None:
-        self.ratio, self.cap, self.calls = ratio, cap, 0
+    def __init__(self, ratio: float, cap: int, fixed: int = 0) -> None:
+        self.ratio, self.cap, self.fixed, self.calls = ratio, cap, fixed, 0
 
     def __call__(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
@@ -369,7 +372,7 @@ class _CudnnWorkspace:
             return 0
         self.calls += 1
         biggest = max(t.untyped_storage().nbytes() for t in outs)
-        return min(int(biggest * self.ratio), self.cap)
+        return min(self.fixed + int(biggest * self.ratio), self.cap)
 
 
 def _claim_nodes(out: Any, module: str, table: dict[int, str]) -> None:
@@ -422,9 +425,24 @@ def _fake_batch(batch: Any, mode: FakeTensorMode, tracer: Tracer, spec: StepSpec
             with mode:
                 f = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="cpu")
             return f.requires_grad_(x.requires_grad) if f.is_floating_point() else f
-        f = x if isinstance(x, FakeTensor) else mode.from_tensor(x)
-        if not x.is_floating_point() and not isinstance(x, FakeTensor):
-            tracer.known[f] = x
+        if isinstance(x, FakeTensor):
+            f = x
+        elif x.device.type != "cpu":
+            # A batch already on the GPU is traced on the host, as the model is: only its
+            # shape counts, and the values of integer tensors (token ids, lengths).
+            if x.is_floating_point():
+                with mode:
+                    f = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="cpu")
+                f.requires_grad_(x.requires_grad)
+            else:
+                with _disable_current_modes():  # a real copy, made outside the fake mode
+                    host = x.detach().cpu()
+                f = mode.from_tensor(host)
+                tracer.known[f] = host
+        else:
+            f = mode.from_tensor(x)
+            if not x.is_floating_point():
+                tracer.known[f] = x
         if spec.param_dtype is not None and f.is_floating_point():
             f = f.to(spec.param_dtype)
         return f

@@ -245,7 +245,7 @@ class Tracer(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        kwargs = _on_host(kwargs or {})
         self.settle()
         self.trace.ops += 1
         self.last_op = _op_name(func)
@@ -510,6 +510,15 @@ class Tracer(TorchDispatchMode):
         self.trace.assumptions.append(f"{name}{where} {what}")
 
 
+def _on_host(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The step is traced on the host: a tensor made or moved onto a GPU in the forward
+    (``torch.arange(n, device="cuda")``, ``x.to("cuda")``) stays with the fake CPU model."""
+    device = kwargs.get("device")
+    if device is None or torch.device(device).type in ("cpu", "meta"):
+        return kwargs
+    return {**kwargs, "device": torch.device("cpu")}
+
+
 def _plain(t: torch.Tensor) -> bool:
     """A real tensor among fake ones: a constant (a Python number PyTorch wrapped for
     ``x[i] = 0``, the list ``torch.tensor([...])`` lifts into the fake mode)."""
@@ -581,6 +590,9 @@ class EagerLinear(TorchFunctionMode):
     It also formats a one-element tensor by its value, as a real one formats
     (``f"expert_{idx}"``): a fake tensor would format as ``FakeTensor(...)``. The
     value is read with ``.item()``, which the tracer answers (known, or a stand-in).
+
+    And it keeps code written for a GPU on the host, where the step is traced:
+    ``x.cuda()`` and ``x.to("cuda")`` leave ``x`` where it is (a cast still casts).
     """
 
     def __torch_function__(
@@ -591,6 +603,13 @@ class EagerLinear(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:  # traced on the host (see _on_host): already there
+            return args[0]
+        if func is torch.Tensor.to:
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+            if device is not None and device.type not in ("cpu", "meta"):
+                kept = {"dtype": dtype, "memory_format": memory_format}
+                return func(args[0], **{k: v for k, v in kept.items() if v is not None})
         if func is torch.Tensor.__format__ and args and args[0].numel() == 1:
             return format(args[0].item(), *args[1:])
         if func is torch.nn.functional.linear:
@@ -623,6 +642,8 @@ def no_op_module_to() -> Iterator[None]:
     def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         parsed: Any = torch._C._nn._parse_to(*args, **kwargs)
         device, dtype, _, memory_format = parsed
+        if device is not None and torch.device(device).type not in ("cpu", "meta"):
+            device = "cpu"  # traced on the host (see _on_host)
         same = memory_format is None and all(
             (dtype is None or not t.is_floating_point() or t.dtype == dtype)
             and (device is None or t.device == torch.device(device))
@@ -630,11 +651,17 @@ def no_op_module_to() -> Iterator[None]:
         )
         return self if same else original(self, *args, **kwargs)
 
+    def cuda(self: nn.Module, device: Any = None) -> nn.Module:
+        return self  # traced on the host (see _on_host)
+
+    original_cuda = nn.Module.cuda
     nn.Module.to = to  # type: ignore[method-assign, assignment]
+    nn.Module.cuda = cuda  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
         nn.Module.to = original  # type: ignore[method-assign]
+        nn.Module.cuda = original_cuda  # type: ignore[method-assign]
 
 
 class DataDependentError(RuntimeError):

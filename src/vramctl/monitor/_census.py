@@ -560,14 +560,17 @@ def _dict_owners(dicts: list[dict[Any, Any]], skip: set[int]) -> dict[int, objec
 def _graph_storages(roots: list[torch.Tensor]) -> set[int]:
     """The storages the autograd graphs of ``roots`` have saved for backward."""
     keys: set[int] = set()
-    seen: set[int] = set()
+    # The nodes seen, kept alive until the walk ends: a node's Python object may be made
+    # afresh each time it is read (``next_functions``) and freed once dropped, and a later
+    # node's object can then reuse its address, so an id alone would skip unseen nodes.
+    seen: dict[int, Any] = {}
     stack: list[Any] = [t.grad_fn for t in roots]
     names: dict[type, list[str]] = {}
     while stack and len(seen) < _MAX_GRAPH_NODES:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         attrs = names.get(type(node))
         if attrs is None:
             attrs = names[type(node)] = [
