@@ -16,6 +16,7 @@ import vramctl.device
 import vramctl.estimator
 import vramctl.fit
 import vramctl.guard
+import vramctl.jobs
 import vramctl.monitor
 import vramctl.server
 
@@ -276,6 +277,8 @@ GUARD = {
 FIT = {"FitError", "FitResult", "cache_root", "fit_batch_size"}
 CLI = {"main"}
 
+JOBS: set[str] = set()
+
 PACKAGES = {
     vramctl.batching: BATCHING,
     vramctl.cli: CLI,
@@ -283,6 +286,7 @@ PACKAGES = {
     vramctl.estimator: ESTIMATOR,
     vramctl.fit: FIT,
     vramctl.guard: GUARD,
+    vramctl.jobs: JOBS,
     vramctl.monitor: MONITOR,
     vramctl.server: SERVER,
 }
