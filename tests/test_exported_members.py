@@ -215,6 +215,8 @@ DEVICE = {
 ESTIMATOR = {
     "BATCH_BOUND",
     "LENGTH_BOUND",
+    "MODES",
+    "PRECISIONS",
     "SEARCH_INPUT_BYTES",
     "TASKS",
     "AllocatorConfig",
@@ -277,7 +279,22 @@ GUARD = {
 FIT = {"FitError", "FitResult", "cache_root", "fit_batch_size"}
 CLI = {"main"}
 
-JOBS: set[str] = set()
+JOBS = {
+    "BATCH_SIZE_ENV",
+    "GRAD_ACCUM_ENV",
+    "MAX_SIZE",
+    "DeviceConstraints",
+    "JobSpec",
+    "JobSpecError",
+    "MemoryNeed",
+    "ModelNeed",
+    "batch_plan",
+    "check_placeable",
+    "job_env",
+    "load_spec",
+    "matching_devices",
+    "price",
+}
 
 PACKAGES = {
     vramctl.batching: BATCHING,

@@ -35,6 +35,8 @@ from vramctl.estimator._maxbatch import (
 )
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._spec import (
+    MODES,
+    PRECISIONS,
     EstimateError,
     ResolvedSource,
     StepSpec,
@@ -49,6 +51,8 @@ from vramctl.estimator._target import Target, resolve_target, run_target
 __all__ = [
     "BATCH_BOUND",
     "LENGTH_BOUND",
+    "MODES",
+    "PRECISIONS",
     "SEARCH_INPUT_BYTES",
     "TASKS",
     "AllocatorConfig",
