@@ -280,6 +280,15 @@ FIT = {"FitError", "FitResult", "cache_root", "fit_batch_size"}
 CLI = {"main"}
 
 JOBS = {
+    "ACTIVE",
+    "FINISHED",
+    "POLICIES",
+    "STATES",
+    "Job",
+    "JobStore",
+    "JobStoreError",
+    "Scheduler",
+    "vramctl_home",
     "BATCH_SIZE_ENV",
     "GRAD_ACCUM_ENV",
     "MAX_SIZE",

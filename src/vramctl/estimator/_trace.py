@@ -608,7 +608,7 @@ class EagerLinear(TorchFunctionMode):
         if func is torch.Tensor.to:
             device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
             if device is not None and device.type not in ("cpu", "meta"):
-                kept = {"dtype": dtype, "memory_format": memory_format}
+                kept: dict[str, Any] = {"dtype": dtype, "memory_format": memory_format}
                 return func(args[0], **{k: v for k, v in kept.items() if v is not None})
         if func is torch.Tensor.__format__ and args and args[0].numel() == 1:
             return format(args[0].item(), *args[1:])

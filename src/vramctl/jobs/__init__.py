@@ -15,6 +15,7 @@ from vramctl.jobs._need import (
     matching_devices,
     price,
 )
+from vramctl.jobs._scheduler import POLICIES, Scheduler
 from vramctl.jobs._spec import (
     MAX_SIZE,
     DeviceConstraints,
@@ -24,20 +25,30 @@ from vramctl.jobs._spec import (
     ModelNeed,
     load_spec,
 )
+from vramctl.jobs._store import ACTIVE, FINISHED, STATES, Job, JobStore, JobStoreError, vramctl_home
 
 __all__ = [
+    "ACTIVE",
     "BATCH_SIZE_ENV",
+    "FINISHED",
     "GRAD_ACCUM_ENV",
     "MAX_SIZE",
+    "POLICIES",
+    "STATES",
     "DeviceConstraints",
+    "Job",
     "JobSpec",
     "JobSpecError",
+    "JobStore",
+    "JobStoreError",
     "MemoryNeed",
     "ModelNeed",
+    "Scheduler",
     "batch_plan",
     "check_placeable",
     "job_env",
     "load_spec",
     "matching_devices",
     "price",
+    "vramctl_home",
 ]

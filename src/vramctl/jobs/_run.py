@@ -1,0 +1,72 @@
+"""The bootstrap of a job given as a Python entry point: ``python -m vramctl.jobs._run
+module:function [ARG ...]``.
+
+Before the job's own code runs it holds the process to its share: on a simulated device
+the function runs inside ``vramctl.simulate(<its reservation>)`` (a real budget with real
+out-of-memory errors), and on a CUDA device PyTorch's allocator is capped at the
+reservation (``torch.cuda.set_per_process_memory_fraction``), so a job that outgrows its
+share gets an out-of-memory error in its own process and never takes a neighbour's memory.
+The function is called with no arguments and ``sys.argv`` set to ``[entry_point, *ARGS]``;
+an int it returns is the exit status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+__all__ = ["hold_share", "load_entry_point", "main"]
+
+
+def load_entry_point(text: str) -> Callable[[], Any]:
+    """The function named by ``module:function`` (``function`` may be dotted)."""
+    module_name, _, attr = text.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{text} is not callable")
+    return obj  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def hold_share(device: str, reserved: int) -> Iterator[None]:
+    """Hold this process to ``reserved`` bytes of ``device`` while the block runs."""
+    if reserved <= 0 or device == "cpu":
+        yield
+        return
+    if device.startswith("sim:"):
+        import vramctl
+
+        with vramctl.simulate(reserved):
+            yield
+        return
+    if device.startswith("cuda:"):
+        import torch
+
+        # CUDA_VISIBLE_DEVICES gives the job its GPU as device 0.
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, reserved / total), 0)
+    yield
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print("usage: python -m vramctl.jobs._run module:function [ARG ...]", file=sys.stderr)
+        return 2
+    fn = load_entry_point(args[0])
+    sys.argv = [args[0], *args[1:]]
+    device = os.environ.get("VRAMCTL_DEVICE", "cpu")
+    reserved = int(os.environ.get("VRAMCTL_RESERVED_BYTES", "0") or 0)
+    with hold_share(device, reserved):
+        result = fn()
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""The job store: every job, its state and its history, in one SQLite file.
+
+The embedded default is ``$VRAMCTL_HOME/jobs.db`` (``$VRAMCTL_HOME`` defaults to
+``$XDG_DATA_HOME/vramctl``, else ``~/.local/share/vramctl``). The file is in WAL mode, so
+the scheduler, each job's supervisor and the CLI read and write it from their own
+processes at once; a commit is in the log before it returns, so a process killed with
+``kill -9`` loses nothing it committed.
+
+A job moves ``queued → admitted → running → succeeded | failed | cancelled | timed-out``
+(and ``admitted`` or ``running`` back to ``queued`` when it is retried). Every move is a
+compare-and-set on the state it leaves (:meth:`JobStore.move`): two processes that race
+for the same move cannot both win, so no job is admitted or run twice. A job holds its
+reservation while it is ``admitted`` or ``running``, and only then: the ledger is read
+from the store, so a reservation is released by whatever ends the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sqlite3
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from vramctl._errors import VramctlError
+from vramctl.jobs._spec import JobSpec
+
+__all__ = [
+    "ACTIVE",
+    "FINISHED",
+    "STATES",
+    "Job",
+    "JobStore",
+    "JobStoreError",
+    "vramctl_home",
+]
+
+#: Environment variable naming vramctl's data directory (the store, the jobs' logs).
+ENV_HOME = "VRAMCTL_HOME"
+STATES = ("queued", "admitted", "running", "succeeded", "failed", "cancelled", "timed-out")
+#: States that hold a reservation.
+ACTIVE = ("admitted", "running")
+FINISHED = ("succeeded", "failed", "cancelled", "timed-out")
+_BUSY_TIMEOUT = 30.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    name TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL,
+    priority INTEGER NOT NULL DEFAULT 0,
+    submitted_at REAL NOT NULL,
+    admitted_at REAL,
+    started_at REAL,
+    finished_at REAL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    device TEXT,
+    reserved_bytes INTEGER,
+    batch_size INTEGER,
+    grad_accum INTEGER,
+    exit_code INTEGER,
+    reason TEXT,
+    peak_bytes INTEGER,
+    log_path TEXT,
+    supervisor_pid INTEGER,
+    supervisor_started REAL,
+    pid INTEGER,
+    cancel_requested INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state, priority, seq);
+CREATE TABLE IF NOT EXISTS learned (
+    name TEXT PRIMARY KEY,
+    peak_bytes INTEGER NOT NULL,
+    runs INTEGER NOT NULL,
+    updated_at REAL NOT NULL
+);
+"""
+
+
+class JobStoreError(VramctlError):
+    """A store that cannot be opened, or a job that is not in it."""
+
+
+def vramctl_home() -> Path:
+    """vramctl's data directory: ``$VRAMCTL_HOME``, else ``$XDG_DATA_HOME/vramctl``, else
+    ``~/.local/share/vramctl``."""
+    if os.environ.get(ENV_HOME):
+        return Path(os.environ[ENV_HOME]).expanduser()
+    if os.environ.get("XDG_DATA_HOME"):
+        return Path(os.environ["XDG_DATA_HOME"]) / "vramctl"
+    return Path.home() / ".local" / "share" / "vramctl"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One row of the store: the spec and everything that happened to it."""
+
+    seq: int
+    id: str
+    name: str
+    spec: JobSpec
+    state: str
+    priority: int
+    submitted_at: float
+    admitted_at: float | None
+    started_at: float | None
+    finished_at: float | None
+    attempts: int
+    device: str | None
+    reserved_bytes: int | None
+    batch_size: int | None
+    grad_accum: int | None
+    exit_code: int | None
+    reason: str | None
+    peak_bytes: int | None
+    log_path: str | None
+    supervisor_pid: int | None
+    supervisor_started: float | None
+    pid: int | None
+    cancel_requested: bool
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready view (the spec as its own dict)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["spec"] = self.spec.to_dict()
+        return out
+
+
+_COLUMNS = tuple(f.name for f in fields(Job))
+_SETTABLE = frozenset(_COLUMNS) - {"seq", "id", "name", "spec", "submitted_at"}
+
+
+class JobStore:
+    """The jobs of one store file. Open one per process (connections are not shared).
+
+    >>> import tempfile, os
+    >>> from vramctl.jobs import JobSpec, MemoryNeed
+    >>> store = JobStore(os.path.join(tempfile.mkdtemp(), "jobs.db"))
+    >>> spec = JobSpec(name="demo", command=("true",), memory=MemoryNeed.of_size("1GiB"))
+    >>> job = store.submit(spec)
+    >>> store.get(job.id).state
+    'queued'
+    >>> store.move(job.id, "queued", "admitted", device="cpu")
+    True
+    >>> store.move(job.id, "queued", "admitted", device="cpu")  # already moved: refused
+    False
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(path) if path is not None else vramctl_home() / "jobs.db"
+        self.logs_dir = self.path.parent / "logs"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(
+                self.path, timeout=_BUSY_TIMEOUT, isolation_level=None, check_same_thread=False
+            )
+            self._conn.execute("PRAGMA journal_mode = WAL")
+            # In WAL mode a commit is written to the log before it returns: a process
+            # killed (SIGKILL) after it loses nothing; only an OS crash can drop the last.
+            self._conn.execute("PRAGMA synchronous = NORMAL")
+            self._conn.executescript(_SCHEMA)
+        except (OSError, sqlite3.DatabaseError) as e:
+            raise JobStoreError(
+                f"cannot open the job store {self.path}: {e}; set $VRAMCTL_HOME or pass another"
+                " path"
+            ) from e
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> JobStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    # -- jobs ------------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec) -> Job:
+        """Queue ``spec``; returns the new job (state ``queued``)."""
+        job_id = secrets.token_hex(6)
+        with self._write() as c:
+            c.execute(
+                "INSERT INTO jobs (id, name, spec, state, priority, submitted_at, log_path)"
+                " VALUES (?, ?, ?, 'queued', ?, ?, ?)",
+                (
+                    job_id,
+                    spec.name,
+                    spec.to_json(indent=None),
+                    spec.priority,
+                    time.time(),
+                    str(self.logs_dir / f"{job_id}.log"),
+                ),
+            )
+        return self.get(job_id)
+
+    def get(self, job_id: str) -> Job:
+        """The job ``job_id``; :class:`JobStoreError` if there is none."""
+        row = self._conn.execute(
+            f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE id = ?", (job_id,)
+        ).fetchone()
+        if row is None:
+            raise JobStoreError(f"no job {job_id!r} in {self.path}")
+        return _job(row)
+
+    def list(
+        self,
+        states: Sequence[str] | None = None,
+        *,
+        label: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> list[Job]:
+        """Jobs in submission order, optionally only those in ``states`` and with ``label``
+        (``key`` or ``key=value``)."""
+        sql = f"SELECT {', '.join(_COLUMNS)} FROM jobs"
+        args: list[Any] = []
+        if states is not None:
+            bad = [s for s in states if s not in STATES]
+            if bad:
+                raise JobStoreError(f"unknown job state {bad[0]!r}; states: {', '.join(STATES)}")
+            sql += f" WHERE state IN ({', '.join('?' * len(states))})"
+            args += list(states)
+        sql += " ORDER BY seq"
+        jobs = [_job(r) for r in self._conn.execute(sql, args)]
+        if label is not None:
+            key, _, value = label.partition("=")
+            jobs = [
+                j
+                for j in jobs
+                if key in j.spec.labels and (not value or j.spec.labels[key] == value)
+            ]
+        end = None if limit is None else offset + limit
+        return jobs[offset:end]
+
+    def move(self, job_id: str, from_states: str | Sequence[str], to: str, **values: Any) -> bool:
+        """Move ``job_id`` to state ``to`` if it is in ``from_states`` now, setting
+        ``values`` in the same commit; False (nothing changed) if it was not."""
+        if to not in STATES:
+            raise JobStoreError(f"unknown job state {to!r}")
+        froms = (from_states,) if isinstance(from_states, str) else tuple(from_states)
+        bad = set(values) - _SETTABLE
+        if bad:
+            raise JobStoreError(f"not a job field: {sorted(bad)[0]}")
+        sets = ", ".join(["state = ?", *(f"{k} = ?" for k in values)])
+        with self._write() as c:
+            cur = c.execute(
+                f"UPDATE jobs SET {sets} WHERE id = ? AND state IN ({', '.join('?' * len(froms))})",
+                (to, *values.values(), job_id, *froms),
+            )
+            return cur.rowcount == 1
+
+    def update(self, job_id: str, **values: Any) -> None:
+        """Set ``values`` on ``job_id`` whatever its state (readings: peak, pids)."""
+        bad = set(values) - _SETTABLE - {"state"}
+        if bad or not values:
+            raise JobStoreError(f"not a job field: {sorted(bad)[0] if bad else '(none)'}")
+        with self._write() as c:
+            c.execute(
+                f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ?",
+                (*values.values(), job_id),
+            )
+
+    def cancel(self, job_id: str) -> Job:
+        """Cancel ``job_id``: a queued job is cancelled at once; an admitted or running one
+        is marked, and its supervisor stops it. A finished job is left as it is."""
+        job = self.get(job_id)
+        if self.move(job_id, "queued", "cancelled", finished_at=time.time(), reason="cancelled"):
+            return self.get(job_id)
+        if job.state in ACTIVE:
+            self.update(job_id, cancel_requested=1)
+        return self.get(job_id)
+
+    def counts(self) -> dict[str, int]:
+        """The number of jobs in each state."""
+        out = dict.fromkeys(STATES, 0)
+        for state, n in self._conn.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
+            out[state] = n
+        return out
+
+    # -- learned peaks ---------------------------------------------------------------
+
+    def learn(self, name: str, peak_bytes: int) -> None:
+        """Record a finished run's measured peak for the job name (the largest is kept)."""
+        with self._write() as c:
+            c.execute(
+                "INSERT INTO learned (name, peak_bytes, runs, updated_at) VALUES (?, ?, 1, ?)"
+                " ON CONFLICT(name) DO UPDATE SET"
+                " peak_bytes = MAX(peak_bytes, excluded.peak_bytes),"
+                " runs = runs + 1, updated_at = excluded.updated_at",
+                (name, int(peak_bytes), time.time()),
+            )
+
+    def learned_peak(self, name: str) -> int | None:
+        """The largest peak recorded for runs of the job name, or None before the first."""
+        row = self._conn.execute("SELECT peak_bytes FROM learned WHERE name = ?", (name,))
+        found = row.fetchone()
+        return None if found is None else int(found[0])
+
+
+def _job(row: Sequence[Any]) -> Job:
+    values: Mapping[str, Any] = dict(zip(_COLUMNS, row, strict=True))
+    spec = JobSpec.from_dict(json.loads(values["spec"]))
+    return Job(**{**values, "spec": spec, "cancel_requested": bool(values["cancel_requested"])})

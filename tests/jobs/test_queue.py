@@ -1,0 +1,341 @@
+"""The store, the supervisors and the scheduler, with real processes on this machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import vramctl
+from vramctl.jobs import (
+    DeviceConstraints,
+    Job,
+    JobSpec,
+    JobStore,
+    JobStoreError,
+    MemoryNeed,
+    Scheduler,
+)
+
+GiB = 2**30
+PY = sys.executable
+
+
+def spec(name: str, code: str, need: str = "1GiB", **kw: Any) -> JobSpec:
+    command = (PY, "-c", textwrap.dedent(code))
+    return JobSpec(name=name, command=command, memory=MemoryNeed.of_size(need), **kw)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[JobStore]:
+    with JobStore(tmp_path / "jobs.db") as s:
+        yield s
+
+
+def run_all(sched: Scheduler, timeout: float = 60.0) -> None:
+    """Rounds until nothing is queued or active (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sched.run_once()
+        counts = sched.store.counts()
+        if not any(counts[s] for s in ("queued", "admitted", "running")):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"jobs still active after {timeout} s: {sched.store.counts()}")
+
+
+def wait_for(store: JobStore, job_id: str, states: tuple[str, ...], timeout: float = 30) -> Job:
+    """The job once it is in one of ``states`` (and, when running, its process started)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = store.get(job_id)
+        if job.state in states and (job.state != "running" or job.pid is not None):
+            return job
+        time.sleep(0.02)
+    raise AssertionError(f"job {job_id} is {store.get(job_id).state}, not one of {states}")
+
+
+# -- the store ----------------------------------------------------------------------------
+
+
+def test_the_store_keeps_jobs_and_moves_them_once(store: JobStore) -> None:
+    a = store.submit(spec("a", "pass"))
+    b = store.submit(spec("b", "pass", labels={"team": "asr"}))
+    assert [j.id for j in store.list()] == [a.id, b.id]
+    assert store.get(a.id).spec == a.spec and a.state == "queued"
+    assert [j.id for j in store.list(label="team=asr")] == [b.id]
+    assert store.list(label="team=tts") == [] and [j.id for j in store.list(label="team")] == [b.id]
+    assert store.move(a.id, "queued", "admitted", device="cpu", reserved_bytes=GiB)
+    assert not store.move(a.id, "queued", "admitted", device="cpu")  # not twice
+    assert store.get(a.id).reserved_bytes == GiB
+    assert store.counts()["admitted"] == 1 and store.counts()["queued"] == 1
+    assert store.cancel(b.id).state == "cancelled"
+    assert store.cancel(a.id).cancel_requested  # active: its supervisor stops it
+    with pytest.raises(JobStoreError, match="no job 'nope'"):
+        store.get("nope")
+    with pytest.raises(JobStoreError, match="unknown job state 'done'"):
+        store.list(["done"])
+    with pytest.raises(JobStoreError, match="not a job field"):
+        store.update(a.id, spec="{}")
+
+
+def test_learned_peaks_keep_the_largest(store: JobStore) -> None:
+    assert store.learned_peak("train") is None
+    store.learn("train", 3 * GiB)
+    store.learn("train", 2 * GiB)
+    assert store.learned_peak("train") == 3 * GiB
+
+
+def test_a_second_process_sees_every_commit(tmp_path: Path) -> None:
+    with JobStore(tmp_path / "jobs.db") as one, JobStore(tmp_path / "jobs.db") as two:
+        job = one.submit(spec("x", "pass"))
+        assert two.get(job.id).state == "queued"
+        assert two.move(job.id, "queued", "admitted")
+        assert not one.move(job.id, "queued", "admitted")
+
+
+def test_an_unwritable_store_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(JobStoreError, match="cannot open the job store"):
+        JobStore(tmp_path / "file" / "jobs.db")
+
+
+def test_the_default_store_lives_under_vramctl_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VRAMCTL_HOME", str(tmp_path / "home"))
+    with JobStore() as s:
+        assert s.path == tmp_path / "home" / "jobs.db"
+        assert Path(s.submit(spec("x", "pass")).log_path or "").parent == tmp_path / "home" / "logs"
+
+
+# -- running jobs ---------------------------------------------------------------------------
+
+
+def test_jobs_share_a_device_by_memory_and_all_finish(store: JobStore, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code = f"""
+        import os, time
+        with open({str(out)!r}, "a") as f:
+            env = os.environ
+            f.write(env["VRAMCTL_JOB_ID"] + " " + env["VRAMCTL_RESERVED_BYTES"] + "\\n")
+        time.sleep(0.3)
+        print("hello from", os.environ["VRAMCTL_DEVICE"])
+    """
+    with vramctl.simulate("5GiB") as gpu:
+        ids = [store.submit(spec(f"j{i}", code, "2GiB")).id for i in range(3)]
+        sched = Scheduler(store, devices=[gpu], margin=0.0)
+        first = sched.run_once()
+        assert len(first) == 2  # 2 GiB each: a third does not fit in 5 GiB
+        assert store.get(ids[2]).state == "queued"
+        run_all(sched)
+    jobs = [store.get(i) for i in ids]
+    assert [j.state for j in jobs] == ["succeeded"] * 3
+    assert all(j.exit_code == 0 and j.attempts == 1 and j.device == gpu.id for j in jobs)
+    lines = out.read_text().split("\n")[:-1]
+    assert sorted(line.split()[0] for line in lines) == sorted(ids)  # each ran exactly once
+    assert all(line.split()[1] == str(2 * GiB) for line in lines)
+    assert Path(jobs[0].log_path or "").read_text().strip() == f"hello from {gpu.id}"
+    assert all(j.peak_bytes and j.peak_bytes > 1_000_000 for j in jobs)  # a Python process
+    assert store.learned_peak("j0") == jobs[0].peak_bytes
+
+
+def test_a_failing_job_is_retried_then_fails_with_its_status(store: JobStore) -> None:
+    job = store.submit(spec("bad", "import sys; sys.exit(3)", retries=1))
+    with vramctl.simulate("4GiB") as gpu:
+        run_all(Scheduler(store, devices=[gpu]))
+    done = store.get(job.id)
+    assert (done.state, done.attempts, done.exit_code) == ("failed", 2, 3)
+    assert done.reason == "exited with status 3"
+
+
+def test_a_command_that_does_not_exist_fails_with_the_reason(store: JobStore) -> None:
+    job = store.submit(
+        JobSpec(name="x", command=("no-such-program-xyz",), memory=MemoryNeed.of_size("1GiB"))
+    )
+    with vramctl.simulate("4GiB") as gpu:
+        run_all(Scheduler(store, devices=[gpu]))
+    done = store.get(job.id)
+    assert done.state == "failed" and "could not start 'no-such-program-xyz'" in (done.reason or "")
+
+
+def test_timeout_and_cancel_stop_the_whole_process_group(store: JobStore, tmp_path: Path) -> None:
+    # The job starts a grandchild that would outlive a plain kill of the job's own process.
+    code = """
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print(child.pid, flush=True)
+        time.sleep(60)
+    """
+    slow = store.submit(spec("slow", code, run_timeout=1.0))
+    cancelled = store.submit(spec("cancelled", code))
+    with vramctl.simulate("8GiB") as gpu:
+        sched = Scheduler(store, devices=[gpu])
+        sched.run_once()
+        running = wait_for(store, cancelled.id, ("running",))
+        assert running.pid is not None
+        store.cancel(cancelled.id)
+        run_all(sched)
+    for job_id, state in ((slow.id, "timed-out"), (cancelled.id, "cancelled")):
+        job = store.get(job_id)
+        assert job.state == state, job
+        assert job.finished_at is not None and job.finished
+        grandchild = int(Path(job.log_path or "").read_text().split()[0])
+        deadline = time.monotonic() + 10
+        while _exists(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _exists(grandchild), f"{state}: the job's child {grandchild} still runs"
+    assert "run timeout of 1 s" in (store.get(slow.id).reason or "")
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) has stopped running.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_job_that_waits_too_long_fails_with_the_room_there_was(store: JobStore) -> None:
+    job = store.submit(spec("big", "pass", "3GiB", wait_timeout=0.2))
+    hog = store.submit(spec("hog", "import time; time.sleep(3)", "3GiB"))
+    with vramctl.simulate("4GiB") as gpu:
+        sched = Scheduler(store, devices=[gpu], margin=0.0)
+        store.update(hog.id, priority=10)
+        sched.run_once()
+        time.sleep(0.3)
+        sched.run_once()
+        failed = store.get(job.id)
+        assert failed.state == "failed"
+        assert failed.reason is not None
+        assert failed.reason.startswith("no device had 3.00 GiB free within 0.2 s (largest free: ")
+        assert f"on {gpu.id})" in failed.reason
+        store.cancel(hog.id)
+        run_all(sched)
+
+
+def test_device_constraints_pick_the_device(store: JobStore) -> None:
+    with vramctl.simulate("A10G-24GB") as a10, vramctl.simulate("T4-16GB") as t4:
+        job = store.submit(spec("ampere", "pass", devices=DeviceConstraints(model="A10G")))
+        sched = Scheduler(store, devices=[t4, a10])
+        (admitted,) = sched.run_once()
+        assert admitted.device == a10.id
+        run_all(sched)
+    assert store.get(job.id).state == "succeeded"
+
+
+def test_an_entry_point_is_held_to_its_share_on_a_simulated_gpu(
+    store: JobStore, tmp_path: Path
+) -> None:
+    module = tmp_path / "work_mod.py"
+    module.write_text(
+        textwrap.dedent(
+            """
+            import sys, torch
+
+            def allocate():
+                n = int(sys.argv[1])
+                torch.empty(n, dtype=torch.uint8)
+                print("allocated", n)
+            """
+        )
+    )
+    env = {"PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    within = JobSpec(
+        name="within",
+        entry_point="work_mod:allocate",
+        args=(str(GiB // 2),),
+        env=env,
+        memory=MemoryNeed.of_size("1GiB"),
+    )
+    beyond = JobSpec(
+        name="beyond",
+        entry_point="work_mod:allocate",
+        args=(str(2 * GiB),),
+        env=env,
+        memory=MemoryNeed.of_size("1GiB"),
+    )
+    a, b = store.submit(within), store.submit(beyond)
+    with vramctl.simulate("8GiB") as gpu:
+        run_all(Scheduler(store, devices=[gpu]))
+    assert store.get(a.id).state == "succeeded"
+    over = store.get(b.id)
+    assert over.state == "failed"
+    assert "OutOfMemoryError" in Path(over.log_path or "").read_text()
+
+
+# -- a scheduler killed mid-run -------------------------------------------------------------
+
+
+SCHEDULER = """
+import sys, vramctl
+from vramctl.jobs import JobStore, Scheduler
+with vramctl.simulate("6GiB") as gpu:
+    Scheduler(JobStore(sys.argv[1]), devices=[gpu], interval_s=0.05).run()
+"""
+
+
+def test_a_scheduler_killed_mid_run_loses_no_job_and_runs_none_twice(
+    store: JobStore, tmp_path: Path
+) -> None:
+    out = tmp_path / "ran"
+    code = f"""
+        import os, time
+        time.sleep(0.4)
+        with open({str(out)!r}, "a") as f:
+            f.write(os.environ["VRAMCTL_JOB_ID"] + "\\n")
+    """
+    ids = [store.submit(spec(f"j{i}", code, "2GiB")).id for i in range(8)]
+    for _ in range(2):  # killed twice while jobs run
+        proc = subprocess.Popen([PY, "-c", SCHEDULER, str(store.path)])
+        deadline = time.monotonic() + 30
+        while store.counts()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.counts()["running"] > 0
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with vramctl.simulate("6GiB") as gpu:  # a new scheduler adopts what is left
+        run_all(Scheduler(store, devices=[gpu]), timeout=90)
+    assert [store.get(i).state for i in ids] == ["succeeded"] * 8
+    ran = out.read_text().split()
+    assert sorted(ran) == sorted(ids)  # every job ran, and none twice
+
+
+def test_a_job_whose_supervisor_died_is_queued_again(store: JobStore, tmp_path: Path) -> None:
+    job = store.submit(spec("orphan", "import time; time.sleep(0.5)", retries=1))
+    with vramctl.simulate("4GiB") as gpu:
+        sched = Scheduler(store, devices=[gpu])
+        sched.run_once()
+        running = wait_for(store, job.id, ("running",))
+        assert running.supervisor_pid is not None and running.pid is not None
+        os.kill(running.supervisor_pid, signal.SIGKILL)
+        sched._started.pop(job.id).wait()
+        # The job runs on without its supervisor: its reservation stays until it ends ...
+        assert sched.adopt() == [] and store.get(job.id).state == "running"
+        wait_until_gone(running.pid)
+        # ... then it is queued again (its exit status is lost) and runs to the end.
+        (lost,) = sched.adopt()
+        assert lost.state == "queued" and "supervisor died" in (lost.reason or "")
+        run_all(sched)
+    done = store.get(job.id)
+    assert (done.state, done.attempts) == ("succeeded", 2)
+
+
+def wait_until_gone(pid: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while _exists(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _exists(pid)
