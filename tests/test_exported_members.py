@@ -277,7 +277,20 @@ GUARD = {
 FIT = {"FitError", "FitResult", "cache_root", "fit_batch_size"}
 CLI = {"main"}
 
-JOBS: set[str] = set()
+JOBS: set[str] = {
+    "AdmissionError",
+    "BestFit",
+    "ClusterState",
+    "Fragmentation",
+    "LeastLoaded",
+    "Ledger",
+    "MostFree",
+    "Placement",
+    "Policy",
+    "Request",
+    "Reservation",
+    "Workload",
+}
 
 PACKAGES = {
     vramctl.batching: BATCHING,

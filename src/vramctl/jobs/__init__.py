@@ -6,4 +6,30 @@ The layer between the run-time layers (``fit``, ``batching``, ``monitor``, ``gua
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from vramctl.jobs._ledger import AdmissionError, Ledger, Reservation
+from vramctl.jobs._placement import (
+    BestFit,
+    ClusterState,
+    Fragmentation,
+    LeastLoaded,
+    MostFree,
+    Placement,
+    Policy,
+    Request,
+    Workload,
+)
+
+__all__: list[str] = [
+    "AdmissionError",
+    "BestFit",
+    "ClusterState",
+    "Fragmentation",
+    "LeastLoaded",
+    "Ledger",
+    "MostFree",
+    "Placement",
+    "Policy",
+    "Request",
+    "Reservation",
+    "Workload",
+]
