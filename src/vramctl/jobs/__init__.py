@@ -6,6 +6,7 @@ The layer between the run-time layers (``fit``, ``batching``, ``monitor``, ``gua
 
 from __future__ import annotations
 
+from vramctl.jobs._ledger import AdmissionError, Ledger, Reservation
 from vramctl.jobs._need import (
     BATCH_SIZE_ENV,
     GRAD_ACCUM_ENV,
@@ -14,6 +15,17 @@ from vramctl.jobs._need import (
     job_env,
     matching_devices,
     price,
+)
+from vramctl.jobs._placement import (
+    BestFit,
+    ClusterState,
+    Fragmentation,
+    LeastLoaded,
+    MostFree,
+    Placement,
+    Policy,
+    Request,
+    Workload,
 )
 from vramctl.jobs._scheduler import POLICIES, Scheduler
 from vramctl.jobs._spec import (
@@ -35,15 +47,27 @@ __all__ = [
     "MAX_SIZE",
     "POLICIES",
     "STATES",
+    "AdmissionError",
+    "BestFit",
+    "ClusterState",
     "DeviceConstraints",
+    "Fragmentation",
     "Job",
     "JobSpec",
     "JobSpecError",
     "JobStore",
     "JobStoreError",
+    "LeastLoaded",
+    "Ledger",
     "MemoryNeed",
     "ModelNeed",
+    "MostFree",
+    "Placement",
+    "Policy",
+    "Request",
+    "Reservation",
     "Scheduler",
+    "Workload",
     "batch_plan",
     "check_placeable",
     "job_env",
