@@ -19,10 +19,12 @@ from vramctl.jobs import (
     DeviceConstraints,
     Job,
     JobSpec,
+    JobSpecError,
     JobStore,
     JobStoreError,
     MemoryNeed,
     Scheduler,
+    price,
 )
 
 GiB = 2**30
@@ -175,13 +177,16 @@ def test_timeout_and_cancel_stop_the_whole_process_group(store: JobStore, tmp_pa
         print(child.pid, flush=True)
         time.sleep(60)
     """
-    slow = store.submit(spec("slow", code, run_timeout=1.0))
+    slow = store.submit(spec("slow", code, run_timeout=4.0))
     cancelled = store.submit(spec("cancelled", code))
     with vramctl.simulate("8GiB") as gpu:
         sched = Scheduler(store, devices=[gpu])
         sched.run_once()
-        running = wait_for(store, cancelled.id, ("running",))
-        assert running.pid is not None
+        for job_id in (slow.id, cancelled.id):  # both have started their grandchild
+            log = Path(wait_for(store, job_id, ("running",)).log_path or "")
+            deadline = time.monotonic() + 30
+            while not log.read_bytes().strip() and time.monotonic() < deadline:
+                time.sleep(0.02)
         store.cancel(cancelled.id)
         run_all(sched)
     for job_id, state in ((slow.id, "timed-out"), (cancelled.id, "cancelled")):
@@ -193,7 +198,7 @@ def test_timeout_and_cancel_stop_the_whole_process_group(store: JobStore, tmp_pa
         while _exists(grandchild) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _exists(grandchild), f"{state}: the job's child {grandchild} still runs"
-    assert "run timeout of 1 s" in (store.get(slow.id).reason or "")
+    assert "run timeout of 4 s" in (store.get(slow.id).reason or "")
 
 
 def _exists(pid: int) -> bool:
@@ -339,3 +344,65 @@ def wait_until_gone(pid: int, timeout: float = 10) -> None:
     while _exists(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not _exists(pid)
+
+
+# -- placement and the batch ------------------------------------------------------------------
+
+
+def test_the_policy_chooses_among_the_devices_with_room(store: JobStore) -> None:
+    with vramctl.simulate("8GiB") as small, vramctl.simulate("16GiB") as large:
+        for policy, where in (("best-fit", small), ("most-free", large)):
+            job = store.submit(spec(policy, "pass", "2GiB"))
+            sched = Scheduler(store, devices=[large, small], policy=policy)
+            (admitted,) = sched.run_once()
+            assert admitted.id == job.id and admitted.device == where.id
+            run_all(sched)
+    with pytest.raises(JobSpecError, match="unknown placement policy 'first-fit'"):
+        Scheduler(store, devices=[], policy="first-fit")
+
+
+def test_a_batch_that_does_not_fit_is_lowered_with_accumulation(
+    store: JobStore, tmp_path: Path
+) -> None:
+    need = {"estimate": {"model": "lstm", "seq_len": 1024}}
+    job_spec = JobSpec.from_dict(
+        {
+            "name": "lstm",
+            "command": [
+                PY,
+                "-c",
+                "import os; print(os.environ['VRAMCTL_BATCH_SIZE'], "
+                "os.environ['VRAMCTL_GRAD_ACCUM'])",
+            ],
+            "memory": need,
+            "batch_size": 16,
+            "effective_batch": 64,
+        }
+    )
+    with vramctl.simulate("T4-16GB") as probe:
+        at = {b: price(job_spec, probe, batch_size=b) for b in (16, 8)}
+    assert at[16] > at[8]
+    room = (at[16] + at[8]) // 2  # the batch of 16 does not fit; 8 does
+    job = store.submit(job_spec)
+    with vramctl.simulate("T4-16GB") as gpu:
+        sched = Scheduler(store, devices=[gpu], margin=0.0)
+        sched._rooms = _capped(sched._rooms, room)  # type: ignore[method-assign]
+        (admitted,) = sched.run_once()
+        assert (admitted.batch_size, admitted.grad_accum) == (8, 8)
+        assert admitted.reserved_bytes == at[8]
+        run_all(sched)
+    done = store.get(job.id)
+    assert done.state == "succeeded"
+    assert Path(done.log_path or "").read_text().split() == ["8", "8"]
+
+
+def _capped(rooms: Any, room: int) -> Any:
+    """The scheduler's ledger with each device's room cut to ``room`` bytes."""
+
+    def capped() -> Any:
+        out = rooms()
+        for r in out.values():
+            r.free_now = min(r.free_now, room)
+        return out
+
+    return capped

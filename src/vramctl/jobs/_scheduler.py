@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import psutil
@@ -35,6 +35,15 @@ import psutil
 from vramctl._units import format_bytes
 from vramctl.device import Device, gpus, resolve
 from vramctl.jobs._need import matching_devices, price
+from vramctl.jobs._placement import (
+    BestFit,
+    ClusterState,
+    Fragmentation,
+    LeastLoaded,
+    MostFree,
+    Policy,
+    Request,
+)
 from vramctl.jobs._spec import JobSpec, JobSpecError
 from vramctl.jobs._store import ACTIVE, Job, JobStore
 
@@ -42,9 +51,21 @@ __all__ = ["POLICIES", "Scheduler"]
 
 log = logging.getLogger("vramctl.jobs")
 
-#: How a job's device is chosen among those with room: ``best-fit`` (the least room
-#: left after it, which keeps large holes for large jobs) or ``most-free``.
-POLICIES = ("best-fit", "most-free")
+#: How a job's device is chosen among those with room (the placement module's policies):
+#: ``best-fit`` (the least room left after it, which keeps large holes for large jobs),
+#: ``most-free``, ``least-loaded`` (fewest jobs) and ``fragmentation`` (FGD's: where the
+#: expected fragmentation for the mix of jobs seen grows least).
+POLICIES = ("best-fit", "most-free", "least-loaded", "fragmentation")
+
+
+def _policy(name: str) -> Policy:
+    made: dict[str, Callable[[], Policy]] = {
+        "best-fit": BestFit,
+        "most-free": MostFree,
+        "least-loaded": LeastLoaded,
+        "fragmentation": Fragmentation,
+    }
+    return made[name]()
 
 
 @dataclass
@@ -74,6 +95,8 @@ class Scheduler:
     aging_s: float = 60.0
     #: Seconds between rounds in :meth:`run`.
     interval_s: float = 0.2
+    #: Admit only these job ids (``vramctl run`` schedules its own job); None: every job.
+    only: frozenset[str] | None = None
     _prices: dict[tuple[str, str, int | None], int] = field(default_factory=dict, repr=False)
     _started: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
 
@@ -85,6 +108,7 @@ class Scheduler:
             )
         if self.devices is None:
             self.devices = gpus() or [resolve("cpu")]
+        self._chooser = _policy(self.policy)
 
     # -- one round -----------------------------------------------------------------------
 
@@ -92,13 +116,18 @@ class Scheduler:
         """One round: adopt, then admit what fits. Returns the jobs admitted."""
         self._reap()
         self.adopt()
-        rooms = self._rooms()
         admitted = []
-        now = time.time()
-        for job in self._queue(now):
-            placed = self._place(job, rooms, now)
-            if placed is not None:
-                admitted.append(placed)
+        # One admission at a time per store: two schedulers (a service and a `vramctl
+        # run`) reading the same ledger must not both promise the same memory.
+        with self.store.admission_lock():
+            rooms = self._rooms()
+            now = time.time()
+            for job in self._queue(now):
+                if self.only is not None and job.id not in self.only:
+                    continue
+                placed = self._place(job, rooms, now)
+                if placed is not None:
+                    admitted.append(placed)
         return admitted
 
     def run(self, stop: threading.Event | None = None, *, until_idle: bool = False) -> None:
@@ -193,22 +222,18 @@ class Scheduler:
         except JobSpecError as exc:
             self._fail(job, str(exc))
             return None
-        if self.max_concurrent_jobs is not None:
-            candidates = [r for r in candidates if r.jobs < self.max_concurrent_jobs]
-        best: tuple[int, _Room, int, int | None, int | None] | None = None
+        best: tuple[_Room, int, int | None, int | None] | None = None
         need_full: int | None = None
         try:
-            for room in candidates:
-                for batch, accum in _batches(spec):
-                    need = self._price(job, room.device, batch)
-                    need_full = need if need_full is None else need_full
-                    asked = int(need * (1 + self.margin))
-                    if asked <= room.room:
-                        left = room.room - asked
-                        score = left if self.policy == "best-fit" else -left
-                        if best is None or score < best[0]:
-                            best = (score, room, need, batch, accum)
-                        break
+            for batch, accum in _batches(spec):
+                needs = {r.device.id: self._price(job, r.device, batch) for r in candidates}
+                need_full = max(needs.values(), default=None) if need_full is None else need_full
+                room = self._choose(candidates, needs)
+                if room is not None:
+                    # The reservation is the need and its margin: the job's share.
+                    held = int(needs[room.device.id] * (1 + self.margin))
+                    best = (room, held, batch, accum)
+                    break
         except JobSpecError as exc:
             self._fail(job, str(exc))
             return None
@@ -227,7 +252,7 @@ class Scheduler:
                     job, f"no device had {wanted} free within {timeout:g} s ({where})", "failed"
                 )
             return None
-        _, room, need, batch, accum = best
+        room, need, batch, accum = best
         if not self.store.move(
             job.id,
             "queued",
@@ -254,6 +279,25 @@ class Scheduler:
             format_bytes(need),
         )
         return self.store.get(job.id)
+
+    def _choose(self, rooms: list[_Room], needs: dict[str, int]) -> _Room | None:
+        """The room the policy picks among those where the job's need (plus the margin)
+        fits: one node of one GPU per device."""
+        if not rooms:
+            return None
+        asked = {r.device.id: needs[r.device.id] * (1 + self.margin) for r in rooms}
+        top = max(asked.values())
+        state = ClusterState(
+            [1] * len(rooms),
+            [float(r.capacity) for r in rooms],
+            max_jobs_per_gpu=self.max_concurrent_jobs,
+        )
+        for i, r in enumerate(rooms):
+            # Asked the most any device needs; a device that needs less gets the difference.
+            state.free[i] = float(r.room) + (top - asked[r.device.id])
+            state.jobs[i] = r.jobs
+        got = self._chooser.choose(state, Request(top))
+        return None if got is None else rooms[got.gpus[0]]
 
     def _fail(self, job: Job, reason: str, state: str = "failed") -> None:
         self.store.move(job.id, "queued", state, reason=reason, finished_at=time.time())

@@ -179,6 +179,19 @@ class JobStore:
     def close(self) -> None:
         self._conn.close()
 
+    @contextmanager
+    def admission_lock(self) -> Iterator[None]:
+        """Held by a scheduler while it reads the ledger and admits: one at a time per
+        store, across processes (an advisory lock on ``<store>.lock``)."""
+        import fcntl
+
+        with open(f"{self.path}.lock", "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
     def __enter__(self) -> JobStore:
         return self
 

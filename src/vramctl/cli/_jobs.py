@@ -1,0 +1,452 @@
+"""``vramctl run``, ``submit``, ``jobs``, ``logs``, ``cancel`` and ``scheduler``: the job queue."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+import vramctl
+from vramctl import VramctlError, format_bytes
+from vramctl.cli._common import app, console, emit_json, err, user_errors
+from vramctl.device import Device, resolve
+from vramctl.jobs import POLICIES, STATES, Job, JobSpec, JobStore, Scheduler, load_spec
+
+__all__ = ["app"]
+
+StoreOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--store",
+        help="The job store (default: $VRAMCTL_HOME/jobs.db).",
+        show_default=False,
+    ),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+
+def _pairs(option: str, items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise VramctlError(f"{option} {item!r}: give KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _spec(
+    spec_file: Path | None,
+    command: list[str] | None,
+    *,
+    memory: str | None,
+    name: str | None,
+    priority: int | None,
+    retries: int | None,
+    wait_timeout: float | None,
+    run_timeout: float | None,
+    labels: list[str] | None,
+    env: list[str] | None,
+    cwd: Path | None,
+) -> JobSpec:
+    """The job spec of a file, or of the command line, with the options laid over it."""
+    if spec_file is not None and command:
+        raise VramctlError("give a spec file (--spec) or a command after --, not both")
+    doc: dict[str, Any] = {}
+    if spec_file is not None:
+        doc = load_spec(spec_file).to_dict()
+    elif not command:
+        raise VramctlError(
+            "no command: put it after --, e.g. vramctl run --memory 4GiB -- python train.py"
+        )
+    else:
+        if len(command) == 1 and " " in command[0] and not Path(command[0]).exists():
+            words = " ".join(command[0].split())
+            raise VramctlError(
+                f"{command[0]!r} is one argument, and vramctl runs no shell: give the words "
+                f"separately, e.g. -- {words}"
+            )
+        doc["command"] = list(command)
+        doc["name"] = _name(command[0]) if name is None else name
+    for key, value in (
+        ("memory", memory),
+        ("name", name),
+        ("priority", priority),
+        ("retries", retries),
+        ("wait_timeout", wait_timeout),
+        ("run_timeout", run_timeout),
+        ("cwd", None if cwd is None else str(cwd)),
+    ):
+        if value is not None:
+            doc[key] = value
+    if labels:
+        doc["labels"] = {**doc.get("labels", {}), **_pairs("--label", labels)}
+    if env:
+        doc["env"] = {**doc.get("env", {}), **_pairs("--env", env)}
+    return JobSpec.from_dict(doc)
+
+
+def _name(program: str) -> str:
+    """A job name from its program: ``/usr/bin/python3`` -> ``python3``."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(program).name).strip("-._")[:128]
+    return name or "job"
+
+
+def _devices(text: str | None) -> list[Device] | None:
+    """``--devices cuda:0,sim:A10G-24GB``: real devices resolved, ``sim:`` ones simulated."""
+    if text is None:
+        return None
+    out: list[Device] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        out.append(vramctl.simulate(item) if item.startswith("sim:") else resolve(item))
+    if not out:
+        raise VramctlError("--devices: name at least one device, e.g. --devices cuda:0")
+    return out
+
+
+def _row(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "name": job.name,
+        "state": job.state,
+        "device": job.device,
+        "reserved_bytes": job.reserved_bytes,
+        "peak_bytes": job.peak_bytes,
+        "exit_code": job.exit_code,
+        "attempts": job.attempts,
+        "reason": job.reason,
+        "submitted_at": job.submitted_at,
+        "finished_at": job.finished_at,
+    }
+
+
+def _size(n: int | None) -> str:
+    return "" if n is None else format_bytes(n)
+
+
+# -- commands -------------------------------------------------------------------------------
+
+SpecOption = Annotated[
+    Path | None,
+    typer.Option("--spec", help="A job spec file (.toml or .json).", show_default=False),
+]
+MemoryOption = Annotated[
+    str | None,
+    typer.Option("--memory", "-m", help="The job's memory need, e.g. 20GiB.", show_default=False),
+]
+NameOption = Annotated[
+    str | None, typer.Option("--name", help="The job's name.", show_default=False)
+]
+PriorityOption = Annotated[
+    int | None, typer.Option("--priority", help="Higher goes first.", show_default=False)
+]
+RetriesOption = Annotated[
+    int | None,
+    typer.Option("--retries", help="Runs again after a failure.", show_default=False),
+]
+WaitOption = Annotated[
+    float | None,
+    typer.Option("--wait-timeout", help="Seconds it may wait for room.", show_default=False),
+]
+RunOption = Annotated[
+    float | None,
+    typer.Option("--run-timeout", help="Seconds it may run.", show_default=False),
+]
+LabelOption = Annotated[
+    list[str] | None,
+    typer.Option("--label", help="KEY=VALUE (repeatable).", show_default=False),
+]
+EnvOption = Annotated[
+    list[str] | None,
+    typer.Option("--env", help="KEY=VALUE for the job (repeatable).", show_default=False),
+]
+CwdOption = Annotated[
+    Path | None,
+    typer.Option("--cwd", help="The job's working directory.", show_default=False),
+]
+CommandArg = Annotated[
+    list[str] | None,
+    typer.Argument(help="The command, after --.", show_default=False),
+]
+DevicesOption = Annotated[
+    str | None,
+    typer.Option(
+        "--devices",
+        help="Devices to place jobs on, e.g. cuda:0,cuda:1 or sim:A10G-24GB "
+        "(default: every GPU, else the CPU).",
+        show_default=False,
+    ),
+]
+
+
+@app.command("submit")
+@user_errors
+def submit(
+    command: CommandArg = None,
+    spec_file: SpecOption = None,
+    memory: MemoryOption = None,
+    name: NameOption = None,
+    priority: PriorityOption = None,
+    retries: RetriesOption = None,
+    wait_timeout: WaitOption = None,
+    run_timeout: RunOption = None,
+    label: LabelOption = None,
+    env: EnvOption = None,
+    cwd: CwdOption = None,
+    store: StoreOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Queue a job; a running 'vramctl scheduler' admits it when there is room.
+
+    The command is an argv list, never run through a shell. Examples:
+
+        vramctl submit --memory 20GiB -- python train.py --lr 3e-4
+        vramctl submit --spec job.toml
+    """
+    spec = _spec(
+        spec_file,
+        command,
+        memory=memory,
+        name=name,
+        priority=priority,
+        retries=retries,
+        wait_timeout=wait_timeout,
+        run_timeout=run_timeout,
+        labels=label,
+        env=env,
+        cwd=cwd,
+    )
+    with JobStore(store) as s:
+        job = s.submit(spec)
+    if as_json:
+        emit_json(_row(job), indent=True)
+        return
+    console.print(f"queued job {job.id} ({job.name})", highlight=False)
+
+
+@app.command("run")
+@user_errors
+def run(
+    command: CommandArg = None,
+    spec_file: SpecOption = None,
+    memory: MemoryOption = None,
+    name: NameOption = None,
+    priority: PriorityOption = None,
+    retries: RetriesOption = None,
+    wait_timeout: WaitOption = None,
+    run_timeout: RunOption = None,
+    label: LabelOption = None,
+    env: EnvOption = None,
+    cwd: CwdOption = None,
+    devices: DevicesOption = None,
+    store: StoreOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Run one job in the foreground: wait for room, run it, report.
+
+    The job is admitted by its memory need like any queued job, runs on the
+    device with room, and its output is shown as it comes. The exit status is
+    the job's. Ctrl-C cancels it. Example:
+
+        vramctl run --memory 4GiB -- python train.py
+    """
+    spec = _spec(
+        spec_file,
+        command,
+        memory=memory,
+        name=name,
+        priority=priority,
+        retries=retries,
+        wait_timeout=wait_timeout,
+        run_timeout=run_timeout,
+        labels=label,
+        env=env,
+        cwd=cwd,
+    )
+    with JobStore(store) as s:
+        job = s.submit(spec)
+        sched = Scheduler(s, devices=_devices(devices), only=frozenset({job.id}))
+        shown = 0
+        try:
+            while not job.finished:
+                sched.run_once()
+                job = s.get(job.id)
+                shown = _show_log(job, shown)
+                time.sleep(0.1)
+        except KeyboardInterrupt:
+            s.cancel(job.id)
+            err.print(f"cancelling job {job.id}", highlight=False)
+            while not s.get(job.id).finished:
+                sched.run_once()
+                time.sleep(0.1)
+            job = s.get(job.id)
+        _show_log(job, shown)
+    if as_json:
+        emit_json(_row(job), indent=True)
+    else:
+        where = f" on {job.device}" if job.device else ""
+        reserved = f", {_size(job.reserved_bytes)} reserved" if job.reserved_bytes else ""
+        peak = f", peak {_size(job.peak_bytes)}" if job.peak_bytes else ""
+        why = f": {job.reason}" if job.reason and job.state != "succeeded" else ""
+        err.print(
+            f"job {job.id} {job.state}{where}{reserved}{peak}{why}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if job.state != "succeeded":
+        raise typer.Exit(job.exit_code if job.exit_code not in (None, 0) else 1)
+
+
+def _show_log(job: Job, shown: int) -> int:
+    """Print what the job's log gained since ``shown`` bytes; returns the new offset."""
+    if not job.log_path:
+        return shown
+    with contextlib.suppress(OSError), open(job.log_path, "rb") as f:
+        f.seek(shown)
+        data = f.read()
+        if data:
+            sys.stdout.write(data.decode(errors="replace"))
+            sys.stdout.flush()
+            return shown + len(data)
+    return shown
+
+
+@app.command("jobs")
+@user_errors
+def jobs(
+    state: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--state", help=f"Only these states: {', '.join(STATES)}.", show_default=False
+        ),
+    ] = None,
+    label: Annotated[
+        str | None,
+        typer.Option("--label", help="Only jobs with KEY or KEY=VALUE.", show_default=False),
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, show_default=False)] = None,
+    store: StoreOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """List the jobs: state, device, reservation, peak, exit status."""
+    with JobStore(store) as s:
+        found = s.list(state, label=label)
+    if limit is not None:
+        found = found[-limit:]
+    if as_json:
+        emit_json({"schema": "vramctl.jobs/1", "jobs": [_row(j) for j in found]}, indent=True)
+        return
+    if not found:
+        console.print("no jobs", highlight=False)
+        return
+    table = Table(title_justify="left")
+    for col in ("id", "name", "state", "device", "reserved", "peak", "exit"):
+        table.add_column(col, justify="right" if col in ("reserved", "peak", "exit") else "left")
+    for j in found:
+        table.add_row(
+            j.id,
+            j.name,
+            j.state,
+            j.device or "",
+            _size(j.reserved_bytes),
+            _size(j.peak_bytes),
+            "" if j.exit_code is None else str(j.exit_code),
+        )
+    console.print(table)
+
+
+@app.command("logs")
+@user_errors
+def logs(
+    job_id: Annotated[str, typer.Argument(help="The job's id.")],
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")
+    ] = False,
+    store: StoreOption = None,
+) -> None:
+    """Print a job's output (stdout and stderr together)."""
+    with JobStore(store) as s:
+        job = s.get(job_id)
+        shown = _show_log(job, 0)
+        while follow and not job.finished:
+            time.sleep(0.2)
+            job = s.get(job_id)
+            shown = _show_log(job, shown)
+
+
+@app.command("cancel")
+@user_errors
+def cancel(
+    job_id: Annotated[str, typer.Argument(help="The job's id.")],
+    store: StoreOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Cancel a job: a queued one at once, a running one by stopping its processes."""
+    with JobStore(store) as s:
+        job = s.cancel(job_id)
+    if as_json:
+        emit_json(_row(job), indent=True)
+        return
+    if job.state == "cancelled":
+        console.print(f"cancelled job {job.id}", highlight=False)
+    elif job.finished:
+        console.print(f"job {job.id} had already {job.state}", highlight=False)
+    else:
+        console.print(f"stopping job {job.id} ({job.state})", highlight=False)
+
+
+@app.command("scheduler")
+@user_errors
+def scheduler(
+    devices: DevicesOption = None,
+    policy: Annotated[
+        str, typer.Option("--policy", help=f"Placement: {', '.join(POLICIES)}.")
+    ] = "best-fit",
+    margin: Annotated[
+        float, typer.Option("--margin", min=0.0, help="Extra room per job, a share of its need.")
+    ] = 0.1,
+    max_concurrent: Annotated[
+        int | None,
+        typer.Option(
+            "--max-concurrent", min=1, help="Jobs per device at most.", show_default=False
+        ),
+    ] = None,
+    store: StoreOption = None,
+) -> None:
+    """Run the queue in the foreground until Ctrl-C: admit queued jobs by memory.
+
+    Jobs keep running if the scheduler stops; a scheduler started later adopts
+    them. Example:
+
+        vramctl scheduler --devices cuda:0,cuda:1
+    """
+    with JobStore(store) as s, _interrupted() as stop:
+        sched = Scheduler(
+            s,
+            devices=_devices(devices),
+            policy=policy,
+            margin=margin,
+            max_concurrent_jobs=max_concurrent,
+        )
+        names = ", ".join(d.id for d in sched.devices or [])
+        err.print(f"scheduling the jobs of {s.path} on {names}", highlight=False)
+        sched.run(stop)
+
+
+@contextlib.contextmanager
+def _interrupted() -> Iterator[threading.Event]:
+    stop = threading.Event()
+    try:
+        yield stop
+    except KeyboardInterrupt:
+        err.print("scheduler stopped; running jobs go on", highlight=False)
