@@ -18,7 +18,16 @@ import vramctl
 from vramctl import VramctlError, format_bytes
 from vramctl.cli._common import app, console, emit_json, err, user_errors
 from vramctl.device import Device, resolve
-from vramctl.jobs import POLICIES, STATES, Job, JobSpec, JobStore, Scheduler, load_spec
+from vramctl.jobs import (
+    POLICIES,
+    STATES,
+    Job,
+    JobSpec,
+    JobStore,
+    Scheduler,
+    load_settings,
+    load_spec,
+)
 
 __all__ = ["app"]
 
@@ -26,7 +35,7 @@ StoreOption = Annotated[
     Path | None,
     typer.Option(
         "--store",
-        help="The job store (default: $VRAMCTL_HOME/jobs.db).",
+        help="The job store (default: $VRAMCTL_JOBS_STORE, else $VRAMCTL_HOME/jobs.db).",
         show_default=False,
     ),
 ]
@@ -91,7 +100,7 @@ def _spec(
         doc["labels"] = {**doc.get("labels", {}), **_pairs("--label", labels)}
     if env:
         doc["env"] = {**doc.get("env", {}), **_pairs("--env", env)}
-    return JobSpec.from_dict(doc)
+    return load_settings().apply(JobSpec.from_dict(doc))
 
 
 def _name(program: str) -> str:
@@ -112,6 +121,11 @@ def _devices(text: str | None) -> list[Device] | None:
     if not out:
         raise VramctlError("--devices: name at least one device, e.g. --devices cuda:0")
     return out
+
+
+def _store(path: Path | None) -> JobStore:
+    """The store named by --store, else by the settings (file, VRAMCTL_JOBS_STORE)."""
+    return JobStore(path if path is not None else load_settings().store)
 
 
 def _row(job: Job) -> dict[str, Any]:
@@ -226,7 +240,7 @@ def submit(
         env=env,
         cwd=cwd,
     )
-    with JobStore(store) as s:
+    with _store(store) as s:
         job = s.submit(spec)
     if as_json:
         emit_json(_row(job), indent=True)
@@ -273,9 +287,17 @@ def run(
         env=env,
         cwd=cwd,
     )
-    with JobStore(store) as s:
+    with _store(store) as s:
         job = s.submit(spec)
-        sched = Scheduler(s, devices=_devices(devices), only=frozenset({job.id}))
+        settings = load_settings()
+        sched = Scheduler(
+            s,
+            devices=_devices(devices),
+            only=frozenset({job.id}),
+            policy=settings.policy,
+            margin=settings.margin,
+            max_concurrent_jobs=settings.max_concurrent_jobs,
+        )
         shown = 0
         try:
             while not job.finished:
@@ -339,7 +361,7 @@ def jobs(
     as_json: JsonOption = False,
 ) -> None:
     """List the jobs: state, device, reservation, peak, exit status."""
-    with JobStore(store) as s:
+    with _store(store) as s:
         found = s.list(state, label=label)
     if limit is not None:
         found = found[-limit:]
@@ -375,7 +397,7 @@ def logs(
     store: StoreOption = None,
 ) -> None:
     """Print a job's output (stdout and stderr together)."""
-    with JobStore(store) as s:
+    with _store(store) as s:
         job = s.get(job_id)
         shown = _show_log(job, 0)
         while follow and not job.finished:
@@ -392,7 +414,7 @@ def cancel(
     as_json: JsonOption = False,
 ) -> None:
     """Cancel a job: a queued one at once, a running one by stopping its processes."""
-    with JobStore(store) as s:
+    with _store(store) as s:
         job = s.cancel(job_id)
     if as_json:
         emit_json(_row(job), indent=True)
@@ -410,11 +432,22 @@ def cancel(
 def scheduler(
     devices: DevicesOption = None,
     policy: Annotated[
-        str, typer.Option("--policy", help=f"Placement: {', '.join(POLICIES)}.")
-    ] = "best-fit",
+        str | None,
+        typer.Option(
+            "--policy",
+            help=f"Placement: {', '.join(POLICIES)} (default: best-fit).",
+            show_default=False,
+        ),
+    ] = None,
     margin: Annotated[
-        float, typer.Option("--margin", min=0.0, help="Extra room per job, a share of its need.")
-    ] = 0.1,
+        float | None,
+        typer.Option(
+            "--margin",
+            min=0.0,
+            help="Extra room per job, a share of its need (default: 0.1).",
+            show_default=False,
+        ),
+    ] = None,
     max_concurrent: Annotated[
         int | None,
         typer.Option(
@@ -430,13 +463,16 @@ def scheduler(
 
         vramctl scheduler --devices cuda:0,cuda:1
     """
-    with JobStore(store) as s, _interrupted() as stop:
+    with _store(store) as s, _interrupted() as stop:
+        settings = load_settings()
         sched = Scheduler(
             s,
             devices=_devices(devices),
-            policy=policy,
-            margin=margin,
-            max_concurrent_jobs=max_concurrent,
+            policy=policy if policy is not None else settings.policy,
+            margin=margin if margin is not None else settings.margin,
+            max_concurrent_jobs=(
+                max_concurrent if max_concurrent is not None else settings.max_concurrent_jobs
+            ),
         )
         names = ", ".join(d.id for d in sched.devices or [])
         err.print(f"scheduling the jobs of {s.path} on {names}", highlight=False)

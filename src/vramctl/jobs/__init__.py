@@ -27,7 +27,9 @@ from vramctl.jobs._placement import (
     Request,
     Workload,
 )
+from vramctl.jobs._queue import Queue
 from vramctl.jobs._scheduler import POLICIES, Scheduler
+from vramctl.jobs._settings import Settings, load_settings
 from vramctl.jobs._spec import (
     MAX_SIZE,
     DeviceConstraints,
@@ -64,13 +66,16 @@ __all__ = [
     "MostFree",
     "Placement",
     "Policy",
+    "Queue",
     "Request",
     "Reservation",
     "Scheduler",
+    "Settings",
     "Workload",
     "batch_plan",
     "check_placeable",
     "job_env",
+    "load_settings",
     "load_spec",
     "matching_devices",
     "price",

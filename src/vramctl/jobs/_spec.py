@@ -46,6 +46,7 @@ __all__ = [
     "MemoryNeed",
     "ModelNeed",
     "load_spec",
+    "parse_duration",
 ]
 
 #: No memory need is larger than this (1 PiB): a larger one is a typo.
@@ -160,6 +161,15 @@ def _duration(path: str, value: object, problems: list[str]) -> float | _Bad | N
     if seconds < 0:
         problems.append(f"{path}: cannot be negative, got {value!r}")
         return _BAD
+    return seconds
+
+
+def parse_duration(value: object, path: str = "duration") -> float | None:
+    """Seconds from a number or a string such as "90s", "30m", "2h", "1d" (None: None)."""
+    problems: list[str] = []
+    seconds = _duration(path, value, problems)
+    if problems or isinstance(seconds, _Bad):
+        raise JobSpecError(problems)
     return seconds
 
 
