@@ -406,3 +406,49 @@ def _capped(rooms: Any, room: int) -> Any:
         return out
 
     return capped
+
+
+ALLOCATE = """
+import sys
+import torch
+x = torch.empty(int(sys.argv[1]), dtype=torch.uint8)
+print("allocated", x.numel())
+"""
+
+
+def test_a_python_command_is_held_to_its_share_on_a_simulated_gpu(store: JobStore) -> None:
+    def job(name: str, n: int) -> JobSpec:
+        return JobSpec(
+            name=name, command=(PY, "-c", ALLOCATE, str(n)), memory=MemoryNeed.of_size("1GiB")
+        )
+
+    within, beyond = store.submit(job("within", GiB // 2)), store.submit(job("beyond", 2 * GiB))
+    plain = store.submit(spec("plain", "import json; print('no torch')"))
+    with vramctl.simulate("8GiB") as gpu:
+        run_all(Scheduler(store, devices=[gpu]))
+    assert store.get(within.id).state == "succeeded"
+    assert store.get(plain.id).state == "succeeded"
+    over = store.get(beyond.id)
+    assert over.state == "failed"
+    assert "OutOfMemoryError" in Path(over.log_path or "").read_text()
+
+
+@pytest.mark.cuda
+def test_a_python_command_is_held_to_its_share_on_a_gpu(store: JobStore) -> None:
+    gpu = vramctl.gpus()[0]
+    big = store.submit(
+        JobSpec(
+            name="beyond",
+            command=(
+                PY,
+                "-c",
+                ALLOCATE.replace("torch.uint8)", "torch.uint8, device='cuda')"),
+                str(2 * GiB),
+            ),
+            memory=MemoryNeed.of_size("1GiB"),
+        )
+    )
+    run_all(Scheduler(store, devices=[gpu]))
+    over = store.get(big.id)
+    assert over.state == "failed"
+    assert "OutOfMemoryError" in Path(over.log_path or "").read_text()

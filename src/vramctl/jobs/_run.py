@@ -19,7 +19,10 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["hold_share", "load_entry_point", "main"]
+__all__ = ["hold_process", "hold_share", "load_entry_point", "main"]
+
+#: The simulation a command's process is held in, entered for the rest of its life.
+_HELD: list[Any] = []
 
 
 def load_entry_point(text: str) -> Callable[[], Any]:
@@ -52,6 +55,44 @@ def hold_share(device: str, reserved: int) -> Iterator[None]:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, reserved / total), 0)
     yield
+
+
+def hold_process(device: str, reserved: int) -> None:
+    """Hold the rest of this process's life to ``reserved`` bytes of ``device``: the
+    bootstrap of a Python command calls it once ``torch`` is imported.
+
+    On a CUDA device the cap is set when CUDA starts (PyTorch's lazy initialisation), so
+    importing torch alone starts no CUDA context; on a simulated device the process enters
+    ``vramctl.simulate(reserved)`` and stays in it.
+    """
+    if reserved <= 0 or device == "cpu":
+        return
+    if device.startswith("sim:"):
+        import vramctl
+
+        sim = vramctl.simulate(reserved)
+        sim.__enter__()
+        _HELD.append(sim)
+        return
+    if device.startswith("cuda:"):
+        import torch
+
+        def cap() -> None:
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, reserved / total), 0)
+
+        if torch.cuda.is_initialized():
+            cap()
+            return
+        start: Callable[[], None] = torch.cuda._lazy_init
+
+        def lazy_init() -> None:
+            first = not torch.cuda.is_initialized()
+            start()
+            if first:
+                cap()
+
+        torch.cuda._lazy_init = lazy_init
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import psutil
 
@@ -60,6 +61,10 @@ def _environment(job: Job) -> dict[str, str]:
     env[ENV_DEVICE] = job.device or "cpu"
     env[ENV_RESERVED] = str(job.reserved_bytes or 0)
     device = job.device or "cpu"
+    if device != "cpu" and spec.command is not None:
+        # Python commands are held to their share by the bootstrap in this folder.
+        site = str(Path(__file__).resolve().parent / "_site")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
     if device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
