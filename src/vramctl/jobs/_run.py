@@ -85,11 +85,18 @@ def hold_process(device: str, reserved: int) -> None:
             cap()
             return
         start: Callable[[], None] = torch.cuda._lazy_init
+        depth = [0]
 
         def lazy_init() -> None:
-            first = not torch.cuda.is_initialized()
-            start()
-            if first:
+            # Calls queued for CUDA's start run inside it and may call back here: only the
+            # outermost call, once CUDA has started, sets the cap (and restores the original).
+            depth[0] += 1
+            try:
+                start()
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0 and torch.cuda.is_initialized():
+                torch.cuda._lazy_init = start
                 cap()
 
         torch.cuda._lazy_init = lazy_init
