@@ -452,3 +452,19 @@ def test_a_python_command_is_held_to_its_share_on_a_gpu(store: JobStore) -> None
     over = store.get(big.id)
     assert over.state == "failed"
     assert "OutOfMemoryError" in Path(over.log_path or "").read_text()
+
+
+def test_the_supervisor_imports_neither_vramctl_nor_torch() -> None:
+    import vramctl.jobs._supervise as supervise
+
+    # One runs beside every job for its whole life: it must stay small and start fast.
+    found = subprocess.run(
+        [PY, "-X", "importtime", supervise.__file__],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert found.returncode == 2 and "usage" in found.stderr
+    modules = {line.split("|")[-1].strip() for line in found.stderr.splitlines() if "|" in line}
+    assert "psutil" in modules
+    assert not {m for m in modules if m.split(".")[0] in ("torch", "vramctl", "numpy")}

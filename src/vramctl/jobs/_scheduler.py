@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
@@ -111,6 +112,15 @@ class Scheduler:
             )
         if self.devices is None:
             self.devices = gpus() or [resolve("cpu")]
+        ids = [d.id for d in self.devices]
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise JobSpecError(
+                f"device {twice[0]} is given twice: the scheduler keys its ledger by device id"
+                " (simulated GPUs of one size share theirs: give each a catalog name or size"
+                " of its own)",
+                what="invalid scheduler settings",
+            )
         self._chooser = _policy(self.policy)
 
     # -- one round -----------------------------------------------------------------------
@@ -311,7 +321,9 @@ class Scheduler:
         self.store.move(job.id, "queued", state, reason=reason, finished_at=time.time())
 
     def _start(self, job_id: str) -> None:
-        argv = [sys.executable, "-m", "vramctl.jobs._supervise", str(self.store.path), job_id]
+        # Run by path: the supervisor imports neither vramctl nor PyTorch (see its module).
+        script = str(Path(__file__).resolve().parent / "_supervise.py")
+        argv = [sys.executable, script, str(self.store.path), job_id]
         self._started[job_id] = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,

@@ -16,6 +16,7 @@ from the store, so a reservation is released by whatever ends the job.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -332,7 +333,14 @@ class JobStore:
         return None if found is None else int(found[0])
 
 
+@functools.lru_cache(maxsize=8192)
+def _spec(text: str) -> JobSpec:
+    """A stored spec, parsed once: a job's spec never changes, and a scheduler reads every
+    queued job each round."""
+    return JobSpec.from_dict(json.loads(text))
+
+
 def _job(row: Sequence[Any]) -> Job:
     values: Mapping[str, Any] = dict(zip(_COLUMNS, row, strict=True))
-    spec = JobSpec.from_dict(json.loads(values["spec"]))
+    spec = _spec(values["spec"])
     return Job(**{**values, "spec": spec, "cancel_requested": bool(values["cancel_requested"])})
