@@ -351,7 +351,14 @@ def wait_until_gone(pid: int, timeout: float = 10) -> None:
 
 def test_the_policy_chooses_among_the_devices_with_room(store: JobStore) -> None:
     with vramctl.simulate("8GiB") as small, vramctl.simulate("16GiB") as large:
-        for policy, where in (("best-fit", small), ("most-free", large)):
+        # least-loaded: no jobs on either, so the most room left; fragmentation: the
+        # placement module's FGD policy, which keeps the large device whole for large jobs.
+        for policy, where in (
+            ("best-fit", small),
+            ("most-free", large),
+            ("least-loaded", large),
+            ("fragmentation", small),
+        ):
             job = store.submit(spec(policy, "pass", "2GiB"))
             sched = Scheduler(store, devices=[large, small], policy=policy)
             (admitted,) = sched.run_once()

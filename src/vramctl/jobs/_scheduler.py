@@ -304,6 +304,21 @@ class Scheduler:
         if not rooms:
             return None
         asked = {r.device.id: needs[r.device.id] * (1 + self.margin) for r in rooms}
+        if self.policy != "fragmentation":
+            # The simple policies on a few devices: plain numbers, the same rules as the
+            # placement module's (building its tensors per job would cost milliseconds).
+            cap = self.max_concurrent_jobs
+            fits = [
+                r for r in rooms if asked[r.device.id] <= r.room and (cap is None or r.jobs < cap)
+            ]
+            if not fits:
+                return None
+            left = {r.device.id: r.room - asked[r.device.id] for r in fits}
+            if self.policy == "best-fit":
+                return min(fits, key=lambda r: left[r.device.id])
+            if self.policy == "most-free":
+                return max(fits, key=lambda r: left[r.device.id])
+            return min(fits, key=lambda r: (r.jobs, -left[r.device.id]))  # least-loaded
         top = max(asked.values())
         state = ClusterState(
             [1] * len(rooms),
