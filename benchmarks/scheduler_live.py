@@ -30,7 +30,7 @@ Figures:
 
 Goals: 0 lost, 0 run twice, ``admission_p99_ms`` at most 10.
 
-    python benchmarks/scheduler_live.py --quick   # 20 jobs, killed 3 times; under a minute
+    python benchmarks/scheduler_live.py --quick   # 200 jobs, killed 3 times; under a minute
     python benchmarks/scheduler_live.py           # 1,000 jobs, killed 3 times
 """
 
@@ -230,18 +230,18 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     ap = _common.parser(
         __doc__,
-        quick="20 jobs, killed 3 times; under a minute",
+        quick="200 jobs, killed 3 times; under a minute",
         cuda="this machine's GPUs instead of the simulated ones",
         seed="the jobs' needs and the kills' moments",
     )
-    ap.add_argument("--jobs", type=int, help="how many jobs (default: 1,000; --quick: 20)")
+    ap.add_argument("--jobs", type=int, help="how many jobs (default: 1,000; --quick: 200)")
     ap.add_argument(
         "--interval", type=float, default=0.2, help="the scheduler's polling interval, seconds"
     )
     ap.add_argument("--timeout", type=float, help="give up after this many seconds")
     ap.add_argument("--keep", action="store_true", help="keep the temporary store and logs")
     args = _common.parse(ap, argv)
-    n = args.jobs or (20 if args.quick else 1000)
+    n = args.jobs or (200 if args.quick else 1000)
     timeout = args.timeout or (50.0 if args.quick else 4 * 3600.0)
     devices = [] if args.cuda else list(SIM_DEVICES)
     summary = run(n, args.seed, args.interval, devices, timeout, args.keep)
