@@ -23,6 +23,7 @@ __all__ = [
     "GRAD_ACCUM_ENV",
     "batch_plan",
     "check_placeable",
+    "device_capacity",
     "job_env",
     "matching_devices",
     "price",
@@ -82,7 +83,7 @@ def price(
     return est.judged_peak
 
 
-def _capacity(device: Device) -> int:
+def device_capacity(device: Device) -> int:
     """The device's total memory from its reading (NVML on a GPU: no CUDA context made in
     the asking process), else what a process sees (``capacity()``)."""
     total = device.memory().total
@@ -143,15 +144,15 @@ def check_placeable(
             what=what,
         )
     priced = [(d, price(spec, d, learned_peak=learned_peak)) for d in matching]
-    fitting = [(d, need) for d, need in priced if need <= _capacity(d)]
+    fitting = [(d, need) for d, need in priced if need <= device_capacity(d)]
     if len(fitting) >= count:
         return
-    largest, need = max(priced, key=lambda p: _capacity(p[0]))
+    largest, need = max(priced, key=lambda p: device_capacity(p[0]))
     each = f" on each of {count} devices" if count > 1 else ""
     tail = f"; only {len(fitting)} device{'s' if len(fitting) != 1 else ''} can" if fitting else ""
     raise JobSpecError(
         f"memory: needs {format_bytes(need)}{each} but the largest device, {_label(largest)}, "
-        f"has {format_bytes(_capacity(largest))}{tail}",
+        f"has {format_bytes(device_capacity(largest))}{tail}",
         what=what,
     )
 

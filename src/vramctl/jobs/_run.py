@@ -12,14 +12,13 @@ an int it returns is the exit status.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["hold_process", "hold_share", "load_entry_point", "main"]
+__all__ = ["hold_process", "load_entry_point", "main"]
 
 #: The simulation a command's process is held in, entered for the rest of its life.
 _HELD: list[Any] = []
@@ -34,27 +33,6 @@ def load_entry_point(text: str) -> Callable[[], Any]:
     if not callable(obj):
         raise TypeError(f"{text} is not callable")
     return obj  # type: ignore[no-any-return]
-
-
-@contextlib.contextmanager
-def hold_share(device: str, reserved: int) -> Iterator[None]:
-    """Hold this process to ``reserved`` bytes of ``device`` while the block runs."""
-    if reserved <= 0 or device == "cpu":
-        yield
-        return
-    if device.startswith("sim:"):
-        import vramctl
-
-        with vramctl.simulate(reserved):
-            yield
-        return
-    if device.startswith("cuda:"):
-        import torch
-
-        # CUDA_VISIBLE_DEVICES gives the job its GPU as device 0.
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, reserved / total), 0)
-    yield
 
 
 def hold_process(device: str, reserved: int) -> None:
@@ -111,8 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.argv = [args[0], *args[1:]]
     device = os.environ.get("VRAMCTL_DEVICE", "cpu")
     reserved = int(os.environ.get("VRAMCTL_RESERVED_BYTES", "0") or 0)
-    with hold_share(device, reserved):
-        result = fn()
+    hold_process(device, reserved)
+    result = fn()
     return result if isinstance(result, int) else 0
 
 

@@ -21,7 +21,6 @@ Each round (:meth:`Scheduler.run_once`):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import psutil
 
 from vramctl._units import format_bytes
 from vramctl.device import Device, gpus, resolve
-from vramctl.jobs._need import matching_devices, price
+from vramctl.jobs._need import device_capacity, matching_devices, price
 from vramctl.jobs._placement import (
     BestFit,
     ClusterState,
@@ -47,6 +46,7 @@ from vramctl.jobs._placement import (
 )
 from vramctl.jobs._spec import JobSpec, JobSpecError
 from vramctl.jobs._store import ACTIVE, Job, JobStore
+from vramctl.jobs._supervise import tree_rss
 
 __all__ = ["POLICIES", "Scheduler"]
 
@@ -208,7 +208,7 @@ class Scheduler:
         for dev in self.devices:
             held = [j for j in active if j.device == dev.id]
             reserved = sum(j.reserved_bytes or 0 for j in held)
-            capacity = _capacity(dev)
+            capacity = device_capacity(dev)
             try:
                 free_now = int(dev.available())
             except Exception:  # an unreadable device is taken as its ledger says
@@ -366,22 +366,9 @@ def _batches(spec: JobSpec) -> list[tuple[int | None, int | None]]:
     return full + [(b, target // b) for b in smaller]
 
 
-def _capacity(dev: Device) -> int:
-    total = dev.memory().total
-    return int(total) if isinstance(total, int) else int(dev.capacity())
-
-
 def _job_usage(job: Job) -> int:
     """What a running job uses now (the resident memory of its processes); 0 if unknown."""
-    if job.pid is None:
-        return 0
-    total = 0
-    with contextlib.suppress(psutil.Error):
-        proc = psutil.Process(job.pid)
-        for p in [proc, *proc.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                total += p.memory_info().rss
-    return min(total, job.reserved_bytes or 0)
+    return 0 if job.pid is None else min(tree_rss(job.pid), job.reserved_bytes or 0)
 
 
 def _alive(pid: int, started: float | None) -> bool:

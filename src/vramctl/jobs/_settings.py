@@ -25,13 +25,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vramctl.jobs._scheduler import POLICIES
 from vramctl.jobs._spec import JobSpec, JobSpecError, parse_duration
 from vramctl.jobs._store import vramctl_home
 
 __all__ = ["ENV_SETTINGS", "Settings", "load_settings"]
 
 ENV_SETTINGS = "VRAMCTL_SETTINGS"
-_POLICIES = ("best-fit", "most-free", "least-loaded", "fragmentation")
 _ENV = {
     "store": "VRAMCTL_JOBS_STORE",
     "margin": "VRAMCTL_SAFETY_MARGIN",
@@ -87,8 +87,8 @@ def _check(values: Mapping[str, Any], where: Mapping[str, str]) -> Settings:
                 problems.append(f"{name}: a whole number of at least 1, got {value!r}")
             out[key] = n
         elif key == "policy":
-            if value not in _POLICIES:
-                problems.append(f"{name}: one of {', '.join(_POLICIES)}, got {value!r}")
+            if value not in POLICIES:
+                problems.append(f"{name}: one of {', '.join(POLICIES)}, got {value!r}")
             out[key] = value
         else:  # the timeouts
             try:

@@ -30,6 +30,7 @@ from typing import Any
 
 from vramctl._errors import VramctlError
 from vramctl.jobs._spec import JobSpec
+from vramctl.jobs._supervise import LEARN_SQL
 
 __all__ = [
     "ACTIVE",
@@ -318,13 +319,7 @@ class JobStore:
     def learn(self, name: str, peak_bytes: int) -> None:
         """Record a finished run's measured peak for the job name (the largest is kept)."""
         with self._write() as c:
-            c.execute(
-                "INSERT INTO learned (name, peak_bytes, runs, updated_at) VALUES (?, ?, 1, ?)"
-                " ON CONFLICT(name) DO UPDATE SET"
-                " peak_bytes = MAX(peak_bytes, excluded.peak_bytes),"
-                " runs = runs + 1, updated_at = excluded.updated_at",
-                (name, int(peak_bytes), time.time()),
-            )
+            c.execute(LEARN_SQL, (name, int(peak_bytes), time.time()))
 
     def learned_peak(self, name: str) -> int | None:
         """The largest peak recorded for runs of the job name, or None before the first."""

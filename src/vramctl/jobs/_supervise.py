@@ -36,13 +36,28 @@ from typing import Any
 
 import psutil
 
-__all__ = ["ENV_DEVICE", "ENV_JOB_ID", "ENV_RESERVED", "job_argv", "main", "supervise"]
+__all__ = [
+    "ENV_DEVICE",
+    "ENV_JOB_ID",
+    "ENV_RESERVED",
+    "LEARN_SQL",
+    "job_argv",
+    "main",
+    "supervise",
+    "tree_rss",
+]
 
 ENV_JOB_ID = "VRAMCTL_JOB_ID"
 ENV_DEVICE = "VRAMCTL_DEVICE"
 ENV_RESERVED = "VRAMCTL_RESERVED_BYTES"
 #: How often the supervisor reads the job's memory and the store (seconds).
 POLL_S = 0.1
+#: Records a run's peak for its job name, the largest kept (the store uses it too).
+LEARN_SQL = (
+    "INSERT INTO learned (name, peak_bytes, runs, updated_at) VALUES (?, ?, 1, ?)"
+    " ON CONFLICT(name) DO UPDATE SET peak_bytes = MAX(peak_bytes, excluded.peak_bytes),"
+    " runs = runs + 1, updated_at = excluded.updated_at"
+)
 #: Seconds between SIGTERM and SIGKILL when a job is stopped.
 GRACE_S = 5.0
 
@@ -123,17 +138,14 @@ class _Store:
         self.conn.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*values.values(), job_id))
 
     def learn(self, name: str, peak: int) -> None:
-        self.conn.execute(
-            "INSERT INTO learned (name, peak_bytes, runs, updated_at) VALUES (?, ?, 1, ?)"
-            " ON CONFLICT(name) DO UPDATE SET peak_bytes = MAX(peak_bytes, excluded.peak_bytes),"
-            " runs = runs + 1, updated_at = excluded.updated_at",
-            (name, int(peak), time.time()),
-        )
+        self.conn.execute(LEARN_SQL, (name, int(peak), time.time()))
 
 
-def _tree_rss(proc: psutil.Process) -> int:
+def tree_rss(pid: int) -> int:
+    """The resident memory of process ``pid`` and its descendants (0 if it is gone)."""
     total = 0
     with contextlib.suppress(psutil.Error):
+        proc = psutil.Process(pid)
         for p in [proc, *proc.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):
                 total += p.memory_info().rss
@@ -189,7 +201,6 @@ def supervise(store: _Store, job_id: str) -> str | None:
         failed = f"could not start {argv[0]!r}: {exc.strerror or exc}"
         return _finish(store, job, "failed", None, 0, failed)
     store.update(job_id, pid=child.pid)
-    proc = psutil.Process(child.pid)
     peak = 0
     reason: str | None = None
     state: str | None = None
@@ -197,7 +208,7 @@ def supervise(store: _Store, job_id: str) -> str | None:
     deadline = time.monotonic() + run_timeout if run_timeout is not None else None
     next_read = 0.0
     while child.poll() is None:
-        peak = max(peak, _tree_rss(proc))
+        peak = max(peak, tree_rss(child.pid))
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             state, reason = "timed-out", f"ran past its run timeout of {run_timeout:g} s"
