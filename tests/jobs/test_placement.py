@@ -225,3 +225,45 @@ def test_ledger_never_over_commits() -> None:
             assert ledger.reserved(d) <= c
             assert ledger.jobs(d) <= 3
     assert placed > 100
+
+
+@pytest.mark.parametrize("policy", [BestFit(), MostFree(), LeastLoaded()])
+def test_pick_on_plain_numbers_is_the_tensor_rule(policy: BestFit) -> None:
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.randrange(1, 6)
+        cap = rng.choice([None, 1, 2])
+        state = ClusterState([1] * n, [1000.0] * n, max_jobs_per_gpu=cap)
+        free = [float(rng.choice([0, 100, 250, 400, 400, 1000])) for _ in range(n)]
+        jobs = [rng.randrange(0, 3) for _ in range(n)]
+        state.free = torch.tensor(free, dtype=torch.float64)
+        state.jobs = torch.tensor(jobs, dtype=torch.int64)
+        asked = float(rng.choice([50, 100, 300, 400, 900]))
+        got = policy.choose(state, Request(asked))
+        assert policy.pick(free, jobs, asked, cap) == (None if got is None else got.gpus[0])
+
+
+def test_ledger_places_a_need_priced_per_device() -> None:
+    ledger = Ledger([1000, 1000, 1000], margin=0.0)
+    ledger.reserve("x", 1, 100)
+    # The job needs 700 on device 0, 850 on device 1 and cannot go on device 2: best fit
+    # compares what each device has left after the job's own need there.
+    got = ledger.place("a", {0: 700, 1: 850}, BestFit())
+    assert got is not None and (got.device, got.total) == (1, 850)  # 50 left, not 300
+    assert ledger.place("b", {2: 2000}, BestFit()) is None
+    assert ledger.place("c", {}, BestFit()) is None
+    frag = ledger.place("d", {0: 200, 2: 900}, Fragmentation())
+    assert frag is not None and frag.device in (0, 2)
+
+
+def test_ledger_restores_what_a_store_recorded() -> None:
+    ledger = Ledger([1000], margin=0.1, max_concurrent_jobs=2)
+    # Admitted earlier on a device that has less room now: held all the same, no check.
+    held = ledger.restore("old", 0, 1200, used=300)
+    assert held.total == 1200 and ledger.reserved(0) == 1200 and ledger.jobs(0) == 1
+    assert ledger.available(0) == 0 and ledger.outstanding(0) == 900
+    assert ledger.largest() == 0
+    ledger.release("old")
+    assert ledger.largest() == 1000 and ledger.outstanding(0) == 0
+    with pytest.raises(AdmissionError):
+        ledger.restore("x", 3, 10)

@@ -393,7 +393,7 @@ def test_a_batch_that_does_not_fit_is_lowered_with_accumulation(
     job = store.submit(job_spec)
     with vramctl.simulate("T4-16GB") as gpu:
         sched = Scheduler(store, devices=[gpu], margin=0.0)
-        sched._rooms = _capped(sched._rooms, room)  # type: ignore[method-assign]
+        sched._ledger = _capped(sched._ledger, room)  # type: ignore[method-assign]
         (admitted,) = sched.run_once()
         assert (admitted.batch_size, admitted.grad_accum) == (8, 8)
         assert admitted.reserved_bytes == at[8]
@@ -403,14 +403,12 @@ def test_a_batch_that_does_not_fit_is_lowered_with_accumulation(
     assert Path(done.log_path or "").read_text().split() == ["8", "8"]
 
 
-def _capped(rooms: Any, room: int) -> Any:
-    """The scheduler's ledger with each device's room cut to ``room`` bytes."""
+def _capped(ledger: Any, room: int) -> Any:
+    """The scheduler's ledger with each device reporting ``room`` bytes free."""
 
     def capped() -> Any:
-        out = rooms()
-        for r in out.values():
-            r.free_now = min(r.free_now, room)
-        return out
+        book, free = ledger()
+        return book, [room for _ in free]
 
     return capped
 
@@ -475,3 +473,26 @@ def test_the_supervisor_imports_neither_vramctl_nor_torch() -> None:
     modules = {line.split("|")[-1].strip() for line in found.stderr.splitlines() if "|" in line}
     assert "psutil" in modules
     assert not {m for m in modules if m.split(".")[0] in ("torch", "vramctl", "numpy")}
+
+
+def test_the_queue_kept_between_rounds_follows_the_store(store: JobStore) -> None:
+    started: list[str] = []
+    with vramctl.simulate("8GiB") as gpu:
+        sched = Scheduler(store, devices=[gpu], margin=0.0, launch=lambda j: started.append(j.id))
+        big = store.submit(spec("big", "pass", "6GiB"))
+        second = store.submit(spec("second", "pass", "6GiB"))
+        gone = store.submit(spec("gone", "pass", "6GiB"))
+        assert [j.id for j in sched.run_once()] == [big.id]
+        assert sched.run_once() == []  # the others fit nowhere while big holds its share
+        store.cancel(gone.id)
+        late = store.submit(spec("late", "pass", "1GiB"))  # new since the last round
+        assert [j.id for j in sched.run_once()] == [late.id]
+        store.move(big.id, "admitted", "succeeded", finished_at=time.time())
+        assert [j.id for j in sched.run_once()] == [second.id]
+        # Queued again (a retry): read afresh, and admitted again once there is room.
+        store.move(second.id, "admitted", "queued", attempts=1)
+        store.move(late.id, "admitted", "succeeded", finished_at=time.time())
+        (again,) = sched.run_once()
+        assert again.id == second.id and again.attempts == 1
+    assert store.get(gone.id).state == "cancelled"
+    assert started == [big.id, late.id, second.id, second.id]

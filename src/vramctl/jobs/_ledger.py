@@ -28,8 +28,10 @@ among those that can take the job.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from vramctl._errors import VramctlError
 from vramctl.jobs._placement import ClusterState, Policy, Request
@@ -79,6 +81,11 @@ class Ledger:
         self.max_concurrent_jobs = max_concurrent_jobs
         self._held: dict[str, Reservation] = {}
         self._used: dict[str, int] = {}
+        # Per device, kept as reservations come and go: a scheduler asks for every
+        # queued job, and its admissions must not cost a walk over every reservation.
+        self._reserved = [0] * len(self.capacity)
+        self._jobs = [0] * len(self.capacity)
+        self._outstanding = [0] * len(self.capacity)
 
     def margin_for(self, need: int) -> int:
         """The safety margin added to ``need``."""
@@ -90,39 +97,54 @@ class Ledger:
 
     def reserved(self, device: int) -> int:
         """The bytes reserved on ``device``."""
-        return sum(r.total for r in self.reservations(device))
+        return self._reserved[device]
 
     def jobs(self, device: int) -> int:
         """How many jobs hold a reservation on ``device``."""
-        return len(self.reservations(device))
+        return self._jobs[device]
 
     def outstanding(self, device: int) -> int:
         """What the jobs on ``device`` may still allocate beyond what they hold."""
-        return sum(max(0, r.total - self._used.get(r.job, 0)) for r in self.reservations(device))
+        return self._outstanding[device]
+
+    def _unused(self, job: str) -> int:
+        return max(0, self._held[job].total - self._used.get(job, 0))
 
     def mark_used(self, job: str, used: int) -> None:
         """``job`` now holds ``used`` bytes on its device (so the device's reported free
         memory already leaves them out)."""
         if job not in self._held:
             raise KeyError(f"no reservation for job {job!r}")
+        device = self._held[job].device
+        self._outstanding[device] -= self._unused(job)
         self._used[job] = max(0, int(used))
+        self._outstanding[device] += self._unused(job)
 
     def available(self, device: int, reported_free: int | None = None) -> int:
         """The bytes ``device`` can still promise (see the module), never below 0."""
-        room = self.capacity[device] - self.reserved(device)
+        room = self.capacity[device] - self._reserved[device]
         if reported_free is not None:
-            room = min(room, int(reported_free) - self.outstanding(device))
+            room = min(room, int(reported_free) - self._outstanding[device])
         return max(0, room)
 
     def _full(self, device: int) -> bool:
         return (
-            self.max_concurrent_jobs is not None and self.jobs(device) >= self.max_concurrent_jobs
+            self.max_concurrent_jobs is not None and self._jobs[device] >= self.max_concurrent_jobs
         )
 
     def can_reserve(self, device: int, need: int, reported_free: int | None = None) -> bool:
         """Whether ``need`` (plus its margin) fits on ``device`` now."""
         total = int(need) + self.margin_for(int(need))
         return not self._full(device) and total <= self.available(device, reported_free)
+
+    def largest(self, reported_free: Sequence[int | None] | None = None) -> int:
+        """The most any device can still promise (0 on full devices), for a quick "fits
+        nowhere" before a placement."""
+        free = reported_free if reported_free is not None else [None] * len(self.capacity)
+        return max(
+            (self.available(d, free[d]) for d in range(len(self.capacity)) if not self._full(d)),
+            default=0,
+        )
 
     def reserve(
         self, job: str, device: int, need: int, reported_free: int | None = None
@@ -139,17 +161,37 @@ class Ledger:
                 f"({self.available(device, reported_free)} available, "
                 f"{self.jobs(device)} jobs)"
             )
-        held = Reservation(job, device, int(need), self.margin_for(int(need)))
-        self._held[job] = held
+        return self._hold(Reservation(job, device, int(need), self.margin_for(int(need))))
+
+    def restore(self, job: str, device: int, total: int, used: int = 0) -> Reservation:
+        """Hold again a reservation made earlier (``total`` bytes, its margin included, as a
+        store recorded it), without the checks of :meth:`reserve`: it was admitted once,
+        and stays while its job runs even where the device has less room now."""
+        if job in self._held:
+            raise AdmissionError(f"job {job!r} already holds a reservation")
+        if not 0 <= device < len(self.capacity):
+            raise AdmissionError(f"no device {device} in this ledger")
+        held = self._hold(Reservation(job, device, int(total), 0))
+        self.mark_used(job, used)
+        return held
+
+    def _hold(self, held: Reservation) -> Reservation:
+        self._held[held.job] = held
+        self._reserved[held.device] += held.total
+        self._jobs[held.device] += 1
+        self._outstanding[held.device] += held.total
         return held
 
     def release(self, job: str) -> Reservation:
         """Drop ``job``'s reservation (when it ends) and return it."""
+        if job not in self._held:
+            raise KeyError(f"no reservation for job {job!r}")
+        held = self._held[job]
+        self._outstanding[held.device] -= self._unused(job)
+        self._reserved[held.device] -= held.total
+        self._jobs[held.device] -= 1
         self._used.pop(job, None)
-        try:
-            return self._held.pop(job)
-        except KeyError:
-            raise KeyError(f"no reservation for job {job!r}") from None
+        return self._held.pop(job)
 
     def state(self, reported_free: Sequence[int | None] | None = None) -> ClusterState:
         """The devices as a :class:`ClusterState` for a policy: one node per device, its
@@ -159,24 +201,54 @@ class Ledger:
         state = ClusterState(
             [1] * n, [float(c) for c in self.capacity], max_jobs_per_gpu=self.max_concurrent_jobs
         )
-        for d in range(n):
-            state.free[d] = float(self.available(d, free[d]))
-            state.jobs[d] = self.jobs(d)
+        state.free = torch.tensor(
+            [float(self.available(d, free[d])) for d in range(n)], dtype=torch.float64
+        )
+        state.jobs = torch.tensor(self._jobs, dtype=torch.int64)
         return state
 
     def place(
         self,
         job: str,
-        need: int,
+        need: int | Mapping[int, int],
         policy: Policy,
         reported_free: Sequence[int | None] | None = None,
     ) -> Reservation | None:
         """Reserve ``need`` for ``job`` on the device ``policy`` chooses among those where
-        it fits, or None where it fits on none."""
-        request = Request(float(int(need) + self.margin_for(int(need))))
-        got = policy.choose(self.state(reported_free), request)
-        if got is None:
+        it fits, or None where it fits on none.
+
+        ``need`` is bytes on any device, or bytes per device (a need estimated for each
+        GPU model): then only those devices are candidates, and each is offered to the
+        policy as if the job asked the most it asks anywhere, with the difference added
+        to the device's free memory, so one request compares them all.
+        """
+        n = len(self.capacity)
+        needs = (
+            dict.fromkeys(range(n), int(need))
+            if isinstance(need, int)
+            else {int(d): int(v) for d, v in need.items()}
+        )
+        if not needs:
             return None
-        device = got.gpus[0]
-        free = None if reported_free is None else reported_free[device]
-        return self.reserve(job, device, need, free)
+        totals = {d: v + self.margin_for(v) for d, v in needs.items()}
+        top = max(totals.values())
+        given = reported_free if reported_free is not None else [None] * n
+        free = [-1.0] * n  # not a candidate: fits nothing
+        for d, total in totals.items():
+            free[d] = float(self.available(d, given[d]) + (top - total))
+        pick = getattr(policy, "pick", None)
+        if pick is not None:
+            device = pick(free, self._jobs, float(top), self.max_concurrent_jobs)
+        else:
+            state = ClusterState(
+                [1] * n,
+                [float(c) for c in self.capacity],
+                max_jobs_per_gpu=self.max_concurrent_jobs,
+            )
+            state.free = torch.tensor(free, dtype=torch.float64)
+            state.jobs = torch.tensor(self._jobs, dtype=torch.int64)
+            got = policy.choose(state, Request(float(top)))
+            device = None if got is None else got.gpus[0]
+        if device is None:
+            return None
+        return self.reserve(job, device, needs[device], given[device])

@@ -269,6 +269,15 @@ def _placement(state: ClusterState, c: _Candidates, i: int) -> Placement:
     return Placement(node, tuple(int(state.slots[node, s]) for s in c.slot[i].tolist()))
 
 
+def _fits(free: Sequence[float], jobs: Sequence[int], asked: float, cap: int | None) -> list[int]:
+    """The one-GPU devices (plain numbers) where ``asked`` fits, under ``cap`` jobs."""
+    return [
+        d
+        for d, (f, j) in enumerate(zip(free, jobs, strict=True))
+        if f >= asked and (cap is None or j < cap)
+    ]
+
+
 def _node_free_after(state: ClusterState, c: _Candidates, request: Request) -> torch.Tensor:
     """Each candidate's node: its GPUs' total free after the placement."""
     fm = state.slot_free().clamp(min=0).sum(1)
@@ -288,6 +297,15 @@ class BestFit:
         left = (c.before - request.need).sum(1)
         return _placement(state, c, _lexmin(left, _node_free_after(state, c, request)))
 
+    def pick(
+        self, free: Sequence[float], jobs: Sequence[int], asked: float, cap: int | None = None
+    ) -> int | None:
+        """:meth:`choose`'s rule on a few one-GPU devices given as plain numbers (free and
+        jobs per device): the index chosen, or None. Building the tensors would cost more
+        than the decision on a machine's few GPUs."""
+        fits = _fits(free, jobs, asked, cap)
+        return min(fits, key=lambda d: free[d]) if fits else None
+
 
 class MostFree:
     """The GPUs with the most free memory (worst fit: spreads jobs out, leaving each the
@@ -300,6 +318,13 @@ class MostFree:
             return None
         left = (c.before - request.need).sum(1)
         return _placement(state, c, _lexmin(-left, -_node_free_after(state, c, request)))
+
+    def pick(
+        self, free: Sequence[float], jobs: Sequence[int], asked: float, cap: int | None = None
+    ) -> int | None:
+        """:meth:`choose`'s rule on plain numbers (see :meth:`BestFit.pick`)."""
+        fits = _fits(free, jobs, asked, cap)
+        return min(fits, key=lambda d: -free[d]) if fits else None
 
 
 class LeastLoaded:
@@ -317,6 +342,13 @@ class LeastLoaded:
         )
         left = (c.before - request.need).sum(1)
         return _placement(state, c, _lexmin(load, -left))
+
+    def pick(
+        self, free: Sequence[float], jobs: Sequence[int], asked: float, cap: int | None = None
+    ) -> int | None:
+        """:meth:`choose`'s rule on plain numbers (see :meth:`BestFit.pick`)."""
+        fits = _fits(free, jobs, asked, cap)
+        return min(fits, key=lambda d: (jobs[d], -free[d])) if fits else None
 
 
 # -- fragmentation ------------------------------------------------------------------------

@@ -6,10 +6,12 @@ Each round (:meth:`Scheduler.run_once`):
    longer runs with the start time recorded) is failed with the reason, or queued again
    while its retries last. A restarted scheduler so takes over the jobs its predecessor
    started: their supervisors went on without it.
-2. **Ledger.** Per device: its capacity, the bytes reserved by the jobs that hold it
-   (``admitted`` and ``running``), and what the device reports free now, so memory taken
-   outside vramctl counts. A job's room on a device is the least of ``capacity - reserved``
-   and ``free now``, less the safety margin of the need.
+2. **Ledger.** A :class:`~vramctl.jobs.Ledger` of the reservations of the jobs that hold
+   each device (``admitted`` and ``running``), and what the device reports free now
+   (NVML or the host's memory; not on a simulated GPU), so memory taken outside vramctl
+   counts: a device can promise the least of ``capacity - reserved`` and ``free now``
+   less what its jobs may still allocate. The policy chooses among the devices where a
+   job's need plus the safety margin fits (the placement module's rules).
 3. **Admit.** Queued jobs in order of priority plus age (a job gains one priority point
    for every ``aging_s`` it waits, so nothing starves), then submission. A job that fits
    nowhere is passed over and smaller ones behind it go first (backfill). A job with an
@@ -17,6 +19,8 @@ Each round (:meth:`Scheduler.run_once`):
    (divisors of the effective batch) and admitted at the largest that fits, with the
    gradient accumulation that keeps the effective batch. A job that waits past its
    ``wait_timeout`` fails, saying how much it needed and the most any device had free.
+   The queue is kept between rounds: a job is read once, and one that fit nowhere is
+   passed over at the cost of a comparison until some device has the room it needs.
 """
 
 from __future__ import annotations
@@ -26,24 +30,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
+from vramctl._na import NA
 from vramctl._units import format_bytes
 from vramctl.device import Device, gpus, resolve
+from vramctl.jobs._ledger import Ledger, Reservation
 from vramctl.jobs._need import device_capacity, matching_devices, price
-from vramctl.jobs._placement import (
-    BestFit,
-    ClusterState,
-    Fragmentation,
-    LeastLoaded,
-    MostFree,
-    Policy,
-    Request,
-)
+from vramctl.jobs._placement import BestFit, Fragmentation, LeastLoaded, MostFree, Policy
 from vramctl.jobs._spec import JobSpec, JobSpecError
 from vramctl.jobs._store import ACTIVE, Job, JobStore
 from vramctl.jobs._supervise import tree_rss
@@ -69,17 +67,18 @@ def _policy(name: str) -> Policy:
     return made[name]()
 
 
-@dataclass
-class _Room:
-    device: Device
-    capacity: int
-    reserved: int
-    free_now: int
-    jobs: int
+#: Queued jobs read from the store at a time, in admission order.
+_READ_AHEAD = 64
 
-    @property
-    def room(self) -> int:
-        return max(0, min(self.capacity - self.reserved, self.free_now))
+
+@dataclass(frozen=True)
+class _Passed:
+    """A queued job that fit nowhere: the least it reserves anywhere (its margin in), the
+    most it needs (for the wait-timeout message), and its candidate devices."""
+
+    floor: int
+    wanted: int | None
+    candidates: tuple[int, ...]
 
 
 @dataclass
@@ -101,8 +100,14 @@ class Scheduler:
     #: Starts an admitted job; the default starts its supervisor process. A replay (the
     #: benchmarks) passes its own, which moves the job through its states itself.
     launch: Callable[[Job], None] | None = None
-    _prices: dict[tuple[str, str, int | None], int] = field(default_factory=dict, repr=False)
     _started: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
+    # The queue as the last round read it, in admission order, and what the rounds
+    # learned about its jobs: prices per (device, batch), and the jobs that fit nowhere.
+    _queued: dict[str, Job] = field(default_factory=dict, repr=False)
+    _order: list[str] = field(default_factory=list, repr=False)
+    _order_ids: set[str] = field(default_factory=set, repr=False)
+    _prices: dict[str, dict[tuple[int, int | None], int]] = field(default_factory=dict, repr=False)
+    _passed: dict[str, _Passed] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -112,6 +117,7 @@ class Scheduler:
             )
         if self.devices is None:
             self.devices = gpus() or [resolve("cpu")]
+        self.devices = list(self.devices)
         ids = [d.id for d in self.devices]
         twice = sorted({i for i in ids if ids.count(i) > 1})
         if twice:
@@ -121,6 +127,7 @@ class Scheduler:
                 " of its own)",
                 what="invalid scheduler settings",
             )
+        self._index = {d.id: i for i, d in enumerate(self.devices)}
         self._chooser = _policy(self.policy)
 
     # -- one round -----------------------------------------------------------------------
@@ -133,14 +140,22 @@ class Scheduler:
         # One admission at a time per store: two schedulers (a service and a `vramctl
         # run`) reading the same ledger must not both promise the same memory.
         with self.store.admission_lock():
-            rooms = self._rooms()
+            ledger, free = self._ledger()
+            largest = ledger.largest(free)
             now = time.time()
-            for job in self._queue(now):
+            for job in self._queue():
                 if self.only is not None and job.id not in self.only:
                     continue
-                placed = self._place(job, rooms, now)
+                passed = self._passed.get(job.id)
+                if passed is not None and passed.floor > largest:
+                    # It fit nowhere, and no device has got the room since: a look at
+                    # its wait is all (a thousand queued jobs cost microseconds each).
+                    self._check_wait(job, passed, ledger, free, now)
+                    continue
+                placed = self._place(job, ledger, free, now)
                 if placed is not None:
                     admitted.append(placed)
+                    largest = ledger.largest(free)
         # Started after the round's admissions are committed: starting a process takes tens
         # of milliseconds, which the admissions after it would otherwise wait for. (A
         # scheduler killed in between leaves admitted jobs without a supervisor: the next
@@ -201,88 +216,115 @@ class Scheduler:
 
     # -- the ledger ----------------------------------------------------------------------
 
-    def _rooms(self) -> dict[str, _Room]:
+    def _ledger(self) -> tuple[Ledger, list[int | None]]:
+        """The reservations of the jobs that hold the devices now, and what each device
+        reports free (None where it is not read: a simulated GPU, whose jobs run in other
+        processes, or a device that cannot be read, taken as its ledger says)."""
         assert self.devices is not None
-        active = self.store.list(ACTIVE)
-        rooms = {}
-        for dev in self.devices:
-            held = [j for j in active if j.device == dev.id]
-            reserved = sum(j.reserved_bytes or 0 for j in held)
-            capacity = device_capacity(dev)
-            try:
-                free_now = int(dev.available())
-            except Exception:  # an unreadable device is taken as its ledger says
-                free_now = capacity - reserved
-            # What the device reports free already excludes what the jobs holding it use;
-            # the part of their reservations they have not used yet is still theirs.
-            used_by_jobs = sum(_job_usage(j) for j in held)
-            unused = max(0, reserved - used_by_jobs)
-            rooms[dev.id] = _Room(dev, capacity, reserved, free_now - unused, len(held))
-        return rooms
+        ledger = Ledger(
+            [device_capacity(d) for d in self.devices],
+            margin=self.margin,
+            max_concurrent_jobs=self.max_concurrent_jobs,
+        )
+        held: list[list[Job]] = [[] for _ in self.devices]
+        for job in self.store.list(ACTIVE):
+            i = self._index.get(job.device or "")
+            if i is not None:  # not a device of this scheduler's: not its ledger
+                held[i].append(job)
+        free: list[int | None] = []
+        for i, dev in enumerate(self.devices):
+            reported: int | None = None
+            if not dev.is_simulated:
+                try:
+                    reported = int(dev.available())
+                except Exception:
+                    reported = None
+            # What a device reports free already leaves out what its jobs hold; the
+            # part of their reservations they have not used yet is still theirs.
+            used = _usage(dev, held[i]) if reported is not None and held[i] else {}
+            for job in held[i]:
+                ledger.restore(job.id, i, job.reserved_bytes or 0, used.get(job.id, 0))
+            free.append(reported)
+        return ledger, free
 
     # -- admission -----------------------------------------------------------------------
 
-    def _queue(self, now: float) -> list[Job]:
-        queued = self.store.list(["queued"])
-        return sorted(
-            queued, key=lambda j: (-(j.priority + (now - j.submitted_at) / self.aging_s), j.seq)
-        )
+    def _queue(self) -> Iterator[Job]:
+        """The queued jobs in admission order: priority plus age (the age term shifts
+        every job alike, so the order changes only when the queue does), then submission.
 
-    def _price(self, job: Job, dev: Device, batch: int | None) -> int:
-        key = (job.id, dev.id, batch)
-        if key not in self._prices:
+        A job is read in full once, when the round first comes to it (with the next few),
+        and kept while it stays queued: admitting the first jobs of a long queue does not
+        wait for the whole queue to be read."""
+        rows = self.store.keys(["queued"])
+        attempts = {r[0]: r[1] for r in rows}
+        for job_id, job in list(self._queued.items()):
+            if attempts.get(job_id) != job.attempts:  # gone, or queued again: read afresh
+                del self._queued[job_id]
+                self._passed.pop(job_id, None)
+        for job_id in [i for i in self._prices if i not in attempts]:
+            del self._prices[job_id]
+        if attempts.keys() != self._order_ids:
+            rows.sort(key=lambda r: (-(r[2] - r[3] / self.aging_s), r[4]))
+            self._order = [r[0] for r in rows]
+            self._order_ids = set(attempts)
+        order = self._order
+        for k, job_id in enumerate(order):
+            if job_id not in self._queued:
+                ahead = [i for i in order[k : k + _READ_AHEAD] if i not in self._queued]
+                for got in self.store.get_many(ahead):
+                    self._queued[got.id] = got
+            found = self._queued.get(job_id)
+            if found is not None and found.state == "queued":  # else moved on since read
+                yield found
+
+    def _price(self, job: Job, device: int, batch: int | None) -> int:
+        assert self.devices is not None
+        prices = self._prices.setdefault(job.id, {})
+        if (device, batch) not in prices:
             learned = (
                 self.store.learned_peak(job.name) if job.spec.memory.kind == "learned" else None
             )
-            self._prices[key] = price(job.spec, dev, learned_peak=learned, batch_size=batch)
-        return self._prices[key]
+            dev = self.devices[device]
+            prices[device, batch] = price(job.spec, dev, learned_peak=learned, batch_size=batch)
+        return prices[device, batch]
 
-    def _place(self, job: Job, rooms: dict[str, _Room], now: float) -> Job | None:
+    def _place(self, job: Job, ledger: Ledger, free: list[int | None], now: float) -> Job | None:
+        assert self.devices is not None
         spec = job.spec
         try:
-            candidates = [
-                rooms[d.id] for d in matching_devices(spec, [r.device for r in rooms.values()])
-            ]
+            candidates = tuple(self._index[d.id] for d in matching_devices(spec, self.devices))
         except JobSpecError as exc:
             self._fail(job, str(exc))
             return None
-        best: tuple[_Room, int, int | None, int | None] | None = None
-        need_full: int | None = None
+        got: Reservation | None = None
+        wanted: int | None = None
+        needs: dict[int, int] = {}
+        batch: int | None = None
+        accum: int | None = None
         try:
-            for batch, accum in _batches(spec):
-                needs = {r.device.id: self._price(job, r.device, batch) for r in candidates}
-                need_full = max(needs.values(), default=None) if need_full is None else need_full
-                room = self._choose(candidates, needs)
-                if room is not None:
-                    # The reservation is the need and its margin: the job's share.
-                    held = int(needs[room.device.id] * (1 + self.margin))
-                    best = (room, held, batch, accum)
+            for batch, accum in _batches(spec):  # noqa: B007 (the batch it is admitted at)
+                needs = {i: self._price(job, i, batch) for i in candidates}
+                wanted = max(needs.values(), default=None) if wanted is None else wanted
+                got = ledger.place(job.id, needs, self._chooser, free)
+                if got is not None:
                     break
         except JobSpecError as exc:
             self._fail(job, str(exc))
             return None
-        if best is None:
-            waited = now - job.submitted_at
-            timeout = spec.wait_timeout
-            if timeout is not None and waited >= timeout:
-                largest = max(candidates or rooms.values(), key=lambda r: r.room, default=None)
-                where = (
-                    f"largest free: {format_bytes(largest.room)} on {largest.device.id}"
-                    if largest is not None
-                    else "no device matched"
-                )
-                wanted = format_bytes(need_full) if need_full is not None else "its need"
-                self._fail(
-                    job, f"no device had {wanted} free within {timeout:g} s ({where})", "failed"
-                )
+        if got is None:
+            floor = min((v + ledger.margin_for(v) for v in needs.values()), default=0)
+            passed = _Passed(floor, wanted, candidates)
+            self._passed[job.id] = passed
+            self._check_wait(job, passed, ledger, free, now)
             return None
-        room, need, batch, accum = best
+        device = self.devices[got.device]
         if not self.store.move(
             job.id,
             "queued",
             "admitted",
-            device=room.device.id,
-            reserved_bytes=need,
+            device=device.id,
+            reserved_bytes=got.total,
             admitted_at=time.time(),
             batch_size=batch,
             grad_accum=accum,
@@ -290,52 +332,35 @@ class Scheduler:
             supervisor_started=None,
             pid=None,
         ):
+            ledger.release(job.id)
             return None  # cancelled meanwhile
-        room.reserved += need
-        room.free_now -= need  # reserved, not used yet: no longer free for the next job
-        room.jobs += 1
         log.info(
             "admitted job %s (%s) on %s with %s",
             job.id,
             job.name,
-            room.device.id,
-            format_bytes(need),
+            device.id,
+            format_bytes(got.total),
         )
         return self.store.get(job.id)
 
-    def _choose(self, rooms: list[_Room], needs: dict[str, int]) -> _Room | None:
-        """The room the policy picks among those where the job's need (plus the margin)
-        fits: one node of one GPU per device."""
-        if not rooms:
-            return None
-        asked = {r.device.id: needs[r.device.id] * (1 + self.margin) for r in rooms}
-        if self.policy != "fragmentation":
-            # The simple policies on a few devices: plain numbers, the same rules as the
-            # placement module's (building its tensors per job would cost milliseconds).
-            cap = self.max_concurrent_jobs
-            fits = [
-                r for r in rooms if asked[r.device.id] <= r.room and (cap is None or r.jobs < cap)
-            ]
-            if not fits:
-                return None
-            left = {r.device.id: r.room - asked[r.device.id] for r in fits}
-            if self.policy == "best-fit":
-                return min(fits, key=lambda r: left[r.device.id])
-            if self.policy == "most-free":
-                return max(fits, key=lambda r: left[r.device.id])
-            return min(fits, key=lambda r: (r.jobs, -left[r.device.id]))  # least-loaded
-        top = max(asked.values())
-        state = ClusterState(
-            [1] * len(rooms),
-            [float(r.capacity) for r in rooms],
-            max_jobs_per_gpu=self.max_concurrent_jobs,
+    def _check_wait(
+        self, job: Job, passed: _Passed, ledger: Ledger, free: list[int | None], now: float
+    ) -> None:
+        """Fail a job that fit nowhere once it has waited past its wait timeout."""
+        assert self.devices is not None
+        timeout = job.spec.wait_timeout
+        if timeout is None or now - job.submitted_at < timeout:
+            return
+        rooms = passed.candidates or tuple(range(len(self.devices)))
+        largest = max(rooms, key=lambda i: ledger.available(i, free[i]), default=None)
+        where = (
+            f"largest free: {format_bytes(ledger.available(largest, free[largest]))}"
+            f" on {self.devices[largest].id}"
+            if largest is not None
+            else "no device matched"
         )
-        for i, r in enumerate(rooms):
-            # Asked the most any device needs; a device that needs less gets the difference.
-            state.free[i] = float(r.room) + (top - asked[r.device.id])
-            state.jobs[i] = r.jobs
-        got = self._chooser.choose(state, Request(top))
-        return None if got is None else rooms[got.gpus[0]]
+        wanted = format_bytes(passed.wanted) if passed.wanted is not None else "its need"
+        self._fail(job, f"no device had {wanted} free within {timeout:g} s ({where})")
 
     def _fail(self, job: Job, reason: str, state: str = "failed") -> None:
         self.store.move(job.id, "queued", state, reason=reason, finished_at=time.time())
@@ -366,9 +391,29 @@ def _batches(spec: JobSpec) -> list[tuple[int | None, int | None]]:
     return full + [(b, target // b) for b in smaller]
 
 
-def _job_usage(job: Job) -> int:
-    """What a running job uses now (the resident memory of its processes); 0 if unknown."""
-    return 0 if job.pid is None else min(tree_rss(job.pid), job.reserved_bytes or 0)
+def _usage(device: Device, jobs: Sequence[Job]) -> dict[str, int]:
+    """What each of ``jobs`` holds of ``device`` now, by job id: on a CUDA device the
+    memory NVML gives its processes, elsewhere the resident memory of its processes (0
+    where it cannot be read)."""
+    out: dict[str, int] = {}
+    if device.is_cuda:
+        held = {p.pid: int(p.used) for p in device.processes() if p.used is not NA}
+        for job in jobs:
+            pids = _tree(job.pid) if job.pid is not None else []
+            out[job.id] = sum(held.get(p, 0) for p in pids)
+        return out
+    for job in jobs:
+        out[job.id] = 0 if job.pid is None else tree_rss(job.pid)
+    return out
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (empty if it is gone)."""
+    try:
+        proc = psutil.Process(pid)
+        return [pid, *(c.pid for c in proc.children(recursive=True))]
+    except psutil.Error:
+        return []
 
 
 def _alive(pid: int, started: float | None) -> bool:

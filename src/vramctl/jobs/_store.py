@@ -16,6 +16,7 @@ from the store, so a reservation is released by whatever ends the job.
 
 from __future__ import annotations
 
+import builtins
 import functools
 import json
 import os
@@ -268,6 +269,34 @@ class JobStore:
             ]
         end = None if limit is None else offset + limit
         return jobs[offset:end]
+
+    def keys(self, states: Sequence[str]) -> builtins.list[tuple[str, int, int, float, int]]:
+        """``(id, attempts, priority, submitted_at, seq)`` of the jobs in ``states``, in
+        submission order: a cheap look at a queue whose jobs the caller already holds
+        (attempts change when a job is queued again)."""
+        sql = (
+            "SELECT id, attempts, priority, submitted_at, seq FROM jobs"
+            f" WHERE state IN ({', '.join('?' * len(states))}) ORDER BY seq"
+        )
+        return [
+            (str(i), int(n), int(p), float(t), int(q))
+            for i, n, p, t, q in self._conn.execute(sql, list(states))
+        ]
+
+    def get_many(self, ids: Sequence[str]) -> builtins.list[Job]:
+        """The jobs ``ids`` that exist, in submission order."""
+        out: builtins.list[Job] = []
+        for k in range(0, len(ids), 500):  # SQLite's limit on a statement's parameters
+            chunk = list(ids[k : k + 500])
+            out += [
+                _job(r)
+                for r in self._conn.execute(
+                    f"SELECT {', '.join(_COLUMNS)} FROM jobs"
+                    f" WHERE id IN ({', '.join('?' * len(chunk))}) ORDER BY seq",
+                    chunk,
+                )
+            ]
+        return sorted(out, key=lambda j: j.seq)
 
     def move(self, job_id: str, from_states: str | Sequence[str], to: str, **values: Any) -> bool:
         """Move ``job_id`` to state ``to`` if it is in ``from_states`` now, setting
