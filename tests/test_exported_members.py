@@ -175,8 +175,21 @@ MONITOR = {
     "serve_prometheus",
     "static_file",
     "token_ok",
+    "is_loopback",
 }
-SERVER = {"DashboardServer", "create_app", "dashboard_router", "serve_dashboard"}
+SERVER = {
+    "ApiError",
+    "DashboardServer",
+    "JobServer",
+    "JobService",
+    "create_app",
+    "dashboard_router",
+    "install_error_handlers",
+    "jobs_router",
+    "serve_dashboard",
+    "serve_jobs",
+    "service_token",
+}
 
 
 DEVICE = {
@@ -312,6 +325,7 @@ JOBS = {
     "Workload",
     "batch_plan",
     "check_placeable",
+    "device_capacity",
     "job_env",
     "load_settings",
     "load_spec",

@@ -25,7 +25,14 @@ from vramctl.monitor._alerts import (
     default_rules,
 )
 from vramctl.monitor._history import ExportError, History, Peak, Sample, load_jsonl
-from vramctl.monitor._http import AddressError, check_bind, host_allowed, parse_address, token_ok
+from vramctl.monitor._http import (
+    AddressError,
+    check_bind,
+    host_allowed,
+    is_loopback,
+    parse_address,
+    token_ok,
+)
 from vramctl.monitor._leak import (
     LeakDetector,
     LeakDetectorError,
@@ -70,6 +77,7 @@ __all__ = [
     "cleanup",
     "default_rules",
     "host_allowed",
+    "is_loopback",
     "load_jsonl",
     "metrics_text",
     "parse_address",

@@ -17,5 +17,25 @@ from vramctl.server._dashboard import (  # noqa: E402
     dashboard_router,
     serve_dashboard,
 )
+from vramctl.server._jobs import (  # noqa: E402
+    ApiError,
+    JobService,
+    install_error_handlers,
+    jobs_router,
+    service_token,
+)
+from vramctl.server._service import JobServer, serve_jobs  # noqa: E402
 
-__all__ = ["DashboardServer", "create_app", "dashboard_router", "serve_dashboard"]
+__all__ = [
+    "ApiError",
+    "DashboardServer",
+    "JobServer",
+    "JobService",
+    "create_app",
+    "dashboard_router",
+    "install_error_handlers",
+    "jobs_router",
+    "serve_dashboard",
+    "serve_jobs",
+    "service_token",
+]

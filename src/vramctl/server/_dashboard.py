@@ -25,7 +25,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from functools import cache
 from importlib import resources
 from types import TracebackType
@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vramctl._na import NA
 from vramctl._units import format_bytes
+from vramctl._version import __version__
 from vramctl.monitor import (
     AddressError,
     Event,
@@ -439,14 +440,24 @@ def create_app(
     token: str | None = None,
     title: str = "vramctl",
     routers: Iterable[APIRouter] = (),
+    configure: Callable[[FastAPI], None] | None = None,
+    openapi: bool = False,
 ) -> FastAPI:
-    """The dashboard as a FastAPI app; ``routers`` adds routes of your own.
+    """The dashboard as a FastAPI app; ``routers`` adds routes of your own, and
+    ``configure(app)`` anything else (error handlers); ``openapi`` serves the schema at
+    ``/openapi.json``.
 
     With a ``token``, every route (yours included) needs ``Authorization: Bearer
     TOKEN`` or ``?token=TOKEN`` and answers 401 otherwise. The app does not start
     the monitor: start it, or use :func:`serve_dashboard`.
     """
-    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title=title,
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if openapi else None,
+    )
     router = _router(monitor, title)
     app.include_router(router)
     for extra in routers:
@@ -454,6 +465,8 @@ def create_app(
     app.state.vramctl_monitor = monitor
     app.state.vramctl_token = token or None
     app.state.vramctl_hub = router.hub
+    if configure is not None:
+        configure(app)
     if token:
         app.add_middleware(_TokenGate, token=token)
     return app
@@ -548,6 +561,8 @@ def serve_dashboard(
     token: str | None = None,
     title: str = "vramctl",
     routers: Sequence[APIRouter] = (),
+    configure: Callable[[FastAPI], None] | None = None,
+    openapi: bool = False,
     timeout: float = 10.0,
 ) -> DashboardServer:
     """Serve the dashboard at ``http://HOST:PORT/`` on a daemon thread; returns the server.
@@ -558,9 +573,17 @@ def serve_dashboard(
     through DNS rebinding. A port in use is an :class:`~vramctl.monitor.AddressError`
     at once. ``port=0`` picks a free port (see :attr:`DashboardServer.port`).
     Starts ``monitor`` if it is not running (and stops it again on close).
+    ``routers``, ``configure`` and ``openapi`` are :func:`create_app`'s.
     """
     required = check_bind(host, port, token)
-    app = create_app(monitor, token=required, title=title, routers=routers)
+    app = create_app(
+        monitor,
+        token=required,
+        title=title,
+        routers=routers,
+        configure=configure,
+        openapi=openapi,
+    )
     if required is None:  # on loopback: answer this machine's names only (DNS rebinding)
         app.add_middleware(_HostGate, bound=host)
     sock = _listen(host, port)

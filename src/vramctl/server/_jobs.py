@@ -1,0 +1,457 @@
+"""The job service's HTTP API: the queue of :mod:`vramctl.jobs` over HTTP.
+
+:func:`jobs_router` serves ``POST /jobs``, ``GET /jobs``, ``GET /jobs/{id}``,
+``DELETE /jobs/{id}``, ``GET /jobs/{id}/logs``, ``GET /workers/status`` and
+``GET /health`` for one job store; ``vramctl serve`` mounts it on the dashboard's app.
+
+A job is a command run as the service's user, so the routes that submit, cancel or read a
+job's log need the service's token on every address, loopback included (any local user
+can reach 127.0.0.1): :func:`service_token` creates it once in a ``0600`` file under
+``$VRAMCTL_HOME``, where the CLI finds it. Every error is JSON, ``{"error": message}``
+(with ``"problems"`` for a spec), and a 4xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vramctl._errors import VramctlError
+from vramctl.device import Device
+from vramctl.jobs import (
+    ACTIVE,
+    STATES,
+    Job,
+    JobSpec,
+    JobSpecError,
+    JobStore,
+    JobStoreError,
+    Settings,
+    check_placeable,
+    vramctl_home,
+)
+from vramctl.jobs import device_capacity as capacity_of
+from vramctl.monitor import token_ok
+
+__all__ = [
+    "TOKEN_FILE",
+    "ApiError",
+    "JobService",
+    "install_error_handlers",
+    "jobs_router",
+    "service_token",
+]
+
+#: The service's token file, under ``$VRAMCTL_HOME``.
+TOKEN_FILE = "token"
+#: The most jobs ``GET /jobs`` returns at once.
+MAX_PAGE = 1000
+#: How often a followed log is read for more (seconds).
+FOLLOW_POLL_S = 0.2
+#: The largest job spec body accepted (bytes).
+MAX_BODY = 1 << 20
+
+
+class ApiError(VramctlError):
+    """A request the service refuses: its HTTP status and a message (and problems)."""
+
+    def __init__(self, status: int, message: str, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.problems = list(problems)
+
+    def response(self) -> JSONResponse:
+        body: dict[str, Any] = {"error": self.message}
+        if self.problems:
+            body["problems"] = self.problems
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(body, self.status, headers=headers)
+
+
+def service_token(
+    home: str | os.PathLike[str] | None = None, *, token_file: str | os.PathLike[str] | None = None
+) -> str:
+    """The service's token: ``$VRAMCTL_TOKEN``, else the file ``token_file``, else
+    ``$VRAMCTL_HOME/token``, created (random, mode 0600) when it does not exist yet."""
+    if os.environ.get("VRAMCTL_TOKEN"):
+        return os.environ["VRAMCTL_TOKEN"]
+    path = Path(token_file) if token_file is not None else Path(home or vramctl_home()) / TOKEN_FILE
+    if token_file is None and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # another process made it first
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise VramctlError(f"cannot read the service token {path}: {exc.strerror}") from None
+    if not text:
+        raise VramctlError(f"the service token file {path} is empty")
+    return text
+
+
+def _job_json(job: Job) -> dict[str, Any]:
+    return job.to_dict()
+
+
+class JobService:
+    """What the routes share: the store (one connection per thread: SQLite connections
+    are not shared between threads), the devices jobs may run on, the settings, the
+    token and the scheduler's heartbeat."""
+
+    def __init__(
+        self,
+        store: str | os.PathLike[str],
+        devices: Sequence[Device],
+        *,
+        token: str,
+        settings: Settings | None = None,
+        scheduler_alive: Callable[[], bool] | None = None,
+    ) -> None:
+        self.path = Path(store)
+        self.devices = list(devices)
+        self.token = token
+        self.settings = settings
+        self.scheduler_alive = scheduler_alive
+        self._local = threading.local()
+        _ = self.store  # opened now: a bad path is an error at start, not at a request
+
+    @property
+    def store(self) -> JobStore:
+        got: JobStore | None = getattr(self._local, "store", None)
+        if got is None:
+            got = self._local.store = JobStore(self.path)
+        return got
+
+    def check_token(self, request: Request) -> None:
+        if not token_ok(self.token, request.headers.get("authorization")):
+            raise ApiError(
+                401,
+                "this route needs the service's token, on loopback too: send "
+                "'Authorization: Bearer TOKEN' (the token is in $VRAMCTL_HOME/token)",
+            )
+
+    # -- submitting --------------------------------------------------------------------
+
+    def spec_of(self, body: bytes) -> JobSpec:
+        if len(body) > MAX_BODY:
+            raise ApiError(413, f"a job spec is at most {MAX_BODY} bytes")
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise ApiError(422, "a job spec is a JSON object", ["(body): not an object"])
+        try:
+            spec = JobSpec.from_dict(doc)
+        except JobSpecError as exc:
+            raise ApiError(422, exc.what, exc.problems) from None
+        if self.settings is not None:
+            spec = self.settings.apply(spec)
+        problems = self._run_problems(spec)
+        if problems:
+            raise ApiError(422, "the job cannot run here", problems)
+        try:
+            check_placeable(spec, self.devices)
+        except JobSpecError as exc:
+            raise ApiError(422, exc.what, exc.problems) from None
+        return spec
+
+    def _run_problems(self, spec: JobSpec) -> list[str]:
+        """What would stop the job's process from starting: its program and its folder."""
+        problems = []
+        cwd = Path(spec.cwd) if spec.cwd else None
+        if cwd is not None and not cwd.is_dir():
+            problems.append(f"cwd: {spec.cwd!r} is not an existing folder on the server")
+        if spec.command:
+            program = spec.command[0]
+            where = os.path.join(spec.cwd or os.getcwd(), program)
+            found = (
+                os.path.isfile(where) and os.access(where, os.X_OK)
+                if os.sep in program
+                else shutil.which(program, path=spec.env.get("PATH")) is not None
+            )
+            if not found:
+                problems.append(
+                    f"command: {program!r} is not a program found on the server"
+                    + ("" if os.sep in program else " (not on its PATH)")
+                )
+        return problems
+
+    def job(self, job_id: str) -> Job:
+        try:
+            return self.store.get(job_id)
+        except JobStoreError:
+            raise ApiError(404, f"no job {job_id!r}") from None
+
+    def log_path(self, job: Job) -> Path | None:
+        """The job's log, only where it lies under the store's log folder."""
+        if not job.log_path:
+            return None
+        path = Path(job.log_path).resolve()
+        logs = self.store.logs_dir.resolve()
+        if not path.is_relative_to(logs):
+            raise ApiError(403, f"job {job.id}'s log is outside the store's log folder")
+        return path
+
+    # -- status ------------------------------------------------------------------------
+
+    def workers(self) -> dict[str, Any]:
+        """Seed 001's summary: active and pending jobs, allocated and pending bytes."""
+        active = self.store.list(ACTIVE)
+        queued = self.store.list(["queued"])
+        devices = []
+        for dev in self.devices:
+            held = [j for j in active if j.device == dev.id]
+            devices.append(
+                {
+                    "id": dev.id,
+                    "name": dev.name,
+                    "capacity_bytes": capacity_of(dev),
+                    "allocated_bytes": sum(j.reserved_bytes or 0 for j in held),
+                    "jobs": [j.id for j in held],
+                }
+            )
+        pending = []
+        for job in queued:
+            need = job.spec.memory.size  # None for an estimated or learned need
+            pending.append({"id": job.id, "name": job.name, "need_bytes": need})
+        return {
+            "active_jobs": len(active),
+            "pending_jobs": len(queued),
+            "allocated_bytes": sum(j.reserved_bytes or 0 for j in active),
+            "pending_bytes": sum(p["need_bytes"] or 0 for p in pending),
+            "devices": devices,
+            "active": [_summary(j) for j in active],
+            "pending": pending,
+        }
+
+    def health(self) -> tuple[bool, list[str]]:
+        reasons = []
+        try:
+            self.store.counts()
+        except sqlite3.Error as exc:
+            reasons.append(f"store: {exc}")
+        if not self.devices:
+            reasons.append("devices: none to run jobs on")
+        for dev in self.devices:
+            state = getattr(dev, "health", None)
+            if state is not None and getattr(state, "lost", False):
+                reasons.append(f"device {dev.id}: lost")
+        if self.scheduler_alive is not None and not self.scheduler_alive():
+            reasons.append("scheduler: its loop is not running")
+        return not reasons, reasons
+
+
+def _summary(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "name": job.name,
+        "state": job.state,
+        "device": job.device,
+        "reserved_bytes": job.reserved_bytes,
+        "started_at": job.started_at,
+    }
+
+
+def _page_args(limit: int | None, offset: int) -> tuple[int, int]:
+    if limit is not None and not 1 <= limit <= MAX_PAGE:
+        raise ApiError(422, f"limit: between 1 and {MAX_PAGE}")
+    if offset < 0:
+        raise ApiError(422, "offset: 0 or more")
+    return (MAX_PAGE if limit is None else limit), offset
+
+
+async def _follow(service: JobService, job_id: str, path: Path | None) -> AsyncIterator[bytes]:
+    """The log from its start, then what is written to it until the job ends."""
+    offset = 0
+    while True:
+        job = await asyncio.to_thread(service.job, job_id)
+        if path is not None and path.exists():
+            with path.open("rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            if chunk:
+                yield chunk
+        if job.finished:
+            return
+        await asyncio.sleep(FOLLOW_POLL_S)
+
+
+def jobs_router(service: JobService) -> APIRouter:
+    """The queue's routes (see the module) for ``service``."""
+    router = APIRouter()
+
+    @router.post(
+        "/jobs",
+        status_code=201,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": JOB_SPEC_SCHEMA}},
+            }
+        },
+        responses=_ERRORS,
+    )
+    async def submit(request: Request) -> JSONResponse:
+        """Queue a job: its spec as JSON (see docs/jobs.md). Needs the token."""
+        service.check_token(request)
+        body = await request.body()
+        spec = await asyncio.to_thread(service.spec_of, body)
+        job = await asyncio.to_thread(service.store.submit, spec)
+        return JSONResponse(_job_json(job), 201, headers={"Location": f"/jobs/{job.id}"})
+
+    @router.get("/jobs", responses=_ERRORS)
+    def list_jobs(
+        state: str | None = None,
+        label: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> dict[str, Any]:
+        """Jobs in submission order: ``state`` (comma-separated), ``label`` (KEY or
+        KEY=VALUE), ``limit`` (at most 1000) and ``offset``."""
+        states = None if state is None else [s.strip() for s in state.split(",") if s.strip()]
+        bad = [s for s in states or [] if s not in STATES]
+        if bad:
+            raise ApiError(422, f"state: unknown {bad[0]!r}; states: {', '.join(STATES)}")
+        n, start = _page_args(limit, offset)
+        jobs = service.store.list(states, label=label)
+        return {
+            "total": len(jobs),
+            "offset": start,
+            "jobs": [_job_json(j) for j in jobs[start : start + n]],
+        }
+
+    @router.get("/jobs/{job_id}", responses=_ERRORS)
+    def get_job(job_id: str) -> dict[str, Any]:
+        """One job: its spec, state, device, reservation, batch, exit status, peak."""
+        return _job_json(service.job(job_id))
+
+    @router.delete("/jobs/{job_id}", responses=_ERRORS)
+    def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
+        """Cancel a job: a queued one at once, a running one through its supervisor.
+        Needs the token."""
+        service.check_token(request)
+        service.job(job_id)
+        return _job_json(service.store.cancel(job_id))
+
+    @router.get(
+        "/jobs/{job_id}/logs",
+        responses={**_ERRORS, 200: {"content": {"text/plain": {}}}},
+        response_class=StreamingResponse,
+    )
+    def job_logs(job_id: str, request: Request, follow: bool = False) -> StreamingResponse:
+        """The job's output; ``follow=true`` streams it until the job ends. Needs the
+        token."""
+        service.check_token(request)
+        job = service.job(job_id)
+        path = service.log_path(job)
+        if follow:
+            stream: Any = _follow(service, job_id, path)
+        else:
+            stream = iter([path.read_bytes() if path is not None and path.exists() else b""])
+        return StreamingResponse(
+            stream, media_type="text/plain; charset=utf-8", headers={"Cache-Control": "no-store"}
+        )
+
+    @router.get("/workers/status")
+    def workers_status() -> dict[str, Any]:
+        """Active and pending jobs, and the bytes allocated and pending, per device."""
+        return service.workers()
+
+    @router.get("/health", responses={503: {"description": "degraded"}})
+    def health() -> JSONResponse:
+        """``ok``, or ``degraded`` (503) with the reasons: the store, the devices, the
+        scheduler's loop."""
+        ok, reasons = service.health()
+        body = {"status": "ok" if ok else "degraded", "reasons": reasons, "time": time.time()}
+        return JSONResponse(body, 200 if ok else 503)
+
+    return router
+
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "error": {"type": "string"},
+        "problems": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["error"],
+}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    for code, text in (
+        (400, "malformed request"),
+        (401, "no token, or a wrong one"),
+        (403, "refused"),
+        (404, "no such job"),
+        (413, "body too large"),
+        (422, "invalid request"),
+    )
+}
+
+_SIZE = {"oneOf": [{"type": "string"}, {"type": "integer", "minimum": 1}]}
+_DURATION = {"oneOf": [{"type": "string"}, {"type": "number", "minimum": 0}]}
+_STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+#: The job spec as JSON Schema, for the OpenAPI document (the spec's own checks decide).
+JOB_SPEC_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "command": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "entry_point": {"type": "string"},
+        "args": {"type": "array", "items": {"type": "string"}},
+        "env": _STR_MAP,
+        "cwd": {"type": "string"},
+        "labels": _STR_MAP,
+        "memory": {"oneOf": [_SIZE, {"type": "object"}]},
+        "batch_size": {"type": "integer", "minimum": 1},
+        "effective_batch": {"type": "integer", "minimum": 1},
+        "priority": {"type": "integer"},
+        "wait_timeout": _DURATION,
+        "run_timeout": _DURATION,
+        "retries": {"type": "integer", "minimum": 0},
+        "devices": {"type": "object"},
+    },
+    "required": ["name", "memory"],
+    "additionalProperties": False,
+}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error as JSON ``{"error": ...}`` with its 4xx status: the service's own,
+    FastAPI's validation errors (422) and unknown routes (404)."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
+            for e in exc.errors()
+        ]
+        return ApiError(422, "invalid request", problems).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail)).response()

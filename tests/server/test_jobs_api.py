@@ -1,0 +1,214 @@
+"""The job service over real HTTP: a real uvicorn server, store and supervisors."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vramctl.server import JobServer, serve_jobs, service_token
+
+PY = sys.executable
+
+
+def call(
+    method: str,
+    url: str,
+    body: Any = None,
+    *,
+    token: str | None = None,
+    raw: bytes | None = None,
+    timeout: float = 30.0,
+) -> tuple[int, Any]:
+    """(status, the JSON body, or the text where it is not JSON)."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobServer]:
+    home = tmp_path_factory.mktemp("home")
+    old = os.environ.get("VRAMCTL_HOME")
+    os.environ["VRAMCTL_HOME"] = str(home)
+    os.environ.pop("VRAMCTL_TOKEN", None)
+    try:
+        with serve_jobs(port=0, store=home / "jobs.db", devices=["sim:8GiB"]) as srv:
+            yield srv
+    finally:
+        if old is None:
+            os.environ.pop("VRAMCTL_HOME", None)
+        else:
+            os.environ["VRAMCTL_HOME"] = old
+
+
+def job(name: str, code: str = "print('hello')", memory: str = "1GiB", **kw: Any) -> dict[str, Any]:
+    return {"name": name, "command": [PY, "-c", code], "memory": memory, **kw}
+
+
+def wait_state(server: JobServer, job_id: str, timeout: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, got = call("GET", f"{server.url}jobs/{job_id}")
+        assert status == 200
+        if got["state"] in ("succeeded", "failed", "cancelled", "timed-out"):
+            return dict(got)
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not finish in {timeout} s")
+
+
+def test_the_token_is_made_once_and_private(server: JobServer) -> None:
+    path = Path(os.environ["VRAMCTL_HOME"]) / "token"
+    assert path.read_text().strip() == server.token
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert service_token() == server.token  # read, not made again
+
+
+def test_a_job_runs_end_to_end_over_http(server: JobServer) -> None:
+    status, made = call("POST", f"{server.url}jobs", job("hello"), token=server.token)
+    assert status == 201 and made["state"] == "queued"
+    done = wait_state(server, made["id"])
+    assert done["state"] == "succeeded" and done["device"] == "sim:8GiB"
+    status, text = call("GET", f"{server.url}jobs/{made['id']}/logs", token=server.token)
+    assert status == 200 and text.strip() == "hello"
+    status, listed = call("GET", f"{server.url}jobs?state=succeeded&limit=5")
+    assert status == 200 and made["id"] in [j["id"] for j in listed["jobs"]]
+
+
+def test_following_a_log_streams_until_the_job_ends(server: JobServer) -> None:
+    code = "import time\nfor i in range(3):\n    print(i, flush=True); time.sleep(0.2)"
+    _, made = call("POST", f"{server.url}jobs", job("counting", code), token=server.token)
+    status, text = call(
+        "GET", f"{server.url}jobs/{made['id']}/logs?follow=true", token=server.token
+    )
+    assert status == 200 and text.split() == ["0", "1", "2"]
+    assert wait_state(server, made["id"])["state"] == "succeeded"
+
+
+def test_every_mutating_route_needs_the_token_on_loopback_too(server: JobServer) -> None:
+    _, made = call(
+        "POST",
+        f"{server.url}jobs",
+        job("sleepy", "import time; time.sleep(30)"),
+        token=server.token,
+    )
+    url = f"{server.url}jobs/{made['id']}"
+    for token in (None, "wrong"):
+        assert call("POST", f"{server.url}jobs", job("x"), token=token)[0] == 401
+        assert call("DELETE", url, token=token)[0] == 401
+        assert call("GET", f"{url}/logs", token=token)[0] == 401
+        assert call("GET", f"{url}/logs?follow=true", token=token)[0] == 401
+    # Read-only status stays open on loopback.
+    assert call("GET", url)[0] == 200
+    assert call("GET", f"{server.url}workers/status")[0] == 200
+    status, cancelled = call("DELETE", url, token=server.token)
+    assert status == 200 and (cancelled["cancel_requested"] or cancelled["state"] == "cancelled")
+    assert wait_state(server, made["id"])["state"] == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "says"),
+    [
+        (b"{", 400, "not JSON"),
+        (b"[1, 2]", 422, "JSON object"),
+        (json.dumps(job("x", memroy="1GiB")).encode(), 422, "unknown field 'memroy'"),
+        (json.dumps(job("x", memory="-1GiB")).encode(), 422, "memory"),
+        (json.dumps(job("x", memory="9000PiB")).encode(), 422, "memory"),
+        (json.dumps({"name": "x", "memory": "1GiB", "command": "ls -l"}).encode(), 422, "shell"),
+        (json.dumps(job("x", memory="64GiB")).encode(), 422, "largest device"),
+        (
+            json.dumps(
+                {"name": "x", "memory": "1GiB", "command": ["no-such-program-here"]}
+            ).encode(),
+            422,
+            "not a program",
+        ),
+        (json.dumps(job("x", cwd="/no/such/folder")).encode(), 422, "not an existing folder"),
+    ],
+)
+def test_bad_submissions_are_one_clear_json_error(
+    server: JobServer, raw: bytes, status: int, says: str
+) -> None:
+    got, body = call("POST", f"{server.url}jobs", raw=raw, token=server.token)
+    assert got == status
+    assert isinstance(body, dict) and "error" in body
+    assert says in body["error"] + " ".join(body.get("problems", []))
+
+
+def test_unknown_ids_routes_and_filters_are_json_4xx(server: JobServer) -> None:
+    for method, path in (("GET", "jobs/nope"), ("DELETE", "jobs/nope"), ("GET", "jobs/nope/logs")):
+        status, body = call(method, server.url + path, token=server.token)
+        assert status == 404 and "no job 'nope'" in body["error"]
+    assert call("GET", server.url + "no/such/route")[0] == 404
+    for query, says in (
+        ("state=bogus", "unknown 'bogus'"),
+        ("limit=0", "limit"),
+        ("offset=-1", "offset"),
+    ):
+        status, body = call("GET", f"{server.url}jobs?{query}")
+        assert status == 422 and says in body["error"]
+    status, body = call("GET", f"{server.url}jobs?limit=notanumber")
+    assert status == 422 and body["problems"]
+
+
+def test_status_health_and_schema(server: JobServer) -> None:
+    _, made = call(
+        "POST",
+        f"{server.url}jobs",
+        job("holder", "import time; time.sleep(30)", "3GiB"),
+        token=server.token,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status, workers = call("GET", f"{server.url}workers/status")
+        if made["id"] in [j["id"] for j in workers["active"]]:
+            break
+        time.sleep(0.05)
+    (dev,) = workers["devices"]
+    assert dev["id"] == "sim:8GiB" and made["id"] in dev["jobs"]
+    assert dev["allocated_bytes"] >= 3 * 2**30 and workers["allocated_bytes"] >= 3 * 2**30
+    status, health = call("GET", f"{server.url}health")
+    assert status == 200 and health == {**health, "status": "ok", "reasons": []}
+    status, schema = call("GET", f"{server.url}openapi.json")
+    assert status == 200 and {"/jobs", "/jobs/{job_id}", "/jobs/{job_id}/logs"} <= set(
+        schema["paths"]
+    )
+    assert schema["paths"]["/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"][
+        "required"
+    ] == ["name", "memory"]
+    call("DELETE", f"{server.url}jobs/{made['id']}", token=server.token)
+    wait_state(server, made["id"])
+
+
+def test_a_service_on_another_address_needs_the_token_for_every_route(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    with serve_jobs(
+        "0.0.0.0", 0, store=tmp_path / "jobs.db", devices=["sim:8GiB"], token_file=token_file
+    ) as srv:
+        assert srv.token == "s3cret-token"
+        url = f"http://127.0.0.1:{srv.dashboard.port}/"
+        for path in ("workers/status", "health", "jobs", "metrics", "openapi.json"):
+            assert call("GET", url + path)[0] == 401, path
+            assert call("GET", url + path, token=srv.token)[0] == 200, path
