@@ -212,3 +212,34 @@ def test_a_service_on_another_address_needs_the_token_for_every_route(tmp_path: 
         for path in ("workers/status", "health", "jobs", "metrics", "openapi.json"):
             assert call("GET", url + path)[0] == 401, path
             assert call("GET", url + path, token=srv.token)[0] == 200, path
+
+
+def test_vramctl_serve_runs_jobs_from_a_client_until_sigterm(tmp_path: Path) -> None:
+    import re
+    import signal
+    import subprocess
+
+    env = {**os.environ, "VRAMCTL_HOME": str(tmp_path), "COLUMNS": "200"}
+    env.pop("VRAMCTL_TOKEN", None)
+    argv = [PY, "-m", "vramctl", "serve", "--port", "0", "--devices", "sim:8GiB"]
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        assert found, line
+        url = found.group(0)
+        token = (tmp_path / "token").read_text().strip()
+        status, made = call("POST", url + "jobs", job("from-cli"), token=token)
+        assert status == 201
+        deadline = time.monotonic() + 30
+        while call("GET", f"{url}jobs/{made['id']}")[1]["state"] != "succeeded":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert (tmp_path / "jobs.db").exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, errors = proc.communicate(timeout=30)
+    assert proc.returncode == 0, errors

@@ -16,7 +16,7 @@ from rich.table import Table
 
 import vramctl
 from vramctl import NA, VramctlError, format_bytes
-from vramctl.cli import _batch, _calibrate, _dashboard, _jobs, _monitor, _top  # noqa: F401
+from vramctl.cli import _batch, _calibrate, _dashboard, _jobs, _monitor, _serve, _top  # noqa: F401
 from vramctl.cli._common import (
     app,
     check_seconds,
