@@ -243,3 +243,19 @@ def test_vramctl_serve_runs_jobs_from_a_client_until_sigterm(tmp_path: Path) -> 
         proc.send_signal(signal.SIGTERM)
         _, errors = proc.communicate(timeout=30)
     assert proc.returncode == 0, errors
+
+
+def test_metrics_count_the_jobs_and_time_their_admission(server: JobServer) -> None:
+    _, made = call("POST", f"{server.url}jobs", job("metered"), token=server.token)
+    wait_state(server, made["id"])
+    status, text = call("GET", f"{server.url}metrics")
+    assert status == 200
+    lines = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    assert float(lines['vramctl_jobs{state="succeeded"}']) >= 1
+    assert float(lines["vramctl_job_admission_seconds_count"]) >= 1
+    assert float(lines['vramctl_job_admission_seconds_bucket{le="+Inf"}']) >= 1
+    assert float(lines["vramctl_job_queue_delay_seconds_count"]) >= 1
+    assert 'vramctl_jobs_reserved_bytes{device="sim:8GiB"}' in lines
+    assert any(k.startswith("vramctl_memory") or k.startswith("vramctl_device") for k in lines)

@@ -336,6 +336,13 @@ class JobStore:
             self.update(job_id, cancel_requested=1)
         return self.get(job_id)
 
+    def queue_delays(self) -> builtins.list[float]:
+        """Seconds from submission to the (last) admission, for every job admitted."""
+        rows = self._conn.execute(
+            "SELECT admitted_at - submitted_at FROM jobs WHERE admitted_at IS NOT NULL"
+        )
+        return [max(0.0, float(d)) for (d,) in rows]
+
     def counts(self) -> dict[str, int]:
         """The number of jobs in each state."""
         out = dict.fromkeys(STATES, 0)

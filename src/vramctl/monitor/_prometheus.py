@@ -13,7 +13,7 @@ import socket
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -191,21 +191,25 @@ class _Collector:
         yield from families.values()
 
 
-def registry(monitor: Monitor) -> Any:
-    """A ``prometheus_client.CollectorRegistry`` holding ``monitor``'s metrics."""
+def registry(monitor: Monitor, extra: Sequence[Any] = ()) -> Any:
+    """A ``prometheus_client.CollectorRegistry`` holding ``monitor``'s metrics, and those
+    of the ``extra`` collectors (objects with ``collect()``, as prometheus_client's)."""
     _need_client()
     from prometheus_client import CollectorRegistry
 
     reg = CollectorRegistry(auto_describe=False)
     reg.register(_Collector(monitor))
+    for collector in extra:
+        reg.register(collector)
     return reg
 
 
-def metrics_text(monitor: Monitor) -> str:
-    """The metrics in Prometheus's text format, as a scrape of ``/metrics`` returns them."""
+def metrics_text(monitor: Monitor, extra: Sequence[Any] = ()) -> str:
+    """The metrics in Prometheus's text format, as a scrape of ``/metrics`` returns them
+    (with those of the ``extra`` collectors)."""
     from prometheus_client import generate_latest
 
-    return bytes(generate_latest(registry(monitor))).decode()
+    return bytes(generate_latest(registry(monitor, extra))).decode()
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):

@@ -418,12 +418,14 @@ def _router(monitor: Monitor, title: str) -> _DashboardRouter:
         )
 
     @router.get("/metrics")
-    def metrics() -> PlainTextResponse:
-        """The monitor's metrics in Prometheus's text format."""
+    def metrics(request: Request) -> PlainTextResponse:
+        """The monitor's metrics in Prometheus's text format (and those of the collectors
+        in the app's ``vramctl_collectors`` state: the job service's)."""
         from vramctl.monitor import metrics_text
 
+        extra = getattr(request.app.state, "vramctl_collectors", ())
         return PlainTextResponse(
-            metrics_text(monitor), media_type="text/plain; version=0.0.4; charset=utf-8"
+            metrics_text(monitor, extra), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
     @router.get("/healthz")

@@ -12,14 +12,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from fastapi import FastAPI
 
 from vramctl.device import Device, gpus, resolve
-from vramctl.jobs import JobStore, Scheduler, Settings, load_settings, vramctl_home
+from vramctl.jobs import ACTIVE, JobStore, Scheduler, Settings, load_settings, vramctl_home
 from vramctl.monitor import Monitor, is_loopback
 from vramctl.server._dashboard import DashboardServer, serve_dashboard
 from vramctl.server._jobs import JobService, install_error_handlers, jobs_router, service_token
@@ -27,6 +28,35 @@ from vramctl.server._jobs import JobService, install_error_handlers, jobs_router
 __all__ = ["JobServer", "serve_jobs"]
 
 log = logging.getLogger("vramctl.server")
+
+
+#: Bucket bounds (seconds) of the admission-latency histogram.
+ADMISSION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+#: Bucket bounds (seconds) of the queue-delay histogram.
+DELAY_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
+
+
+class _Histogram:
+    """Counts per bucket, a sum and a count: what a Prometheus histogram reports."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+        self.total += value
+        self.n += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative ``(le, count)`` pairs, ``+Inf`` last."""
+        return [(repr(b), float(c)) for b, c in zip(self.bounds, self.counts, strict=True)] + [
+            ("+Inf", float(self.n))
+        ]
 
 
 class _SchedulerLoop:
@@ -39,6 +69,8 @@ class _SchedulerLoop:
         self.interval = 0.2
         self.last_round = 0.0
         self.error: str | None = None
+        #: Per admission: from the start of the round to its commit.
+        self.admission = _Histogram(ADMISSION_BUCKETS)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vramctl-scheduler", daemon=True)
 
@@ -57,7 +89,9 @@ class _SchedulerLoop:
             )
             while not self._stop.is_set():
                 try:
-                    sched.run_once()
+                    start = time.time()
+                    for job in sched.run_once():
+                        self.admission.observe(max(0.0, (job.admitted_at or start) - start))
                     self.error = None
                 except Exception as exc:  # reported by /health; the loop goes on
                     if self.error is None:
@@ -121,6 +155,52 @@ class JobServer:
         self.close()
 
 
+class _JobsCollector:
+    """The queue's metrics for Prometheus: jobs per state, reserved bytes per device,
+    queue delay and admission latency."""
+
+    def __init__(self, service: JobService, loop: _SchedulerLoop) -> None:
+        self.service = service
+        self.loop = loop
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+        store = self.service.store
+        jobs = GaugeMetricFamily("vramctl_jobs", "Jobs in the store, by state.", labels=["state"])
+        for state, n in store.counts().items():
+            jobs.add_metric([state], float(n))
+        yield jobs
+        reserved = GaugeMetricFamily(
+            "vramctl_jobs_reserved_bytes",
+            "Bytes reserved by the jobs admitted or running on each device.",
+            labels=["device"],
+        )
+        held = {d.id: 0 for d in self.service.devices}
+        for job in store.list(ACTIVE):
+            if job.device in held:
+                held[job.device] += job.reserved_bytes or 0
+        for device, n in held.items():
+            reserved.add_metric([device], float(n))
+        yield reserved
+        delay = _Histogram(DELAY_BUCKETS)
+        for value in store.queue_delays():
+            delay.observe(value)
+        yield HistogramMetricFamily(
+            "vramctl_job_queue_delay_seconds",
+            "From submission to admission, per admitted job.",
+            buckets=delay.buckets(),
+            sum_value=delay.total,
+        )
+        adm = self.loop.admission
+        yield HistogramMetricFamily(
+            "vramctl_job_admission_seconds",
+            "From the start of the scheduler's round to the admission's commit.",
+            buckets=adm.buckets(),
+            sum_value=adm.total,
+        )
+
+
 def serve_jobs(
     host: str = "127.0.0.1",
     port: int = 8765,
@@ -159,11 +239,16 @@ def serve_jobs(
         token=None if is_loopback(host) else secret,
         title="vramctl jobs",
         routers=[jobs_router(service)],
-        configure=install_error_handlers,
+        configure=lambda app: _configure(app, _JobsCollector(service, loop)),
         openapi=True,
     )
     loop.start()
     return JobServer(dashboard, service, loop, monitor, secret)
+
+
+def _configure(app: FastAPI, collector: _JobsCollector) -> None:
+    install_error_handlers(app)
+    app.state.vramctl_collectors = [collector]
 
 
 def _resolve(devices: Sequence[Device | str] | None) -> list[Device]:
