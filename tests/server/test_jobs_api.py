@@ -259,3 +259,16 @@ def test_metrics_count_the_jobs_and_time_their_admission(server: JobServer) -> N
     assert float(lines["vramctl_job_queue_delay_seconds_count"]) >= 1
     assert 'vramctl_jobs_reserved_bytes{device="sim:8GiB"}' in lines
     assert any(k.startswith("vramctl_memory") or k.startswith("vramctl_device") for k in lines)
+
+
+def test_the_schema_in_the_docs_is_the_served_one(server: JobServer) -> None:
+    status, schema = call("GET", f"{server.url}openapi.json")
+    assert status == 200
+    kept = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
+    text = json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    if os.environ.get("VRAMCTL_UPDATE_DOCS"):
+        kept.write_text(text)
+    assert kept.read_text() == text, (
+        "docs/openapi.json is not the served schema: refresh it with "
+        "VRAMCTL_UPDATE_DOCS=1 python -m pytest tests/server/test_jobs_api.py -k schema_in_the_docs"
+    )
