@@ -272,3 +272,35 @@ def test_the_schema_in_the_docs_is_the_served_one(server: JobServer) -> None:
         "docs/openapi.json is not the served schema: refresh it with "
         "VRAMCTL_UPDATE_DOCS=1 python -m pytest tests/server/test_jobs_api.py -k schema_in_the_docs"
     )
+
+
+def test_the_cli_talks_to_the_service_with_server(server: JobServer) -> None:
+    from typer.testing import CliRunner
+
+    from vramctl.cli._app import app
+
+    runner = CliRunner()
+    where = ["--server", server.url]
+    made = runner.invoke(
+        app,
+        ["submit", *where, "-m", "1GiB", "--name", "remote", "--json", "--", PY, "-c", "print(42)"],
+    )
+    assert made.exit_code == 0, made.output
+    job_id = json.loads(made.stdout)["id"]
+    wait_state(server, job_id)
+    logs = runner.invoke(app, ["logs", *where, job_id])
+    assert logs.exit_code == 0 and logs.stdout.strip() == "42"
+    listed = runner.invoke(app, ["jobs", *where, "--json", "--state", "succeeded"])
+    assert job_id in [j["id"] for j in json.loads(listed.stdout)["jobs"]]
+    ran = runner.invoke(
+        app, ["run", *where, "-m", "1GiB", "--", PY, "-c", "print('ran'); raise SystemExit(3)"]
+    )
+    assert ran.exit_code == 3 and "ran" in ran.stdout
+    gone = runner.invoke(app, ["cancel", *where, "nope"])
+    assert gone.exit_code != 0 and "no job 'nope'" in gone.output
+    wrong = runner.invoke(
+        app, ["submit", *where, "--token-file", os.devnull, "-m", "1GiB", "--", "true"]
+    )
+    assert wrong.exit_code != 0 and "token" in wrong.output
+    bad = runner.invoke(app, ["jobs", "--server", "http://127.0.0.1:9/"])
+    assert bad.exit_code != 0 and "cannot reach the job service" in bad.output

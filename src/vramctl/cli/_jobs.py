@@ -22,6 +22,7 @@ from vramctl.jobs import (
     POLICIES,
     STATES,
     Job,
+    JobClient,
     JobSpec,
     JobStore,
     Scheduler,
@@ -40,6 +41,24 @@ StoreOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+ServerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--server",
+        envvar="VRAMCTL_SERVER",
+        help="A job service's address (vramctl serve), e.g. http://127.0.0.1:8765; "
+        "default: the local store.",
+        show_default=False,
+    ),
+]
+TokenFileOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--token-file",
+        help="The service's token file (default: $VRAMCTL_TOKEN, else $VRAMCTL_HOME/token).",
+        show_default=False,
+    ),
+]
 
 
 def _pairs(option: str, items: list[str] | None) -> dict[str, str]:
@@ -126,6 +145,15 @@ def _devices(text: str | None) -> list[Device] | None:
 def _store(path: Path | None) -> JobStore:
     """The store named by --store, else by the settings (file, VRAMCTL_JOBS_STORE)."""
     return JobStore(path if path is not None else load_settings().store)
+
+
+def _client(server: str | None, token_file: Path | None) -> JobClient | None:
+    """The job service named by --server (or $VRAMCTL_SERVER); None: the local store."""
+    if server is None:
+        if token_file is not None:
+            raise VramctlError("--token-file is for a job service: give --server URL too")
+        return None
+    return JobClient(server, token_file=token_file)
 
 
 def _row(job: Job) -> dict[str, Any]:
@@ -218,6 +246,8 @@ def submit(
     env: EnvOption = None,
     cwd: CwdOption = None,
     store: StoreOption = None,
+    server: ServerOption = None,
+    token_file: TokenFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Queue a job; a running 'vramctl scheduler' admits it when there is room.
@@ -226,6 +256,7 @@ def submit(
 
         vramctl submit --memory 20GiB -- python train.py --lr 3e-4
         vramctl submit --spec job.toml
+        vramctl submit --server http://127.0.0.1:8765 -m 4GiB -- python eval.py
     """
     spec = _spec(
         spec_file,
@@ -240,8 +271,12 @@ def submit(
         env=env,
         cwd=cwd,
     )
-    with _store(store) as s:
-        job = s.submit(spec)
+    remote = _client(server, token_file)
+    if remote is not None:
+        job = remote.submit(spec)
+    else:
+        with _store(store) as s:
+            job = s.submit(spec)
     if as_json:
         emit_json(_row(job), indent=True)
         return
@@ -264,13 +299,16 @@ def run(
     cwd: CwdOption = None,
     devices: DevicesOption = None,
     store: StoreOption = None,
+    server: ServerOption = None,
+    token_file: TokenFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Run one job in the foreground: wait for room, run it, report.
 
     The job is admitted by its memory need like any queued job, runs on the
     device with room, and its output is shown as it comes. The exit status is
-    the job's. Ctrl-C cancels it. Example:
+    the job's. Ctrl-C cancels it. With --server the job service runs it.
+    Example:
 
         vramctl run --memory 4GiB -- python train.py
     """
@@ -287,6 +325,29 @@ def run(
         env=env,
         cwd=cwd,
     )
+    remote = _client(server, token_file)
+    if remote is not None:
+        if devices is not None:
+            raise VramctlError("--devices is the service's choice: leave it out with --server")
+        job = _run_remote(remote, spec)
+    else:
+        job = _run_local(spec, store, devices)
+    _report(job, as_json)
+
+
+def _run_remote(remote: JobClient, spec: JobSpec) -> Job:
+    job = remote.submit(spec)
+    try:
+        for chunk in remote.logs(job.id, follow=True):
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        remote.cancel(job.id)
+        err.print(f"cancelling job {job.id}", highlight=False)
+    return remote.wait(job.id)
+
+
+def _run_local(spec: JobSpec, store: Path | None, devices: str | None) -> Job:
     with _store(store) as s:
         job = s.submit(spec)
         settings = load_settings()
@@ -313,6 +374,10 @@ def run(
                 time.sleep(0.1)
             job = s.get(job.id)
         _show_log(job, shown)
+    return job
+
+
+def _report(job: Job, as_json: bool) -> None:
     if as_json:
         emit_json(_row(job), indent=True)
     else:
@@ -358,11 +423,17 @@ def jobs(
     ] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, show_default=False)] = None,
     store: StoreOption = None,
+    server: ServerOption = None,
+    token_file: TokenFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """List the jobs: state, device, reservation, peak, exit status."""
-    with _store(store) as s:
-        found = s.list(state, label=label)
+    remote = _client(server, token_file)
+    if remote is not None:
+        found = remote.list(state, label=label)
+    else:
+        with _store(store) as s:
+            found = s.list(state, label=label)
     if limit is not None:
         found = found[-limit:]
     if as_json:
@@ -395,8 +466,16 @@ def logs(
         bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")
     ] = False,
     store: StoreOption = None,
+    server: ServerOption = None,
+    token_file: TokenFileOption = None,
 ) -> None:
     """Print a job's output (stdout and stderr together)."""
+    remote = _client(server, token_file)
+    if remote is not None:
+        for chunk in remote.logs(job_id, follow=follow):
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+        return
     with _store(store) as s:
         job = s.get(job_id)
         shown = _show_log(job, 0)
@@ -411,11 +490,17 @@ def logs(
 def cancel(
     job_id: Annotated[str, typer.Argument(help="The job's id.")],
     store: StoreOption = None,
+    server: ServerOption = None,
+    token_file: TokenFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Cancel a job: a queued one at once, a running one by stopping its processes."""
-    with _store(store) as s:
-        job = s.cancel(job_id)
+    remote = _client(server, token_file)
+    if remote is not None:
+        job = remote.cancel(job_id)
+    else:
+        with _store(store) as s:
+            job = s.cancel(job_id)
     if as_json:
         emit_json(_row(job), indent=True)
         return

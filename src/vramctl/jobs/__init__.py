@@ -6,6 +6,7 @@ The layer between the run-time layers (``fit``, ``batching``, ``monitor``, ``gua
 
 from __future__ import annotations
 
+from vramctl.jobs._client import JobClient, JobClientError, job_from_dict
 from vramctl.jobs._ledger import AdmissionError, Ledger, Reservation
 from vramctl.jobs._need import (
     BATCH_SIZE_ENV,
@@ -56,6 +57,8 @@ __all__ = [
     "DeviceConstraints",
     "Fragmentation",
     "Job",
+    "JobClient",
+    "JobClientError",
     "JobSpec",
     "JobSpecError",
     "JobStore",
@@ -77,6 +80,7 @@ __all__ = [
     "check_placeable",
     "device_capacity",
     "job_env",
+    "job_from_dict",
     "load_settings",
     "load_spec",
     "matching_devices",
