@@ -453,12 +453,14 @@ def _read_peaks_and_clear(prefix: str) -> int | None:
     return total
 
 
-def _stop(pgid: int) -> None:
+def _stop(child: subprocess.Popen[bytes]) -> None:
     """SIGTERM the job's process group, then SIGKILL what is left after the grace."""
+    pgid = child.pid
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline:
+        child.poll()  # reaped once it exits: unreaped, it would still count in its group
         try:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
@@ -566,18 +568,18 @@ def _run(
                     f"used {_size(used)} of GPU memory, past its reservation of"
                     f" {_size(reserved)} (+{tolerance * 100:g}%)"
                 )
-                _stop(child.pid)
+                _stop(child)
                 break
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             state, reason = "timed-out", f"ran past its run timeout of {run_timeout:g} s"
-            _stop(child.pid)
+            _stop(child)
             break
         if now >= next_read:
             next_read = now + 0.5
             if store.get(job.id).cancel_requested:
                 state, reason = "cancelled", "cancelled"
-                _stop(child.pid)
+                _stop(child)
                 break
         time.sleep(POLL_S)
     code = child.wait()
