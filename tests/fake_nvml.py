@@ -156,6 +156,9 @@ class FakeNvml:
     def nvmlDeviceGetGraphicsRunningProcesses(self, h: FakeGpu) -> list[Any]:
         return []
 
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, h: FakeGpu) -> list[Any]:
+        return []
+
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         for name in dir(self):
             if name.startswith("nvml"):

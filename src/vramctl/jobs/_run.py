@@ -8,17 +8,26 @@ reservation (``torch.cuda.set_per_process_memory_fraction``), so a job that outg
 share gets an out-of-memory error in its own process and never takes a neighbour's memory.
 The function is called with no arguments and ``sys.argv`` set to ``[entry_point, *ARGS]``;
 an int it returns is the exit status.
+
+When the job's supervisor sets ``$VRAMCTL_PEAK_FILE``, a process held to its share writes
+its allocator's peak there when it exits (``$VRAMCTL_PEAK_FILE.<pid>``, in bytes): on a
+CUDA device ``torch.cuda.max_memory_reserved``, on a simulated device the simulated
+allocator's peak. The supervisor records it as the job's peak.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["hold_process", "load_entry_point", "main"]
+__all__ = ["ENV_PEAK_FILE", "hold_process", "load_entry_point", "main", "write_peak"]
+
+#: Set by the supervisor: where this process writes its allocator's peak (``<it>.<pid>``).
+ENV_PEAK_FILE = "VRAMCTL_PEAK_FILE"
 
 #: The simulation a command's process is held in, entered for the rest of its life.
 _HELD: list[Any] = []
@@ -41,19 +50,32 @@ def hold_process(device: str, reserved: int) -> None:
 
     On a CUDA device the cap is set when CUDA starts (PyTorch's lazy initialisation), so
     importing torch alone starts no CUDA context; on a simulated device the process enters
-    ``vramctl.simulate(reserved)`` and stays in it.
+    ``vramctl.simulate(reserved)`` and stays in it. With ``$VRAMCTL_PEAK_FILE`` set, the
+    process writes its allocator's peak when it exits (see :func:`write_peak`).
     """
     if reserved <= 0 or device == "cpu":
         return
+    prefix = os.environ.get(ENV_PEAK_FILE)
     if device.startswith("sim:"):
         import vramctl
 
         sim = vramctl.simulate(reserved)
         sim.__enter__()
         _HELD.append(sim)
+        if prefix:
+            atexit.register(write_peak, prefix, lambda: sim.peak_bytes, os.getpid())
         return
     if device.startswith("cuda:"):
         import torch
+
+        def allocator_peak() -> int:
+            if not torch.cuda.is_initialized():
+                return 0
+            count = torch.cuda.device_count()
+            return sum(int(torch.cuda.max_memory_reserved(i)) for i in range(count))
+
+        if prefix:
+            atexit.register(write_peak, prefix, allocator_peak, os.getpid())
 
         def cap() -> None:
             total = torch.cuda.get_device_properties(0).total_memory
@@ -78,6 +100,22 @@ def hold_process(device: str, reserved: int) -> None:
                 cap()
 
         torch.cuda._lazy_init = lazy_init
+
+
+def write_peak(prefix: str, read: Callable[[], int], pid: int | None = None) -> None:
+    """Write ``read()`` (this process's allocator peak, in bytes) to ``<prefix>.<pid>``, for
+    the job's supervisor; a reading or a write that fails writes nothing, and so does a
+    process forked from ``pid`` (its copy of the reading is its parent's)."""
+    if pid is not None and os.getpid() != pid:
+        return
+    try:
+        peak = int(read())
+        path = f"{prefix}.{os.getpid()}"
+        with open(f"{path}.tmp", "w") as f:
+            f.write(f"{peak}\n")
+        os.replace(f"{path}.tmp", path)  # whole or not at all
+    except Exception:  # at exit: a lost reading must not turn into a failed job
+        return
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,17 +7,29 @@ when the scheduler dies. The supervisor
 1. moves the job from ``admitted`` to ``running`` (a compare-and-set: a second
    supervisor for the same job finds it moved and exits);
 2. starts the job's argv (never through a shell), with its environment, working
-   directory and log file, and the variables that give it its device and share;
-3. reads its peak memory (the resident memory of its process tree on the host; on a CUDA
-   device also NVML's figure for its processes) and watches for a cancel request and the
-   run timeout, which stop the job's whole process group (SIGTERM, then SIGKILL);
+   directory and log file, and the variables that give it its device and share (on a
+   CUDA device: the device's ``CUDA_VISIBLE_DEVICES`` entry and, where an MPS daemon
+   runs, ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``);
+3. watches the job: on a CUDA device it reads through NVML the GPU memory of the job's
+   processes and stops the job when that passes its reservation by more than the
+   tolerance (``$VRAMCTL_OVERRUN_TOLERANCE``, 5% by default); it stops the job on a cancel
+   request and at the run timeout too (SIGTERM to the whole process group, then SIGKILL);
 4. writes the exit status, the peak and the final state in one commit: succeeded, failed
    (queued again while retries are left), cancelled or timed-out.
 
+The peak is the device's: on a CUDA device the larger of NVML's peak for the job's
+processes and the peak its Python processes' allocators report; on a simulated device the
+simulated allocator's peak; on the CPU the peak resident memory of the job's process tree.
+The job's Python processes report their allocator's peak when they exit, one file per
+process (``$VRAMCTL_PEAK_FILE.<pid>``, written by :func:`vramctl.jobs._run.hold_process`,
+in a folder of the job's own beside its log); the supervisor adds them up (an upper bound
+when several processes peak at different times) and removes them.
+
 It is started as a script (``python .../_supervise.py STORE JOB_ID``) and imports nothing
 of vramctl, nor PyTorch: one runs beside every job for the job's whole life, so it costs a
-few MiB and starts in milliseconds. It reads and writes the store with plain SQL, the same
-compare-and-set moves as :class:`vramctl.jobs.JobStore`.
+few MiB and starts in milliseconds. It imports ``pynvml`` only for a job on a CUDA device.
+It reads and writes the store with plain SQL, the same compare-and-set moves as
+:class:`vramctl.jobs.JobStore`.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +51,36 @@ import psutil
 __all__ = [
     "ENV_DEVICE",
     "ENV_JOB_ID",
+    "ENV_PEAK_FILE",
     "ENV_RESERVED",
+    "ENV_TOLERANCE",
     "LEARN_SQL",
+    "MPS_LIMIT",
+    "TOLERANCE",
+    "GpuWatch",
     "job_argv",
     "main",
+    "mps_in_use",
+    "mps_limit",
+    "overrun_tolerance",
+    "read_peaks",
     "supervise",
     "tree_rss",
+    "visible_entry",
 ]
 
 ENV_JOB_ID = "VRAMCTL_JOB_ID"
 ENV_DEVICE = "VRAMCTL_DEVICE"
 ENV_RESERVED = "VRAMCTL_RESERVED_BYTES"
+#: Where a job's Python processes write their allocator's peak: ``<this>.<pid>``.
+ENV_PEAK_FILE = "VRAMCTL_PEAK_FILE"
+#: How far past its reservation a job's GPU memory may go before it is stopped (a share).
+ENV_TOLERANCE = "VRAMCTL_OVERRUN_TOLERANCE"
+TOLERANCE = 0.05
+#: MPS's limit on the device memory of one client process.
+MPS_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+#: MPS's pipe directory when ``CUDA_MPS_PIPE_DIRECTORY`` is not set.
+MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 #: How often the supervisor reads the job's memory and the store (seconds).
 POLL_S = 0.1
 #: Records a run's peak for its job name, the largest kept (the store uses it too).
@@ -83,7 +114,207 @@ def job_argv(spec: dict[str, Any]) -> list[str]:
     return [sys.executable, "-m", "vramctl.jobs._run", spec["entry_point"], *spec.get("args", [])]
 
 
-def _environment(job: _Row) -> dict[str, str]:
+# -- the CUDA device ---------------------------------------------------------------------
+
+
+def visible_entry(index: int, visible: str | None) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of device ``cuda:index`` as a process with
+    ``CUDA_VISIBLE_DEVICES=visible`` numbers devices: the index-th entry (an index or a
+    ``GPU-``/``MIG-`` UUID), or ``str(index)`` when ``visible`` is None. None when that
+    process sees no such device (as in CUDA, an entry that names nothing ends the list).
+
+    >>> visible_entry(1, "2,3"), visible_entry(1, None), visible_entry(2, "2,3")
+    ('3', '1', None)
+    """
+    if visible is None:
+        return str(index)
+    entries: list[str] = []
+    for raw in visible.split(","):
+        entry = raw.strip()
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        entries.append(entry)
+    return entries[index] if 0 <= index < len(entries) else None
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _nvml_devices(nvml: Any, visible: str | None) -> list[tuple[Any, str]]:
+    """(handle, UUID) of the devices a CUDA process with ``visible`` sees, in CUDA's
+    numbering: the rules of ``vramctl.device.nvml_gpus`` (which the scheduler numbered
+    the devices with), kept here because the supervisor does not import vramctl. A GPU
+    with MIG enabled counts as its instances; an unreadable GPU keeps its number with a
+    None handle."""
+    physical: list[tuple[Any, str, list[tuple[Any, str]]]] = []
+    for i in range(nvml.nvmlDeviceGetCount()):
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+        except nvml.NVMLError:
+            physical.append((None, "", []))
+            continue
+        migs: list[tuple[Any, str]] = []
+        try:
+            enabled = nvml.nvmlDeviceGetMigMode(handle)[0] == nvml.NVML_DEVICE_MIG_ENABLE
+        except nvml.NVMLError:
+            enabled = False
+        if enabled:
+            for j in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+                try:
+                    mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
+                    migs.append((mig, _text(nvml.nvmlDeviceGetUUID(mig))))
+                except nvml.NVMLError:
+                    continue
+        physical.append((handle, uuid, migs))
+
+    def expand(entry: tuple[Any, str, list[tuple[Any, str]]]) -> list[tuple[Any, str]]:
+        return entry[2] or [(entry[0], entry[1])]
+
+    if visible is None:
+        return [d for entry in physical for d in expand(entry)]
+    chosen: list[tuple[Any, str]] = []
+    for raw in visible.split(","):
+        token = raw.strip()
+        found: list[tuple[Any, str]] = []
+        if token.isdigit() and int(token) < len(physical):
+            found = expand(physical[int(token)])
+        elif token.startswith("GPU-"):
+            hits = [e for e in physical if e[0] is not None and e[1].startswith(token)]
+            found = expand(hits[0]) if len(hits) == 1 else []
+        elif token.startswith("MIG-"):
+            migs = [m for e in physical for m in e[2] if m[1].startswith(token)]
+            found = migs[:1] if len(migs) == 1 else []
+        if not found:
+            break
+        seen = {uuid for handle, uuid in chosen if handle is not None}
+        chosen.extend(d for d in found if d[0] is None or d[1] not in seen)
+    return chosen
+
+
+class GpuWatch:
+    """NVML's reading of the GPU memory that a job's processes use on one CUDA device."""
+
+    def __init__(self, nvml: Any, handle: Any, uuid: str) -> None:
+        self.nvml = nvml
+        self.handle = handle
+        #: The device's UUID (a MIG instance's for a MIG instance).
+        self.uuid = uuid
+
+    @classmethod
+    def open(cls, index: int, visible: str | None) -> GpuWatch | None:
+        """The watch of device ``cuda:index`` as numbered under ``visible``; None where
+        NVML does not run or does not know the device (the job then runs unwatched)."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception:  # no NVML library or driver: nothing to watch with
+            return None
+        try:
+            devices = _nvml_devices(pynvml, visible)
+            handle, uuid = devices[index] if 0 <= index < len(devices) else (None, "")
+        except Exception:
+            handle, uuid = None, ""
+        if handle is None:
+            with contextlib.suppress(Exception):
+                pynvml.nvmlShutdown()
+            return None
+        return cls(pynvml, handle, uuid)
+
+    def used(self, pids: set[int]) -> int | None:
+        """The GPU memory the processes ``pids`` use on the device now: the sum of NVML's
+        per-process figures. None when NVML gives none for them (an error, or a MIG
+        instance or a driver that does not report per-process memory)."""
+        nvml = self.nvml
+        per_pid: dict[int, int | None] = {}
+        read = False
+        # Processes with a compute context, a graphics one, and MPS clients (which NVML
+        # lists apart, under the MPS server's own entry).
+        for name in (
+            "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetGraphicsRunningProcesses",
+            "nvmlDeviceGetMPSComputeRunningProcesses",
+        ):
+            try:
+                procs = getattr(nvml, name)(self.handle)
+            except Exception:
+                continue
+            read = True
+            for p in procs:
+                pid = int(p.pid)
+                if pid not in pids:
+                    continue
+                used = p.usedGpuMemory
+                # A process in two lists is one process: its figure is counted once.
+                if used is not None and used < 2**63:
+                    per_pid[pid] = max(int(used), per_pid.get(pid) or 0)
+                else:
+                    per_pid.setdefault(pid, None)
+        if not read:
+            return None
+        figures = [u for u in per_pid.values() if u is not None]
+        if per_pid and not figures:
+            return None  # the job's processes are there, their memory is not told
+        return sum(figures)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.nvml.nvmlShutdown()
+
+
+def mps_in_use(env: Mapping[str, str], default_directory: str | None = None) -> bool:
+    """Whether a job with environment ``env`` runs under an MPS control daemon: it names
+    the daemon's pipe directory (``CUDA_MPS_PIPE_DIRECTORY``), or the default directory
+    (:data:`MPS_PIPE_DIRECTORY`) holds the daemon's ``control`` pipe."""
+    if env.get("CUDA_MPS_PIPE_DIRECTORY"):
+        return True
+    folder = MPS_PIPE_DIRECTORY if default_directory is None else default_directory
+    return os.path.exists(os.path.join(folder, "control"))
+
+
+def mps_limit(reserved: int) -> str | None:
+    """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for a job that sees one device (ordinal 0 after
+    ``CUDA_VISIBLE_DEVICES``) and holds ``reserved`` bytes of it, in whole MiB.
+
+    >>> mps_limit(20 * 2**30)
+    '0=20480M'
+    """
+    mib = reserved // 2**20
+    return f"0={mib}M" if mib > 0 else None
+
+
+def overrun_tolerance(environ: Mapping[str, str] | None = None) -> float:
+    """``$VRAMCTL_OVERRUN_TOLERANCE`` as a share (0.05: 5%); the default when it is unset.
+
+    Raises ValueError for a value that is not a number, 0 or more.
+    """
+    text = (os.environ if environ is None else environ).get(ENV_TOLERANCE, "").strip()
+    if not text:
+        return TOLERANCE
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(text)
+    return value
+
+
+def _size(n: float) -> str:
+    """Bytes the way vramctl writes them (``21.30 GiB``); the supervisor has no vramctl."""
+    if n < 2**10:
+        return f"{int(n)} bytes"
+    for unit, scale in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30)):
+        if n < scale * 1024 or unit == "GiB":
+            return f"{n / scale:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+# -- the job's environment ---------------------------------------------------------------
+
+
+def _environment(
+    job: _Row, visible: str | None = None, peak_file: str | None = None
+) -> dict[str, str]:
     spec = job.spec
     env = dict(os.environ)
     env.update(spec.get("env", {}))
@@ -91,16 +322,23 @@ def _environment(job: _Row) -> dict[str, str]:
         env["VRAMCTL_BATCH_SIZE"] = str(job.batch_size)
         env["VRAMCTL_GRAD_ACCUM"] = str(job.grad_accum)
     env[ENV_JOB_ID] = job.id
-    env[ENV_DEVICE] = job.device or "cpu"
-    env[ENV_RESERVED] = str(job.reserved_bytes or 0)
     device = job.device or "cpu"
+    reserved = int(job.reserved_bytes or 0)
+    env[ENV_DEVICE] = device
+    env[ENV_RESERVED] = str(reserved)
+    if peak_file is not None:
+        env[ENV_PEAK_FILE] = peak_file
     if device != "cpu" and spec.get("command"):
         # Python commands are held to their share by the bootstrap in this folder.
         site = str(Path(__file__).resolve().parent / "_site")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
     if device.startswith("cuda:"):
-        env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        limit = mps_limit(reserved)
+        if limit is not None and MPS_LIMIT not in spec.get("env", {}) and mps_in_use(env):
+            env[MPS_LIMIT] = limit
     return env
 
 
@@ -141,23 +379,88 @@ class _Store:
         self.conn.execute(LEARN_SQL, (name, int(peak), time.time()))
 
 
-def tree_rss(pid: int) -> int:
-    """The resident memory of process ``pid`` and its descendants (0 if it is gone)."""
-    total = 0
-    with contextlib.suppress(psutil.Error):
+# -- readings ------------------------------------------------------------------------------
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    """Process ``pid`` and its descendants (empty if it is gone)."""
+    try:
         proc = psutil.Process(pid)
-        for p in [proc, *proc.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                total += p.memory_info().rss
+        return [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _rss(procs: list[psutil.Process]) -> int:
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
     return total
 
 
-def _stop(pgid: int) -> None:
+def tree_rss(pid: int) -> int:
+    """The resident memory of process ``pid`` and its descendants (0 if it is gone)."""
+    return _rss(_tree(pid))
+
+
+def read_peaks(prefix: str) -> int | None:
+    """The sum of the allocator peaks that a job's Python processes wrote, one file each
+    (``<prefix>.<pid>``); None when none wrote one. Removes the files."""
+    folder, base = os.path.split(prefix)
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return None
+    total: int | None = None
+    for name in names:
+        if not name.startswith(f"{base}."):
+            continue
+        path = os.path.join(folder, name)
+        if name[len(base) + 1 :].isdigit():
+            with contextlib.suppress(OSError, ValueError):
+                total = (total or 0) + max(0, int(Path(path).read_text().strip()))
+        with contextlib.suppress(OSError):
+            os.remove(path)  # a reading, or one left half-written (``.tmp``)
+    return total
+
+
+def _peak_prefix(job: _Row, log_path: str) -> str | None:
+    """Where the job's processes write their allocator's peak: a folder of the job's own
+    beside its log (``<logs>/<job id>.peak/peak.<pid>``), made empty; None if it cannot be
+    made."""
+    if log_path == os.devnull:
+        import tempfile
+
+        logs = tempfile.gettempdir()
+    else:
+        logs = os.path.dirname(log_path) or "."
+    folder = os.path.join(logs, f"{job.id}.peak")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None
+    prefix = os.path.join(folder, "peak")
+    read_peaks(prefix)  # what an earlier attempt's processes left
+    return prefix
+
+
+def _read_peaks_and_clear(prefix: str) -> int | None:
+    """:func:`read_peaks`, then the job's peak folder removed (when nothing else is in it)."""
+    total = read_peaks(prefix)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(prefix))
+    return total
+
+
+def _stop(child: subprocess.Popen[bytes]) -> None:
     """SIGTERM the job's process group, then SIGKILL what is left after the grace."""
+    pgid = child.pid
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline:
+        child.poll()  # reaped once it exits: unreaped, it would still count in its group
         try:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
@@ -165,6 +468,9 @@ def _stop(pgid: int) -> None:
         time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+# -- running the job -------------------------------------------------------------------------
 
 
 def supervise(store: _Store, job_id: str) -> str | None:
@@ -184,14 +490,55 @@ def supervise(store: _Store, job_id: str) -> str | None:
     job = store.get(job_id)
     log_path = job.log_path or os.devnull
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    device = job.device or "cpu"
+    watch: GpuWatch | None = None
+    visible: str | None = None
+    if device.startswith("cuda:"):
+        index = int(device.split(":", 1)[1])
+        inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = visible_entry(index, inherited)
+        watch = GpuWatch.open(index, inherited)
+        if watch is not None:
+            visible = watch.uuid  # the very device the scheduler measured, in any order
+        elif visible is None:
+            failed = f"{device} is not visible here (CUDA_VISIBLE_DEVICES={inherited})"
+            return _finish(store, job, "failed", None, 0, failed)
+    try:
+        return _run(store, job, log_path, visible, watch)
+    finally:
+        if watch is not None:
+            watch.close()
+
+
+def _run(
+    store: _Store, job: _Row, log_path: str, visible: str | None, watch: GpuWatch | None
+) -> str:
+    device = job.device or "cpu"
+    reserved = int(job.reserved_bytes or 0)
+    on_cpu = device == "cpu"
+    peak_file = None if on_cpu else _peak_prefix(job, log_path)
+    note = ""
+    tolerance = TOLERANCE
+    if watch is not None:
+        try:
+            tolerance = overrun_tolerance()
+        except ValueError:
+            note = (
+                f"vramctl: {ENV_TOLERANCE}={os.environ.get(ENV_TOLERANCE)!r} is not a number,"
+                f" 0 or more; using {TOLERANCE:g}\n"
+            )
+    limit = reserved * (1 + tolerance) if reserved > 0 else None
     cwd = job.spec.get("cwd")
     argv = job_argv(job.spec)
     try:
         with open(log_path, "ab") as log:
+            if note:
+                log.write(note.encode())
+                log.flush()
             child = subprocess.Popen(
                 argv,
                 cwd=cwd,
-                env=_environment(job),
+                env=_environment(job, visible, peak_file),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -200,25 +547,39 @@ def supervise(store: _Store, job_id: str) -> str | None:
     except OSError as exc:
         failed = f"could not start {argv[0]!r}: {exc.strerror or exc}"
         return _finish(store, job, "failed", None, 0, failed)
-    store.update(job_id, pid=child.pid)
-    peak = 0
+    store.update(job.id, pid=child.pid)
+    rss_peak = 0
+    gpu_peak: int | None = None
     reason: str | None = None
     state: str | None = None
     run_timeout = job.spec.get("run_timeout")
     deadline = time.monotonic() + run_timeout if run_timeout is not None else None
     next_read = 0.0
     while child.poll() is None:
-        peak = max(peak, tree_rss(child.pid))
+        procs = _tree(child.pid)
+        if on_cpu:
+            rss_peak = max(rss_peak, _rss(procs))
+        used = watch.used({p.pid for p in procs}) if watch is not None else None
+        if used is not None:
+            gpu_peak = max(gpu_peak or 0, used)
+            if limit is not None and used > limit:
+                state = "failed"
+                reason = (
+                    f"used {_size(used)} of GPU memory, past its reservation of"
+                    f" {_size(reserved)} (+{tolerance * 100:g}%)"
+                )
+                _stop(child)
+                break
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             state, reason = "timed-out", f"ran past its run timeout of {run_timeout:g} s"
-            _stop(child.pid)
+            _stop(child)
             break
         if now >= next_read:
             next_read = now + 0.5
-            if store.get(job_id).cancel_requested:
+            if store.get(job.id).cancel_requested:
                 state, reason = "cancelled", "cancelled"
-                _stop(child.pid)
+                _stop(child)
                 break
         time.sleep(POLL_S)
     code = child.wait()
@@ -226,6 +587,13 @@ def supervise(store: _Store, job_id: str) -> str | None:
         state = "succeeded" if code == 0 else "failed"
         if code != 0:
             reason = f"exited with status {code}" if code > 0 else f"killed by signal {-code}"
+    if on_cpu:
+        peak = rss_peak  # the resident memory of the job's processes
+    else:
+        # On a GPU: NVML's peak for the job's processes and the peak their allocators
+        # reported, the larger; on a simulated one, the simulated allocator's.
+        reported = _read_peaks_and_clear(peak_file) if peak_file is not None else None
+        peak = max((r for r in (gpu_peak, reported) if r is not None), default=0)
     return _finish(store, job, state, code, peak, reason)
 
 
