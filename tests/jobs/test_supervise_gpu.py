@@ -165,6 +165,23 @@ def test_a_job_past_its_reservation_is_stopped_with_the_reason(
         os.killpg(done.pid, 0)
 
 
+def test_a_process_held_by_its_allocator_is_left_to_its_cap(
+    store: JobStore, gpus: list[FakeGpu]
+) -> None:
+    # NVML counts a held process's CUDA context too, past its share: the cap, not the
+    # watch, stops it; its figure still goes into the peak.
+    job_id = admitted(store, SLEEP.format(s=1.0), reserved=2 * GiB)
+    folder = Path(store.get(job_id).log_path or "").parent / f"{job_id}.peak"
+
+    def held_and_over(pid: int) -> None:
+        (folder / f"held.{pid}").write_text("")
+        gpus[0].processes.append(FakeProcess(pid, 3 * GiB))
+
+    assert supervise(store, job_id, held_and_over) == "succeeded"
+    assert store.get(job_id).peak_bytes == 3 * GiB
+    assert not folder.exists()  # its markers are cleared with the peaks
+
+
 def test_within_the_tolerance_is_not_an_overrun(store: JobStore, gpus: list[FakeGpu]) -> None:
     job_id = admitted(store, SLEEP.format(s=1.0), reserved=20 * GiB)
     assert supervise(store, job_id, uses(gpus[0], 21 * GiB)) == "succeeded"  # 5% over
@@ -418,10 +435,9 @@ def test_on_the_cpu_the_peak_is_the_resident_memory(store: JobStore) -> None:
 # -- on a real GPU ----------------------------------------------------------------------------
 
 
+# Run with ``python -I``: no bootstrap, so nothing caps it (as a program that is not Python).
 OVERRUN = """
 import time, torch
-torch.zeros(1, device="cuda")  # CUDA starts: the job's share is set as its allocator's cap
-torch.cuda.set_per_process_memory_fraction(1.0)  # ... and the job lifts it
 x = torch.empty(3 * 2**30, dtype=torch.uint8, device="cuda")
 print("allocated", flush=True)
 time.sleep(60)
@@ -432,7 +448,9 @@ time.sleep(60)
 def test_a_job_past_its_reservation_on_a_gpu_is_stopped(store: JobStore) -> None:
     gpu = vramctl.gpus()[0]
     job = store.submit(
-        JobSpec(name="overrun", command=(PY, "-c", OVERRUN), memory=MemoryNeed.of_size("1GiB"))
+        JobSpec(
+            name="overrun", command=(PY, "-I", "-c", OVERRUN), memory=MemoryNeed.of_size("1GiB")
+        )
     )
     run_all(Scheduler(store, devices=[gpu]), timeout=120)
     done = store.get(job.id)

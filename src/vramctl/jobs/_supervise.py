@@ -58,6 +58,7 @@ __all__ = [
     "MPS_LIMIT",
     "TOLERANCE",
     "GpuWatch",
+    "held_pids",
     "job_argv",
     "main",
     "mps_in_use",
@@ -425,6 +426,16 @@ def read_peaks(prefix: str) -> int | None:
     return total
 
 
+def held_pids(prefix: str) -> set[int]:
+    """The processes of a job that the bootstrap holds to its share (``held.<pid>`` files
+    beside ``prefix``)."""
+    try:
+        names = os.listdir(os.path.dirname(prefix) or ".")
+    except OSError:
+        return set()
+    return {int(n[5:]) for n in names if n.startswith("held.") and n[5:].isdigit()}
+
+
 def _peak_prefix(job: _Row, log_path: str) -> str | None:
     """Where the job's processes write their allocator's peak: a folder of the job's own
     beside its log (``<logs>/<job id>.peak/peak.<pid>``), made empty; None if it cannot be
@@ -442,15 +453,24 @@ def _peak_prefix(job: _Row, log_path: str) -> str | None:
         return None
     prefix = os.path.join(folder, "peak")
     read_peaks(prefix)  # what an earlier attempt's processes left
+    _clear_held(prefix)
     return prefix
 
 
 def _read_peaks_and_clear(prefix: str) -> int | None:
     """:func:`read_peaks`, then the job's peak folder removed (when nothing else is in it)."""
     total = read_peaks(prefix)
+    _clear_held(prefix)
     with contextlib.suppress(OSError):
         os.rmdir(os.path.dirname(prefix))
     return total
+
+
+def _clear_held(prefix: str) -> None:
+    folder = os.path.dirname(prefix) or "."
+    for pid in held_pids(prefix):
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(folder, f"held.{pid}"))
 
 
 def _stop(child: subprocess.Popen[bytes]) -> None:
@@ -559,10 +579,15 @@ def _run(
         procs = _tree(child.pid)
         if on_cpu:
             rss_peak = max(rss_peak, _rss(procs))
-        used = watch.used({p.pid for p in procs}) if watch is not None else None
+        pids = {p.pid for p in procs}
+        used = watch.used(pids) if watch is not None else None
         if used is not None:
             gpu_peak = max(gpu_peak or 0, used)
-            if limit is not None and used > limit:
+            # Processes the bootstrap holds to the share are stopped by their allocator's
+            # cap (an out-of-memory error of their own); the watch is for the others.
+            held = held_pids(peak_file) & pids if peak_file is not None else set()
+            unheld = (watch.used(pids - held) or 0) if held and watch is not None else used
+            if limit is not None and unheld > limit:
                 state = "failed"
                 reason = (
                     f"used {_size(used)} of GPU memory, past its reservation of"
