@@ -404,7 +404,11 @@ def _router(monitor: Monitor, title: str) -> _DashboardRouter:
             headers={"Cache-Control": "no-store"},
         )
 
-    @router.get("/api/stream")
+    @router.get(
+        "/api/stream",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/event-stream": {}}}},
+    )
     def api_stream(others: str | None = None) -> StreamingResponse:
         """Server-Sent Events: ``sample``, ``alert``, ``guard``, ``leak`` and recorded events.
 
@@ -417,7 +421,11 @@ def _router(monitor: Monitor, title: str) -> _DashboardRouter:
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
 
-    @router.get("/metrics")
+    @router.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/plain": {}}}},
+    )
     def metrics(request: Request) -> PlainTextResponse:
         """The monitor's metrics in Prometheus's text format (and those of the collectors
         in the app's ``vramctl_collectors`` state: the job service's)."""

@@ -24,9 +24,9 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -63,6 +63,8 @@ TOKEN_FILE = "token"
 MAX_PAGE = 1000
 #: How often a followed log is read for more (seconds).
 FOLLOW_POLL_S = 0.2
+#: ``state`` of ``GET /jobs``: states, comma-separated.
+_STATES_PATTERN = "^({s})(,({s}))*$".format(s="|".join(STATES))
 #: The largest job spec body accepted (bytes).
 MAX_BODY = 1 << 20
 
@@ -271,14 +273,6 @@ def _summary(job: Job) -> dict[str, Any]:
     }
 
 
-def _page_args(limit: int | None, offset: int) -> tuple[int, int]:
-    if limit is not None and not 1 <= limit <= MAX_PAGE:
-        raise ApiError(422, f"limit: between 1 and {MAX_PAGE}")
-    if offset < 0:
-        raise ApiError(422, "offset: 0 or more")
-    return (MAX_PAGE if limit is None else limit), offset
-
-
 async def _follow(service: JobService, job_id: str, path: Path | None) -> AsyncIterator[bytes]:
     """The log from its start, then what is written to it until the job ends."""
     offset = 0
@@ -321,10 +315,10 @@ def jobs_router(service: JobService) -> APIRouter:
 
     @router.get("/jobs", responses=_ERRORS)
     def list_jobs(
-        state: str | None = None,
+        state: Annotated[str | None, Query(pattern=_STATES_PATTERN)] = None,
         label: str | None = None,
-        limit: int | None = None,
-        offset: int = 0,
+        limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE)] = None,
+        offset: Annotated[int, Query(ge=0)] = 0,
     ) -> dict[str, Any]:
         """Jobs in submission order: ``state`` (comma-separated), ``label`` (KEY or
         KEY=VALUE), ``limit`` (at most 1000) and ``offset``."""
@@ -332,7 +326,7 @@ def jobs_router(service: JobService) -> APIRouter:
         bad = [s for s in states or [] if s not in STATES]
         if bad:
             raise ApiError(422, f"state: unknown {bad[0]!r}; states: {', '.join(STATES)}")
-        n, start = _page_args(limit, offset)
+        n, start = (MAX_PAGE if limit is None else limit), offset
         jobs = service.store.list(states, label=label)
         return {
             "total": len(jobs),
@@ -454,4 +448,21 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail)).response()
+        response = ApiError(exc.status_code, str(exc.detail)).response()
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            # Every method the path has (Starlette names only its first route's).
+            response.headers["Allow"] = ", ".join(sorted(_methods(app, request.url.path)))
+        return response
+
+
+def _methods(app: FastAPI, path: str) -> set[str]:
+    """The methods of the app's routes that match ``path``."""
+    from starlette.routing import Match, Route
+
+    scope = {"type": "http", "path": path, "method": "GET", "root_path": ""}
+    found: set[str] = set()
+    for route in app.routes:
+        if isinstance(route, Route) and route.matches(scope)[0] != Match.NONE:
+            found |= set(route.methods or ())
+    return found
