@@ -304,3 +304,19 @@ def test_the_cli_talks_to_the_service_with_server(server: JobServer) -> None:
     assert wrong.exit_code != 0 and "token" in wrong.output
     bad = runner.invoke(app, ["jobs", "--server", "http://127.0.0.1:9/"])
     assert bad.exit_code != 0 and "cannot reach the job service" in bad.output
+
+
+def test_concurrent_submissions_are_all_kept(server: JobServer) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def submit(k: int) -> tuple[int, Any]:
+        return call("POST", f"{server.url}jobs", job(f"many{k}", "pass"), token=server.token)
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(submit, range(160)))
+    assert [status for status, _ in answers] == [201] * 160
+    ids = {made["id"] for _, made in answers}
+    _, listed = call("GET", f"{server.url}jobs?limit=1000")
+    assert ids <= {j["id"] for j in listed["jobs"]}
+    for job_id in ids:
+        call("DELETE", f"{server.url}jobs/{job_id}", token=server.token)

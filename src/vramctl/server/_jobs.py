@@ -197,6 +197,10 @@ class JobService:
                 )
         return problems
 
+    def submit(self, spec: JobSpec) -> Job:
+        """Queue ``spec`` (call it on the thread that uses the store: each has its own)."""
+        return self.store.submit(spec)
+
     def job(self, job_id: str) -> Job:
         try:
             return self.store.get(job_id)
@@ -310,7 +314,7 @@ def jobs_router(service: JobService) -> APIRouter:
         service.check_token(request)
         body = await request.body()
         spec = await asyncio.to_thread(service.spec_of, body)
-        job = await asyncio.to_thread(service.store.submit, spec)
+        job = await asyncio.to_thread(service.submit, spec)
         return JSONResponse(_job_json(job), 201, headers={"Location": f"/jobs/{job.id}"})
 
     @router.get("/jobs", responses=_ERRORS)
