@@ -143,6 +143,77 @@ def test_fragmentation_counts_cpu_and_gpu_count() -> None:
         Workload({Request(0, gpus=0): 1})
 
 
+def test_workload_keeps_the_popular_kinds() -> None:
+    kinds = {Request(500, cpu=4): 50, Request(1000): 30, Request(250, cpu=2): 15, Request(100): 5}
+    w = Workload(kinds, popular=0.8)  # 50 + 30 reach 80%
+    assert set(w.kinds) == {Request(500, cpu=4), Request(1000)}
+    assert sorted(w.need.tolist()) == [500.0, 1000.0]
+    free = torch.tensor([[600.0, 100.0]])
+    # renormalised over the two kept: 5/8 * 100 (the 500 job's fragment) + 3/8 * 700
+    assert w.fragmentation(free).tolist() == pytest.approx([5 / 8 * 100 + 3 / 8 * 700])
+    assert set(Workload(kinds, popular=0.81).kinds) == set(kinds) - {Request(100)}
+    assert set(Workload(kinds).kinds) == set(kinds)
+    # kinds are counted by their shape (GPU count, need, CPU, model), memory aside
+    many = [Request(500, memory=m) for m in (1, 2, 3)] + [Request(1000)] * 2
+    assert set(Workload.from_requests(many, popular=0.5).kinds) == set(many[:3])
+    with pytest.raises(ValueError):
+        Workload(kinds, popular=0)
+
+
+def test_workload_jobs_with_no_gpu_find_every_gpu_fragmented() -> None:
+    kinds = {Request(500): 3, Request(0, gpus=0, cpu=4): 1}
+    free = torch.tensor([[1000.0, 300.0]])
+    # without them: the 500 job fits, the 300 is its fragment
+    assert Workload(kinds).fragmentation(free).tolist() == [300.0]
+    # with them: 3/4 * 300 + 1/4 * 1300
+    got = Workload(kinds, no_gpu=True).fragmentation(free)
+    assert got.tolist() == pytest.approx([3 / 4 * 300 + 1 / 4 * 1300])
+    # they count in the popularity too: the 500 job alone is 75%
+    assert set(Workload(kinds, popular=0.75, no_gpu=True).kinds) == {Request(500)}
+
+
+def test_workload_kind_of_another_model_finds_the_node_fragmented() -> None:
+    w = Workload({Request(500, model="A100"): 1, Request(500): 1})
+    free = torch.tensor([[1000.0], [1000.0], [1000.0]])
+    # node 0 is an A100: both kinds fit; node 1 a T4: the A100 kind finds all 1000
+    # fragmented; node 2 names no model: the same
+    got = w.fragmentation(free, models=["A100", "T4", None])
+    assert got.tolist() == [0.0, 500.0, 500.0]
+    assert w.fragmentation(free).tolist() == [0.0, 0.0, 0.0]  # models not given
+    assert w.model_aware and not Workload({Request(500): 1}).model_aware
+
+
+def test_fragmentation_policy_keeps_a_model_for_the_kinds_that_ask_for_it() -> None:
+    s = ClusterState([1, 1], 1000, node_model=["A100", "T4"])
+    r = Request(500)
+    # the mix's jobs all ask for an A100: a job that can run anywhere goes to the T4
+    frag = Fragmentation(Workload({Request(1000, model="A100"): 1}))
+    assert frag.choose(s, r) == Placement(1, (1,))
+    got = frag.delta(s, r)
+    assert got is not None and got[1].tolist() == [500.0, -500.0]
+    # without the model in the mix, the two are alike: the lowest index
+    assert Fragmentation(Workload({Request(1000): 1})).choose(s, r) == Placement(0, (0,))
+
+
+def test_row_ids_group_equal_rows_even_when_hashes_collide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vramctl.jobs import _placement
+
+    rng = random.Random(2)
+    rows = torch.tensor(
+        [[float(rng.choice([0, 250, 500, 1000])) for _ in range(3)] for _ in range(200)],
+        dtype=torch.float64,
+    )
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return bool((a[:, None] == a[None, :]).eq(b[:, None] == b[None, :]).all())
+
+    assert same(_placement._row_ids(rows), _placement._row_ids_exact(rows))
+    monkeypatch.setattr(_placement, "_HASH", torch.zeros(64, dtype=torch.int64))
+    assert same(_placement._row_ids(rows), _placement._row_ids_exact(rows))
+
+
 def test_fragmentation_policy_avoids_stranding() -> None:
     s = ClusterState([1, 1], 1000)
     s.allocate(Request(400), Placement(0, (0,)))

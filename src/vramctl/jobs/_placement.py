@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -354,13 +354,26 @@ class LeastLoaded:
 # -- fragmentation ------------------------------------------------------------------------
 
 
+def _shape(r: Request) -> tuple[int, float, float, str]:
+    """A request's kind for :class:`Workload`: GPU count, need, CPU, model ("": any)."""
+    return (r.gpus, float(r.need) if r.gpus else 0.0, float(r.cpu), r.model or "")
+
+
 class Workload:
     """A typical job mix, for :class:`Fragmentation`: request kinds with their shares.
 
-    Jobs with no GPU are left out (they never use GPU memory); the others' weights are
-    normalised to sum to 1. Requests are grouped by (GPU count, need per GPU); within a
-    group, the CPU asked for is kept as a distribution. The GPU model is not part of the
-    mix (every kind is taken to run on every node).
+    Requests are grouped by (GPU count, need per GPU, GPU model); within a group, the CPU
+    asked for is kept as a distribution. Weights are normalised to sum to 1 over the kinds
+    kept:
+
+    - ``popular`` (0 to 1; None: every kind): only the most frequent kinds, by (GPU count,
+      need, CPU, model), the most frequent first (ties: the most CPU first), until
+      their shares add up to at least ``popular`` of the mix; the rest, rare shapes that
+      would weigh little but cost a term each, are left out before normalising (FGD's
+      simulator keeps 95%);
+    - ``no_gpu``: jobs with no GPU are part of the mix: they use none of a node's free GPU
+      memory, so for their share all of it is fragmented (FGD counts them so). By default
+      they are left out.
 
     The expected fragmentation of a node with free ``f_1..f_K`` on its GPUs and CPU ``c``
     left (FGD, Weng et al., USENIX ATC 2023) is, over the kinds ``t`` of the mix with
@@ -369,24 +382,44 @@ class Workload:
         sum_t p_t * (sum of f_j with f_j < m_t   if the node can host t
                      else sum of all f_j)
 
-    where the node can host ``t`` when at least ``k_t`` GPUs have ``f_j >= m_t`` and
-    ``c >= q_t``: the free memory that a job of the mix cannot use.
+    where the node can host ``t`` when at least ``k_t`` GPUs have ``f_j >= m_t``, ``c >=
+    q_t`` and, where ``t`` asks for a GPU model, the node's GPUs are that model: the free
+    memory that a job of the mix cannot use. A job with no GPU can host none of it.
     """
 
-    def __init__(self, kinds: dict[Request, float]) -> None:
-        groups: dict[tuple[int, float], list[tuple[float, float]]] = {}
-        total = 0.0
+    def __init__(
+        self, kinds: Mapping[Request, float], *, popular: float | None = None, no_gpu: bool = False
+    ) -> None:
+        if popular is not None and not 0 < popular <= 1:
+            raise ValueError(f"popular is a share, in (0, 1]: {popular}")
+        shapes: dict[tuple[int, float, float, str], float] = {}
         for r, w in kinds.items():
-            if r.gpus == 0 or w <= 0:
-                continue
-            groups.setdefault((r.gpus, float(r.need)), []).append((float(r.cpu), float(w)))
+            if w > 0 and (r.gpus > 0 or no_gpu):
+                shape = _shape(r)
+                shapes[shape] = shapes.get(shape, 0.0) + w
+        order = sorted(shapes.items(), key=lambda kv: (kv[1], kv[0][2], kv[0][1:]), reverse=True)
+        if popular is not None:
+            whole, share, n = sum(shapes.values()), 0.0, 0
+            while n < len(order) and share < popular * whole:
+                share += order[n][1]
+                n += 1
+            order = order[:n]
+        kept = {k for k, _ in order}
+        groups: dict[tuple[int, float, str], list[tuple[float, float]]] = {}
+        idle = total = 0.0
+        for (gpus, need, q, model), w in order:
             total += w
+            if gpus == 0:
+                idle += w
+            else:
+                groups.setdefault((gpus, need, model), []).append((q, w))
         if not groups:
             raise ValueError("a workload needs at least one request with a GPU")
         keys = sorted(groups)
-        self.kinds = {r: w for r, w in kinds.items() if r.gpus > 0 and w > 0}
-        self.count = torch.tensor([k for k, _ in keys], dtype=_F)
-        self.need = torch.tensor([m for _, m in keys], dtype=_F)
+        self.kinds = {r: w for r, w in kinds.items() if w > 0 and _shape(r) in kept}
+        self.count = torch.tensor([k for k, _, _ in keys], dtype=_F)
+        self.need = torch.tensor([m for _, m, _ in keys], dtype=_F)
+        self.models: list[str | None] = [g or None for _, _, g in keys]
         width = max(len(v) for v in groups.values())
         cpu = torch.full((len(keys), width), math.inf, dtype=_F)
         cum = torch.zeros((len(keys), width + 1), dtype=_F)
@@ -398,11 +431,35 @@ class Workload:
             cum[i, len(rows) + 1 :] = cum[i, len(rows)]
         self._cpu = cpu.contiguous()
         self._cum = cum
+        self._all = float(cum[:, -1].sum()) + idle / total
+        self._access_for: tuple[tuple[str, ...], torch.Tensor] | None = None
 
     @classmethod
-    def from_requests(cls, requests: Iterable[Request]) -> Workload:
-        """The mix of ``requests``, each kind weighted by how often it occurs."""
-        return cls(dict(Counter(requests)))
+    def from_requests(
+        cls, requests: Iterable[Request], *, popular: float | None = None, no_gpu: bool = False
+    ) -> Workload:
+        """The mix of ``requests``, each kind weighted by how often it occurs (``popular``
+        and ``no_gpu`` as for the class)."""
+        return cls(dict(Counter(requests)), popular=popular, no_gpu=no_gpu)
+
+    @property
+    def model_aware(self) -> bool:
+        """Whether a kind of the mix asks for a GPU model."""
+        return any(m is not None for m in self.models)
+
+    def access(self, models: Sequence[str], node_model: torch.Tensor) -> torch.Tensor | None:
+        """Per node and group: whether the node can run the group's GPU model. ``models``
+        are the model names, ``node_model`` each node's index into them (-1: a node with no
+        model named, where only the groups asking for no model run). None where no group
+        asks for a model (every group runs everywhere)."""
+        if not self.model_aware:
+            return None
+        names = tuple(models)
+        if self._access_for is None or self._access_for[0] != names:
+            rows = [[m is None or m == name for m in self.models] for name in names]
+            rows.append([m is None for m in self.models])
+            self._access_for = (names, torch.tensor(rows, dtype=torch.bool))
+        return self._access_for[1][torch.where(node_model >= 0, node_model, len(names))]
 
     def _cpu_share(self, cpu: torch.Tensor) -> torch.Tensor:
         """Per node (C) and group (M): the share of the mix in that group asking for at
@@ -417,20 +474,38 @@ class Workload:
         return ge.sum(2).to(_F), torch.where(ge, free[:, None, :], 0.0).sum(2)
 
     def _combine(
-        self, total: torch.Tensor, count: torch.Tensor, usable: torch.Tensor, cpu: torch.Tensor
+        self,
+        total: torch.Tensor,
+        count: torch.Tensor,
+        usable: torch.Tensor,
+        cpu: torch.Tensor,
+        access: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hosted = (count >= self.count) * self._cpu_share(cpu)
-        return total * float(self._cum[:, -1].sum()) - (hosted * usable).sum(1)
+        if access is not None:
+            hosted = hosted * access
+        return total * self._all - (hosted * usable).sum(1)
 
-    def fragmentation(self, free: torch.Tensor, cpu: torch.Tensor | None = None) -> torch.Tensor:
+    def fragmentation(
+        self,
+        free: torch.Tensor,
+        cpu: torch.Tensor | None = None,
+        models: Sequence[str | None] | None = None,
+    ) -> torch.Tensor:
         """The expected fragmentation of each node (see the class): ``free`` is nodes x
         slots (negative in a slot with no GPU), ``cpu`` each node's CPU left (None:
-        unlimited)."""
+        unlimited), ``models`` each node's GPU model (None: every kind runs anywhere; a
+        node's None: a kind asking for a model cannot run there)."""
         free = free.to(_F)
         if cpu is None:
             cpu = torch.full((free.shape[0],), math.inf, dtype=_F)
+        access = None
+        if models is not None:
+            names = sorted({m for m in models if m is not None})
+            idx = torch.tensor([-1 if m is None else names.index(m) for m in models])
+            access = self.access(names, idx)
         count, usable = self._terms(free)
-        return self._combine(free.clamp(min=0).sum(1), count, usable, cpu.to(_F))
+        return self._combine(free.clamp(min=0).sum(1), count, usable, cpu.to(_F), access)
 
 
 def _first(inverse: torch.Tensor, groups: int) -> torch.Tensor:
@@ -439,7 +514,7 @@ def _first(inverse: torch.Tensor, groups: int) -> torch.Tensor:
     return first.scatter_reduce(0, inverse, torch.arange(len(inverse)), "amin")
 
 
-def _row_ids(rows: torch.Tensor) -> torch.Tensor:
+def _row_ids_exact(rows: torch.Tensor) -> torch.Tensor:
     """An id per row, equal for equal rows (``torch.unique(dim=0)``'s inverse, by
     one-dimensional uniques column by column, which are much faster)."""
     ids = torch.zeros(rows.shape[0], dtype=torch.int64)
@@ -449,16 +524,40 @@ def _row_ids(rows: torch.Tensor) -> torch.Tensor:
     return ids
 
 
-def _distinct(state: ClusterState, c: _Candidates) -> _Candidates:
+_HASH = torch.randint(
+    -(2**62), 2**62, (64,), generator=torch.Generator().manual_seed(0x5EED), dtype=torch.int64
+).bitwise_or(1)
+
+
+def _row_ids(rows: torch.Tensor) -> torch.Tensor:
+    """An id per row (float64), equal for equal rows: each row's bits mixed into one
+    integer, one unique over those, then every row checked against its group's first; a
+    collision (different rows, one hash: never seen) falls back to the column-by-column
+    way. Two uniques instead of two per column."""
+    if rows.shape[1] > len(_HASH):
+        return _row_ids_exact(rows)
+    bits = rows.to(_F).contiguous().view(torch.int64)
+    ids: torch.Tensor
+    _, ids = torch.unique((bits * _HASH[: rows.shape[1]]).sum(1), return_inverse=True)
+    first = _first(ids, int(ids.max()) + 1 if len(ids) else 0)
+    if bool((rows[first[ids]] == rows).all()):
+        return ids
+    return _row_ids_exact(rows)
+
+
+def _distinct(state: ClusterState, c: _Candidates, model: bool = False) -> _Candidates:
     """The candidates less those that are the same as an earlier one for
     :class:`Fragmentation` (its growth and its tie-breaks): a node whose GPUs' free
-    (sorted) and CPU left equal an earlier candidate's node's, taking GPUs with the same
-    free. Thousands of candidates on a near-empty cluster come to a few dozen."""
+    (sorted) and CPU left (and GPU model, with ``model``) equal an earlier candidate's
+    node's, taking GPUs with the same free. Thousands of candidates on a near-empty
+    cluster come to a few dozen."""
     nodes, inverse = torch.unique(c.node, return_inverse=True)
     fm = torch.sort(state.slot_free()[nodes], dim=1, descending=True).values
-    sig = torch.cat([fm, state.cpu_free[nodes, None]], dim=1)
-    kind = _row_ids(sig)
-    group = _row_ids(torch.cat([kind[inverse].to(_F)[:, None], c.before], dim=1))
+    cols = [fm, state.cpu_free[nodes, None]]
+    if model:
+        cols.append(state.node_model[nodes, None].to(_F))
+    sig = torch.cat(cols, dim=1)
+    group = _row_ids(torch.cat([sig[inverse], c.before], dim=1))
     keep = torch.sort(_first(group, int(group.max()) + 1)).values
     return _Candidates(c.node[keep], c.slot[keep], c.before[keep])
 
@@ -511,13 +610,15 @@ class Fragmentation:
         mix = self._mix()
         if c is None or mix is None:
             return None
-        c = _distinct(state, c)
+        c = _distinct(state, c, mix.model_aware)
         nodes, inverse = torch.unique(c.node, return_inverse=True)
         fm = state.slot_free()[nodes]
         count_b, usable_b = mix._terms(fm)
         total_b = fm.clamp(min=0).sum(1)
         cpu_b = state.cpu_free[nodes]
-        frag_b = mix._combine(total_b, count_b, usable_b, cpu_b)
+        model = state.node_model[nodes] if state.models else torch.full_like(nodes, -1)
+        access = mix.access(state.models, model)
+        frag_b = mix._combine(total_b, count_b, usable_b, cpu_b, access)
         # After: only the taken slots change; update the per-group terms slot by slot.
         count, usable = count_b[inverse], usable_b[inverse]
         need = mix.need[None, :]
@@ -528,7 +629,8 @@ class Fragmentation:
             count = count - was + now
             usable = usable - was * old + now * new
         total_a = total_b[inverse] - request.need * request.gpus
-        frag_a = mix._combine(total_a, count, usable, cpu_b[inverse] - request.cpu)
+        access_a = None if access is None else access[inverse]
+        frag_a = mix._combine(total_a, count, usable, cpu_b[inverse] - request.cpu, access_a)
         return c, frag_a - frag_b[inverse]
 
     def choose(self, state: ClusterState, request: Request) -> Placement | None:
