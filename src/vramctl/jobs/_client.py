@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,7 +19,7 @@ from typing import Any
 
 from vramctl._errors import VramctlError
 from vramctl.jobs._spec import JobSpec
-from vramctl.jobs._store import Job, vramctl_home
+from vramctl.jobs._store import Job, vramctl_home, wait_finished
 
 __all__ = ["JobClient", "JobClientError", "job_from_dict"]
 
@@ -154,11 +153,4 @@ class JobClient:
 
     def wait(self, job_id: str, timeout: float | None = None, *, poll: float = 0.2) -> Job:
         """The job once it has ended; :class:`TimeoutError` after ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            job = self.get(job_id)
-            if job.finished:
-                return job
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {job_id} is still {job.state} after {timeout:g} s")
-            time.sleep(poll)
+        return wait_finished(self.get, job_id, timeout, poll)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vramctl.jobs._settings import Settings, load_settings
 from vramctl.jobs._spec import JobSpec
-from vramctl.jobs._store import Job, JobStore
+from vramctl.jobs._store import Job, JobStore, wait_finished
 
 __all__ = ["Queue"]
 
@@ -65,11 +64,4 @@ class Queue:
 
     def wait(self, job_id: str, timeout: float | None = None, *, poll: float = 0.1) -> Job:
         """The job once it has ended; :class:`TimeoutError` after ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            job = self.store.get(job_id)
-            if job.finished:
-                return job
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {job_id} is still {job.state} after {timeout:g} s")
-            time.sleep(poll)
+        return wait_finished(self.store.get, job_id, timeout, poll)

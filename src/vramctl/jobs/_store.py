@@ -23,7 +23,7 @@ import os
 import secrets
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -41,6 +41,7 @@ __all__ = [
     "JobStore",
     "JobStoreError",
     "vramctl_home",
+    "wait_finished",
 ]
 
 #: Environment variable naming vramctl's data directory (the store, the jobs' logs).
@@ -362,6 +363,21 @@ class JobStore:
         row = self._conn.execute("SELECT peak_bytes FROM learned WHERE name = ?", (name,))
         found = row.fetchone()
         return None if found is None else int(found[0])
+
+
+def wait_finished(
+    get: Callable[[str], Job], job_id: str, timeout: float | None, poll: float
+) -> Job:
+    """``get(job_id)`` once the job has ended; :class:`TimeoutError` after ``timeout`` s
+    (what :meth:`Queue.wait` and :meth:`JobClient.wait` share)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        job = get(job_id)
+        if job.finished:
+            return job
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"job {job_id} is still {job.state} after {timeout:g} s")
+        time.sleep(poll)
 
 
 @functools.lru_cache(maxsize=8192)
