@@ -320,3 +320,22 @@ def test_concurrent_submissions_are_all_kept(server: JobServer) -> None:
     assert ids <= {j["id"] for j in listed["jobs"]}
     for job_id in ids:
         call("DELETE", f"{server.url}jobs/{job_id}", token=server.token)
+
+
+def test_health_is_degraded_with_the_reasons(tmp_path: Path) -> None:
+    from vramctl.device import resolve
+    from vramctl.server import JobService
+
+    gpu = resolve("sim:4GiB")
+    beats = [True]
+    service = JobService(tmp_path / "jobs.db", [gpu], token="t", scheduler_alive=lambda: beats[0])
+    assert service.health() == (True, [])
+    gpu.health.disable("taken out for a test")
+    beats[0] = False
+    ok, reasons = service.health()
+    assert not ok
+    assert reasons == [
+        "device sim:4GiB: disabled: taken out for a test",
+        "scheduler: its loop is not running",
+    ]
+    assert not JobService(tmp_path / "other.db", [], token="t").health()[0]

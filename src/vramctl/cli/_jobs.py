@@ -14,7 +14,6 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-import vramctl
 from vramctl import VramctlError, format_bytes
 from vramctl.cli._common import app, console, emit_json, err, user_errors
 from vramctl.device import Device, resolve
@@ -136,7 +135,7 @@ def _devices(text: str | None) -> list[Device] | None:
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
-        out.append(vramctl.simulate(item) if item.startswith("sim:") else resolve(item))
+        out.append(resolve(item))  # sim:NAME is a simulated GPU
     if not out:
         raise VramctlError("--devices: name at least one device, e.g. --devices cuda:0")
     return out

@@ -258,9 +258,9 @@ class JobService:
         if not self.devices:
             reasons.append("devices: none to run jobs on")
         for dev in self.devices:
-            state = getattr(dev, "health", None)
-            if state is not None and getattr(state, "lost", False):
-                reasons.append(f"device {dev.id}: lost")
+            if not dev.health.state.usable:
+                why = f": {dev.health.reason}" if dev.health.reason else ""
+                reasons.append(f"device {dev.id}: {dev.health.state}{why}")
         if self.scheduler_alive is not None and not self.scheduler_alive():
             reasons.append("scheduler: its loop is not running")
         return not reasons, reasons

@@ -254,14 +254,4 @@ def _configure(app: FastAPI, collector: _JobsCollector) -> None:
 def _resolve(devices: Sequence[Device | str] | None) -> list[Device]:
     if devices is None:
         return list(gpus()) or [resolve("cpu")]
-    out: list[Device] = []
-    for d in devices:
-        if isinstance(d, Device):
-            out.append(d)
-        elif d.startswith("sim:"):
-            from vramctl.device import simulate
-
-            out.append(simulate(d))
-        else:
-            out.append(resolve(d))
-    return out
+    return [d if isinstance(d, Device) else resolve(d) for d in devices]
