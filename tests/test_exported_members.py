@@ -302,6 +302,7 @@ JOBS = {
     "FINISHED",
     "Fragmentation",
     "GRAD_ACCUM_ENV",
+    "GuardOptions",
     "Job",
     "JobClient",
     "JobClientError",

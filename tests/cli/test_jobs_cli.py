@@ -61,6 +61,8 @@ def test_run_waits_for_room_then_says_how_much_there_was(home: Path) -> None:
         (["jobs", "--state", "done"], "unknown job state 'done'"),
         (["logs", "nope"], "no job 'nope'"),
         (["scheduler", "--policy", "first-fit"], "unknown placement policy"),
+        (["submit", "-m", "1GiB", "--guard", "steps", "--", "true"], "guard.function: must be"),
+        (["submit", "-m", "1GiB", "--guard-optimizer", "m:o", "--", "true"], "goes with --guard"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(home: Path, args: list[str], message: str) -> None:
@@ -90,3 +92,20 @@ def test_submit_list_cancel_and_logs(home: Path, tmp_path: Path) -> None:
     log.write_text("line one\n")
     shown = runner.invoke(app, ["logs", job["id"]])
     assert shown.exit_code == 0 and shown.stdout == "line one\n"
+
+
+def test_run_guards_the_function_the_command_line_names(home: Path, tmp_path: Path) -> None:
+    (tmp_path / "steps.py").write_text(
+        "import torch\n\ndef embed(batch):\n"
+        "    torch.empty(batch.shape[0], 2**26, dtype=torch.uint8)\n"
+        "    return batch.sum(dim=1)\n"
+    )
+    code = "import torch, steps; print('rows', steps.embed(torch.ones(32, 4)).shape[0])"
+    args = ["run", "-m", "1GiB", "--devices", "sim:4GiB", "--cwd", str(tmp_path)]
+    plain = runner.invoke(app, [*args, "--", PY, "-c", code])
+    assert plain.exit_code == 1 and "OutOfMemoryError" in plain.stdout
+    guarded = runner.invoke(app, [*args, "--guard", "steps:embed", "--", PY, "-c", code])
+    assert guarded.exit_code == 0, guarded.output
+    assert "rows 32" in guarded.stdout and "the guard of steps:embed ran 1 of 1" in guarded.stdout
+    with JobStore(home / "jobs.db") as s:
+        assert s.list()[-1].spec.guard is not None

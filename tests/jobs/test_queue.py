@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import vramctl
 from vramctl.jobs import (
     DeviceConstraints,
+    GuardOptions,
     Job,
     JobSpec,
     JobSpecError,
@@ -281,6 +283,136 @@ def test_an_entry_point_is_held_to_its_share_on_a_simulated_gpu(
     over = store.get(b.id)
     assert over.state == "failed"
     assert "OutOfMemoryError" in Path(over.log_path or "").read_text()
+
+
+# -- a guarded job --------------------------------------------------------------------------
+
+STEPS = """
+import torch
+
+MiB = 2**20
+model = torch.nn.Linear(16, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def scratch(batch):
+    # Memory that grows with the batch: 64 MiB a sample.
+    return torch.empty(batch.shape[0], 64 * MiB, dtype=torch.uint8)
+
+
+def embed(batch):
+    scratch(batch)
+    return batch.sum(dim=1)
+
+
+def train(batch):
+    scratch(batch)
+    return model(batch).pow(2).mean()
+"""
+
+MAIN = """
+import sys, torch
+from steps import embed, train
+if sys.argv[1] == "embed":
+    print("embedded", embed(torch.ones(32, 16)).shape[0])
+else:
+    for _ in range(2):
+        result = train(torch.ones(32, 16))
+    print("trained", result.batch_size, "pieces", result.pieces)
+"""
+
+
+def test_a_guarded_job_finishes_a_batch_its_share_cannot_hold(
+    store: JobStore, tmp_path: Path
+) -> None:
+    # 32 samples need 2 GiB of scratch in a 1 GiB share: plain, the job fails; with the
+    # spec's guard the function runs in pieces and the job succeeds.
+    (tmp_path / "steps.py").write_text(STEPS)
+    (tmp_path / "main.py").write_text(MAIN)
+
+    def job(name: str, what: str, **kw: Any) -> JobSpec:
+        return JobSpec(
+            name=name,
+            command=(PY, "main.py", what),
+            cwd=str(tmp_path),
+            memory=MemoryNeed.of_size("1GiB"),
+            **kw,
+        )
+
+    plain = store.submit(job("plain", "embed"))
+    embed = store.submit(job("embed", "embed", guard=GuardOptions("steps:embed")))
+    train = store.submit(
+        job("train", "train", guard=GuardOptions("steps:train", optimizer="steps:optimizer"))
+    )
+    entry = store.submit(
+        JobSpec(
+            name="entry",
+            entry_point="main_entry:run",
+            env={"PYTHONPATH": str(tmp_path)},
+            memory=MemoryNeed.of_size("1GiB"),
+            guard=GuardOptions("steps:embed"),
+        )
+    )
+    (tmp_path / "main_entry.py").write_text(
+        "import torch\nfrom steps import embed\n\n"
+        "def run():\n    print('embedded', embed(torch.ones(32, 16)).shape[0])\n"
+    )
+    with vramctl.simulate("8GiB") as gpu:
+        run_all(Scheduler(store, devices=[gpu]))
+
+    def log(job: Job) -> str:
+        return Path(store.get(job.id).log_path or "").read_text()
+
+    assert store.get(plain.id).state == "failed" and "OutOfMemoryError" in log(plain)
+    for done in (embed, entry):
+        assert store.get(done.id).state == "succeeded", log(done)
+        assert "embedded 32" in log(done)
+        assert "the guard of steps:embed ran 1 of 1 steps in pieces" in log(done), log(done)
+    assert store.get(train.id).state == "succeeded", log(train)
+    # Both steps ran the whole batch, in pieces (the guard remembers the size that fit).
+    found = re.search(r"trained 32 pieces (\d+)", log(train))
+    assert found and int(found[1]) > 1, log(train)
+    assert "the guard of steps:train ran 2 of 2 steps in pieces" in log(train)
+
+
+@pytest.mark.cuda
+def test_a_guarded_job_finishes_on_a_gpu(store: JobStore, tmp_path: Path) -> None:
+    # The same job on a real GPU, capped by the allocator at a 1 GiB share.
+    (tmp_path / "steps.py").write_text(
+        STEPS.replace("dtype=torch.uint8)", "dtype=torch.uint8, device='cuda')")
+    )
+    (tmp_path / "main.py").write_text(MAIN.replace("torch.ones(32, 16)", "torch.ones(8, 16)"))
+    job = store.submit(
+        JobSpec(
+            name="embed",
+            command=(PY, "main.py", "embed"),
+            cwd=str(tmp_path),
+            memory=MemoryNeed.of_size("1GiB"),
+            guard=GuardOptions("steps:embed"),
+        )
+    )
+    run_all(Scheduler(store, devices=[vramctl.gpus()[0]]))
+    text = Path(store.get(job.id).log_path or "").read_text()
+    assert store.get(job.id).state == "succeeded", text
+    assert "embedded 8" in text and "the guard of steps:embed ran 1 of 1" in text
+
+
+def test_a_guard_that_never_applies_says_why(store: JobStore, tmp_path: Path) -> None:
+    (tmp_path / "steps.py").write_text(STEPS)
+    job = store.submit(
+        JobSpec(
+            name="script",
+            command=(PY, "-c", "print('no import')"),
+            cwd=str(tmp_path),
+            memory=MemoryNeed.of_size("1GiB"),
+            guard=GuardOptions("steps:embed"),
+        )
+    )
+    with vramctl.simulate("8GiB") as gpu:
+        run_all(Scheduler(store, devices=[gpu]))
+    assert store.get(job.id).state == "succeeded"
+    text = Path(store.get(job.id).log_path or "").read_text()
+    assert "the guard of steps:embed was never applied: the job did not import steps" in text
 
 
 # -- a scheduler killed mid-run -------------------------------------------------------------

@@ -16,6 +16,7 @@ from vramctl.jobs import (
     BATCH_SIZE_ENV,
     GRAD_ACCUM_ENV,
     DeviceConstraints,
+    GuardOptions,
     JobSpec,
     JobSpecError,
     MemoryNeed,
@@ -120,8 +121,9 @@ def test_defaults() -> None:
         ),
         JobSpec.from_dict(base(memory=12345, devices={"min_capability": "sm_90"})),
         JobSpec.from_dict(base(memory={"estimate": {"model": "mypkg.models:small"}})),
+        JobSpec.from_dict(base(guard={"function": "lib.steps:train", "optimizer": "lib:opt"})),
     ],
-    ids=["toml", "minimal", "entry-point-learned", "odd-bytes", "estimate-defaults"],
+    ids=["toml", "minimal", "entry-point-learned", "odd-bytes", "estimate-defaults", "guard"],
 )
 def test_round_trips_through_dict_json_and_toml(spec: JobSpec, tmp_path: Path) -> None:
     assert JobSpec.from_dict(spec.to_dict()) == spec
@@ -129,6 +131,15 @@ def test_round_trips_through_dict_json_and_toml(spec: JobSpec, tmp_path: Path) -
     path = tmp_path / "job.json"
     path.write_text(spec.to_json())
     assert load_spec(path) == spec
+
+
+def test_a_guard_is_a_function_or_a_table() -> None:
+    short = JobSpec.from_dict(base(guard="lib.steps:embed"))
+    assert short.guard == GuardOptions("lib.steps:embed")
+    assert short.to_dict()["guard"] == {"function": "lib.steps:embed"}
+    assert JobSpec.from_dict(base()).guard is None and "guard" not in base()
+    with pytest.raises(JobSpecError, match=r"guard\.model: must be of the form"):
+        GuardOptions("m:f", model="model")
 
 
 def test_to_dict_writes_sizes_exactly_and_readably() -> None:
@@ -260,6 +271,12 @@ def test_constructing_directly_validates_too() -> None:
         (base(devices={"min_capability": "eight"}), "devices.min_capability: must be a compute"),
         (base(devices={"model": ""}), "devices.model: must be part of a GPU name"),
         (base(devices="A100"), "devices: must be a table"),
+        (base(guard="steps"), "guard.function: must be of the form 'module:function'"),
+        (base(guard={"optimizer": "m:o"}), "guard.function: missing"),
+        (base(guard={"function": "m:f", "optimiser": "m:o"}), "unknown field 'guard.optimiser'"),
+        (base(guard={"function": "m:f", "optimizer": "m"}), "guard.optimizer: must be of the"),
+        (base(guard="__main__:step"), "guard.function: the script run as __main__ cannot be"),
+        (base(guard=["m:f"]), "guard: must be 'module:function' or a table"),
     ],
 )
 def test_each_mistake_gives_its_one_problem(data: dict[str, Any], expected: str) -> None:

@@ -83,6 +83,8 @@ def _spec(
     labels: list[str] | None,
     env: list[str] | None,
     cwd: Path | None,
+    guard: str | None = None,
+    guard_optimizer: str | None = None,
 ) -> JobSpec:
     """The job spec of a file, or of the command line, with the options laid over it."""
     if spec_file is not None and command:
@@ -118,6 +120,12 @@ def _spec(
         doc["labels"] = {**doc.get("labels", {}), **_pairs("--label", labels)}
     if env:
         doc["env"] = {**doc.get("env", {}), **_pairs("--env", env)}
+    if guard is not None:
+        doc["guard"] = {"function": guard}
+    if guard_optimizer is not None:
+        if "guard" not in doc:
+            raise VramctlError("--guard-optimizer goes with --guard module:function")
+        doc["guard"]["optimizer"] = guard_optimizer
     return load_settings().apply(JobSpec.from_dict(doc))
 
 
@@ -215,6 +223,24 @@ CwdOption = Annotated[
     Path | None,
     typer.Option("--cwd", help="The job's working directory.", show_default=False),
 ]
+GuardOption = Annotated[
+    str | None,
+    typer.Option(
+        "--guard",
+        help="module:function, a function of a batch the job imports: run it under "
+        "vramctl.guarded, in pieces when a batch runs out of memory.",
+        show_default=False,
+    ),
+]
+GuardOptimizerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--guard-optimizer",
+        help="module:attribute, the optimizer: makes the guarded function a training "
+        "step that returns the loss.",
+        show_default=False,
+    ),
+]
 CommandArg = Annotated[
     list[str] | None,
     typer.Argument(help="The command, after --.", show_default=False),
@@ -244,6 +270,8 @@ def submit(
     label: LabelOption = None,
     env: EnvOption = None,
     cwd: CwdOption = None,
+    guard: GuardOption = None,
+    guard_optimizer: GuardOptimizerOption = None,
     store: StoreOption = None,
     server: ServerOption = None,
     token_file: TokenFileOption = None,
@@ -269,6 +297,8 @@ def submit(
         labels=label,
         env=env,
         cwd=cwd,
+        guard=guard,
+        guard_optimizer=guard_optimizer,
     )
     remote = _client(server, token_file)
     if remote is not None:
@@ -296,6 +326,8 @@ def run(
     label: LabelOption = None,
     env: EnvOption = None,
     cwd: CwdOption = None,
+    guard: GuardOption = None,
+    guard_optimizer: GuardOptimizerOption = None,
     devices: DevicesOption = None,
     store: StoreOption = None,
     server: ServerOption = None,
@@ -323,6 +355,8 @@ def run(
         labels=label,
         env=env,
         cwd=cwd,
+        guard=guard,
+        guard_optimizer=guard_optimizer,
     )
     remote = _client(server, token_file)
     if remote is not None:

@@ -35,6 +35,7 @@ from vramctl.jobs._settings import Settings, load_settings
 from vramctl.jobs._spec import (
     MAX_SIZE,
     DeviceConstraints,
+    GuardOptions,
     JobSpec,
     JobSpecError,
     MemoryNeed,
@@ -56,6 +57,7 @@ __all__ = [
     "ClusterState",
     "DeviceConstraints",
     "Fragmentation",
+    "GuardOptions",
     "Job",
     "JobClient",
     "JobClientError",

@@ -9,6 +9,11 @@ share gets an out-of-memory error in its own process and never takes a neighbour
 The function is called with no arguments and ``sys.argv`` set to ``[entry_point, *ARGS]``;
 an int it returns is the exit status.
 
+When the spec asks for a guard (``$VRAMCTL_GUARD``, the spec's ``guard`` table as JSON),
+the function it names is replaced, once its module is imported, by one that runs under
+:func:`vramctl.guarded` (see :func:`guard_module`): a batch that runs out of memory in
+the job's share runs in pieces instead of failing the job.
+
 When the job's supervisor sets ``$VRAMCTL_PEAK_FILE``, a process held to its share writes
 its allocator's peak there when it exits (``$VRAMCTL_PEAK_FILE.<pid>``, in bytes): on a
 CUDA device ``torch.cuda.max_memory_reserved``, on a simulated device the simulated
@@ -19,14 +24,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
+    "ENV_GUARD",
     "ENV_PEAK_FILE",
+    "guard_module",
     "hold_process",
     "load_entry_point",
     "main",
@@ -36,6 +45,9 @@ __all__ = [
 
 #: Set by the supervisor: where this process writes its allocator's peak (``<it>.<pid>``).
 ENV_PEAK_FILE = "VRAMCTL_PEAK_FILE"
+
+#: Set by the supervisor when the spec has a guard: its ``guard`` table as JSON.
+ENV_GUARD = "VRAMCTL_GUARD"
 
 #: The simulation a command's process is held in, entered for the rest of its life.
 _HELD: list[Any] = []
@@ -50,6 +62,63 @@ def load_entry_point(text: str) -> Callable[[], Any]:
     if not callable(obj):
         raise TypeError(f"{text} is not callable")
     return obj  # type: ignore[no-any-return]
+
+
+def _attribute(text: str | None) -> Any:
+    """The object named by ``module:attribute`` (None for None)."""
+    if text is None:
+        return None
+    module_name, _, attr = text.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _JobGuard:
+    """The job's function of a batch, run by a guard made at its first call (so that an
+    optimizer the job makes after importing the function is there to be found)."""
+
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.options = options
+        self.guarded: Any = None
+        atexit.register(self.report)
+
+    def __call__(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.guarded is None:
+            import vramctl
+
+            optimizer = _attribute(self.options.get("optimizer"))
+            model = _attribute(self.options.get("model"))
+            train = optimizer is not None or model is not None
+            self.guarded = vramctl.guarded(self.fn, optimizer=optimizer, model=model, train=train)
+        return self.guarded(batch, *args, **kwargs)
+
+    def report(self) -> None:
+        """One line in the job's log when the guard saved a step from running out."""
+        if self.guarded is None or not self.guarded.guard.ooms:
+            return
+        g = self.guarded.guard
+        sys.stderr.write(
+            f"vramctl: the guard of {self.options['function']} ran {g.split_steps} of "
+            f"{g.steps} steps in pieces after {g.ooms} out-of-memory errors "
+            f"(pieces of at most {g.piece_limit} samples now)\n"
+        )
+
+
+def guard_module(module: Any, options: dict[str, Any]) -> None:
+    """Replace the function ``options["function"]`` names in ``module`` (its module,
+    imported) by one run under :func:`vramctl.guarded`; done once."""
+    attr = options["function"].partition(":")[2]
+    *parents, name = attr.split(".")
+    owner = module
+    for part in parents:
+        owner = getattr(owner, part)
+    fn = getattr(owner, name)
+    if not isinstance(fn, _JobGuard):
+        setattr(owner, name, _JobGuard(fn, options))
 
 
 def hold_process(device: str, reserved: int) -> None:
@@ -141,6 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args:
         print("usage: python -m vramctl.jobs._run module:function [ARG ...]", file=sys.stderr)
         return 2
+    guard = os.environ.get(ENV_GUARD)
+    if guard:
+        options = json.loads(guard)
+        guard_module(importlib.import_module(options["function"].partition(":")[0]), options)
     fn = load_entry_point(args[0])
     sys.argv = [args[0], *args[1:]]
     device = os.environ.get("VRAMCTL_DEVICE", "cpu")

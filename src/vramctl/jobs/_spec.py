@@ -41,6 +41,7 @@ from vramctl.estimator import MODES, PRECISIONS, zoo
 __all__ = [
     "MAX_SIZE",
     "DeviceConstraints",
+    "GuardOptions",
     "JobSpec",
     "JobSpecError",
     "MemoryNeed",
@@ -460,6 +461,76 @@ def _parse_devices(path: str, value: object, problems: list[str]) -> DeviceConst
     return None if len(problems) > before else made
 
 
+# -- the guard -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GuardOptions:
+    """A function of the job's code to run under :func:`vramctl.guarded`.
+
+    ``function`` (``"module:function"``) is a function of a batch in a module the job
+    imports (not the script run as ``__main__``); the job's bootstrap replaces it with a
+    guarded one when its module is imported, so a batch that runs out of memory is run
+    in pieces instead of failing the job. Without ``optimizer`` it is an inference step
+    (outputs joined back in order); with ``optimizer`` (``"module:attribute"``, read at
+    the first call) it is a training step that returns the loss, and the guard runs
+    backward and the optimizer step, accumulating gradients over the pieces. ``model``
+    (``"module:attribute"``) names the model, for a training step with no optimizer.
+    """
+
+    function: str
+    optimizer: str | None = None
+    model: str | None = None
+
+    FIELDS = ("function", "optimizer", "model")
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise JobSpecError(problems)
+
+    def problems(self, path: str = "guard") -> list[str]:
+        problems: list[str] = []
+        for key in self.FIELDS:
+            value: object = getattr(self, key)
+            if value is None and key != "function":
+                continue
+            what = "function" if key == "function" else "attribute"
+            if not isinstance(value, str) or not _ENTRY_RE.match(value):
+                problems.append(f"{path}.{key}: must be of the form 'module:{what}', got {value!r}")
+            elif value.startswith("__main__:"):
+                problems.append(
+                    f"{path}.{key}: the script run as __main__ cannot be reached before it runs; "
+                    "put the function in a module the script imports"
+                )
+        return problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.FIELDS if getattr(self, k) is not None}
+
+
+def _parse_guard(path: str, value: object, problems: list[str]) -> GuardOptions | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = {"function": value}
+    if not isinstance(value, Mapping):
+        problems.append(
+            f"{path}: must be 'module:function' or a table (function, optimizer, model), "
+            f"got {value!r}"
+        )
+        return None
+    problems += _unknown(path, value, GuardOptions.FIELDS)
+    if "function" not in value:
+        problems.append(f"{path}.function: missing; name the function of a batch to guard")
+        return None
+    try:
+        return GuardOptions(**{k: value[k] for k in GuardOptions.FIELDS if k in value})
+    except JobSpecError as exc:
+        problems += [p.replace("guard.", f"{path}.", 1) for p in exc.problems]
+        return None
+
+
 # -- the spec --------------------------------------------------------------------------
 
 
@@ -494,6 +565,8 @@ class JobSpec:
     run_timeout: float | None = None
     retries: int = 0
     devices: DeviceConstraints = field(default_factory=DeviceConstraints)
+    #: A function of the job's code to run under :func:`vramctl.guarded` (None: none).
+    guard: GuardOptions | None = None
 
     FIELDS = (
         "name",
@@ -511,6 +584,7 @@ class JobSpec:
         "run_timeout",
         "retries",
         "devices",
+        "guard",
     )
 
     def __post_init__(self) -> None:
@@ -556,6 +630,8 @@ class JobSpec:
             values[key] = _duration(key, data.get(key), problems)
         values["memory"] = _parse_memory("memory", data.get("memory"), problems) or _BAD
         values["devices"] = _parse_devices("devices", data.get("devices"), problems) or _BAD
+        if "guard" in data:
+            values["guard"] = _parse_guard("guard", data["guard"], problems) or _BAD
         problems += _spec_problems(values)
         if problems:
             raise JobSpecError(sorted(problems, key=_field_order))
@@ -610,6 +686,8 @@ class JobSpec:
         out["priority"] = self.priority
         out["retries"] = self.retries
         out["devices"] = self.devices.to_dict()
+        if self.guard is not None:
+            out["guard"] = self.guard.to_dict()
         return out
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -704,6 +782,9 @@ def _spec_problems(values: Mapping[str, Any]) -> list[str]:
     devices = values.get("devices", DeviceConstraints())
     if not isinstance(devices, DeviceConstraints | _Bad):
         problems.append(f"devices: must be a DeviceConstraints, got {devices!r}")
+    guard = values.get("guard")
+    if guard is not None and not isinstance(guard, GuardOptions | _Bad):
+        problems.append(f"guard: must be a GuardOptions, got {guard!r}")
     batch, effective = values.get("batch_size"), values.get("effective_batch")
     _positive_int("batch_size", batch, problems)
     _positive_int("effective_batch", effective, problems)

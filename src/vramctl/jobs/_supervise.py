@@ -75,6 +75,8 @@ ENV_DEVICE = "VRAMCTL_DEVICE"
 ENV_RESERVED = "VRAMCTL_RESERVED_BYTES"
 #: Where a job's Python processes write their allocator's peak: ``<this>.<pid>``.
 ENV_PEAK_FILE = "VRAMCTL_PEAK_FILE"
+#: The spec's guard table as JSON (read by the bootstrap; see ``vramctl.jobs._run``).
+ENV_GUARD = "VRAMCTL_GUARD"
 #: How far past its reservation a job's GPU memory may go before it is stopped (a share).
 ENV_TOLERANCE = "VRAMCTL_OVERRUN_TOLERANCE"
 TOLERANCE = 0.05
@@ -329,8 +331,10 @@ def _environment(
     env[ENV_RESERVED] = str(reserved)
     if peak_file is not None:
         env[ENV_PEAK_FILE] = peak_file
-    if device != "cpu" and spec.get("command"):
-        # Python commands are held to their share by the bootstrap in this folder.
+    if spec.get("guard"):
+        env[ENV_GUARD] = json.dumps(spec["guard"])
+    if (device != "cpu" or spec.get("guard")) and spec.get("command"):
+        # Python commands are held to their share (and guarded) by the bootstrap here.
         site = str(Path(__file__).resolve().parent / "_site")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
     if device.startswith("cuda:"):

@@ -428,6 +428,21 @@ JOB_SPEC_SCHEMA: dict[str, Any] = {
         "run_timeout": _DURATION,
         "retries": {"type": "integer", "minimum": 0},
         "devices": {"type": "object"},
+        "guard": {
+            "oneOf": [
+                {"type": "string"},
+                {
+                    "type": "object",
+                    "properties": {
+                        "function": {"type": "string"},
+                        "optimizer": {"type": "string"},
+                        "model": {"type": "string"},
+                    },
+                    "required": ["function"],
+                    "additionalProperties": False,
+                },
+            ]
+        },
     },
     "required": ["name", "memory"],
     "additionalProperties": False,
