@@ -33,6 +33,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "monitor": ("prometheus_client",),
     "plot": ("matplotlib",),
     "server": ("fastapi", "uvicorn", "prometheus_client"),
+    "ray": ("ray",),
 }
 
 

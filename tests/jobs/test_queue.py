@@ -24,6 +24,7 @@ from vramctl.jobs import (
     JobSpecError,
     JobStore,
     JobStoreError,
+    LocalRunner,
     MemoryNeed,
     Scheduler,
     price,
@@ -460,7 +461,8 @@ def test_a_job_whose_supervisor_died_is_queued_again(store: JobStore, tmp_path: 
         running = wait_for(store, job.id, ("running",))
         assert running.supervisor_pid is not None and running.pid is not None
         os.kill(running.supervisor_pid, signal.SIGKILL)
-        sched._started.pop(job.id).wait()
+        assert isinstance(sched.runner, LocalRunner)
+        sched.runner._started[job.id].wait()
         # The job runs on without its supervisor: its reservation stays until it ends ...
         assert sched.adopt() == [] and store.get(job.id).state == "running"
         wait_until_gone(running.pid)

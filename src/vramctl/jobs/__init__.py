@@ -30,7 +30,16 @@ from vramctl.jobs._placement import (
     Workload,
 )
 from vramctl.jobs._queue import Queue
-from vramctl.jobs._scheduler import POLICIES, Scheduler
+from vramctl.jobs._ray import (
+    RayAgent,
+    RayGpu,
+    RayRunner,
+    node_resources,
+    outside_vramctl,
+    ray_devices,
+    resource_name,
+)
+from vramctl.jobs._scheduler import POLICIES, LocalRunner, Runner, Scheduler
 from vramctl.jobs._settings import Settings, load_settings
 from vramctl.jobs._spec import (
     MAX_SIZE,
@@ -67,14 +76,19 @@ __all__ = [
     "JobStoreError",
     "LeastLoaded",
     "Ledger",
+    "LocalRunner",
     "MemoryNeed",
     "ModelNeed",
     "MostFree",
     "Placement",
     "Policy",
     "Queue",
+    "RayAgent",
+    "RayGpu",
+    "RayRunner",
     "Request",
     "Reservation",
+    "Runner",
     "Scheduler",
     "Settings",
     "Workload",
@@ -86,6 +100,10 @@ __all__ = [
     "load_settings",
     "load_spec",
     "matching_devices",
+    "node_resources",
+    "outside_vramctl",
     "price",
+    "ray_devices",
+    "resource_name",
     "vramctl_home",
 ]

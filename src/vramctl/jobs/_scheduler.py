@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
@@ -46,7 +47,7 @@ from vramctl.jobs._spec import JobSpec, JobSpecError
 from vramctl.jobs._store import ACTIVE, Job, JobStore
 from vramctl.jobs._supervise import tree_rss
 
-__all__ = ["POLICIES", "Scheduler"]
+__all__ = ["POLICIES", "LocalRunner", "Runner", "Scheduler"]
 
 log = logging.getLogger("vramctl.jobs")
 
@@ -65,6 +66,44 @@ def _policy(name: str) -> Policy:
         "fragmentation": Fragmentation,
     }
     return made[name]()
+
+
+class Runner(Protocol):
+    """Where admitted jobs run: starts a job's supervisor, and says which jobs it is
+    still starting or running (the scheduler's adoption leaves those alone)."""
+
+    def start(self, store: JobStore, job: Job) -> None: ...
+
+    def holds(self, job_id: str) -> bool: ...
+
+
+class LocalRunner:
+    """Runs each job's supervisor as a process of this machine, in a session of its own
+    (it outlives the scheduler)."""
+
+    def __init__(self) -> None:
+        self._started: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, store: JobStore, job: Job) -> None:
+        # Run by path: the supervisor imports neither vramctl nor PyTorch (see its module).
+        script = str(Path(__file__).resolve().parent / "_supervise.py")
+        argv = [sys.executable, script, str(store.path), job.id]
+        self._started[job.id] = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # it outlives the scheduler
+        )
+
+    def holds(self, job_id: str) -> bool:
+        proc = self._started.get(job_id)
+        if proc is None:
+            return False
+        if proc.poll() is None:
+            return True
+        del self._started[job_id]
+        return False
 
 
 #: Queued jobs read from the store at a time, in admission order.
@@ -100,7 +139,9 @@ class Scheduler:
     #: Starts an admitted job; the default starts its supervisor process. A replay (the
     #: benchmarks) passes its own, which moves the job through its states itself.
     launch: Callable[[Job], None] | None = None
-    _started: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
+    #: Where admitted jobs' supervisors run (default: processes of this machine; a
+    #: ``vramctl.jobs.RayRunner`` runs them on a Ray cluster).
+    runner: Runner | None = None
     # The queue as the last round read it, in admission order, and what the rounds
     # learned about its jobs: prices per (device, batch), and the jobs that fit nowhere.
     _queued: dict[str, Job] = field(default_factory=dict, repr=False)
@@ -129,12 +170,13 @@ class Scheduler:
             )
         self._index = {d.id: i for i, d in enumerate(self.devices)}
         self._chooser = _policy(self.policy)
+        if self.runner is None:
+            self.runner = LocalRunner()
 
     # -- one round -----------------------------------------------------------------------
 
     def run_once(self) -> list[Job]:
         """One round: adopt, then admit what fits. Returns the jobs admitted."""
-        self._reap()
         self.adopt()
         admitted = []
         # One admission at a time per store: two schedulers (a service and a `vramctl
@@ -164,7 +206,8 @@ class Scheduler:
             if self.launch is not None:
                 self.launch(job)
             else:
-                self._start(job.id)
+                assert self.runner is not None
+                self.runner.start(self.store, job)
         return admitted
 
     def run(self, stop: threading.Event | None = None, *, until_idle: bool = False) -> None:
@@ -186,10 +229,11 @@ class Scheduler:
         lost: list[Job] = []
         if self.launch is not None:
             return lost  # jobs started by a launch hook have no supervisor to watch
+        assert self.runner is not None
         for job in self.store.list(ACTIVE):
-            if job.id in self._started and self._started[job.id].poll() is None:
+            if self.runner.holds(job.id):
                 continue
-            starting = job.id in self._started or time.time() - (job.admitted_at or 0) < 30
+            starting = time.time() - (job.admitted_at or 0) < 30
             if job.state == "admitted" and job.supervisor_pid is None and starting:
                 continue  # its supervisor is starting
             if job.supervisor_pid is not None and _alive(
@@ -208,11 +252,6 @@ class Scheduler:
                 log.warning("job %s (%s): %s", job.id, job.name, reason)
             lost.append(self.store.get(job.id))
         return lost
-
-    def _reap(self) -> None:
-        for job_id, proc in list(self._started.items()):
-            if proc.poll() is not None:
-                del self._started[job_id]
 
     # -- the ledger ----------------------------------------------------------------------
 
@@ -365,18 +404,6 @@ class Scheduler:
     def _fail(self, job: Job, reason: str, state: str = "failed") -> None:
         self.store.move(job.id, "queued", state, reason=reason, finished_at=time.time())
 
-    def _start(self, job_id: str) -> None:
-        # Run by path: the supervisor imports neither vramctl nor PyTorch (see its module).
-        script = str(Path(__file__).resolve().parent / "_supervise.py")
-        argv = [sys.executable, script, str(self.store.path), job_id]
-        self._started[job_id] = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # it outlives the scheduler
-        )
-
 
 def _batches(spec: JobSpec) -> list[tuple[int | None, int | None]]:
     """(batch, accumulation) to try, largest first: the spec's batch, then smaller
@@ -395,6 +422,9 @@ def _usage(device: Device, jobs: Sequence[Job]) -> dict[str, int]:
     """What each of ``jobs`` holds of ``device`` now, by job id: on a CUDA device the
     memory NVML gives its processes, elsewhere the resident memory of its processes (0
     where it cannot be read)."""
+    job_usage = getattr(device, "job_usage", None)
+    if job_usage is not None:  # a Ray cluster's GPU: what its resource already leaves out
+        return dict(job_usage(jobs))
     out: dict[str, int] = {}
     if device.is_cuda:
         held = {p.pid: int(p.used) for p in device.processes() if p.used is not NA}

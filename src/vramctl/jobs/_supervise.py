@@ -60,6 +60,7 @@ __all__ = [
     "GpuWatch",
     "held_pids",
     "job_argv",
+    "local_device",
     "main",
     "mps_in_use",
     "mps_limit",
@@ -108,6 +109,16 @@ class _Row:
             return self.values[name]
         except KeyError:
             raise AttributeError(name) from None
+
+
+def local_device(device: str | None) -> str:
+    """The device as the job's machine names it: a device of a Ray cluster is recorded
+    as ``<device>@<node>`` (``cuda:1@3f9a0c2e``), a local one as itself.
+
+    >>> local_device("cuda:1@3f9a0c2e"), local_device("sim:T4-16GB"), local_device(None)
+    ('cuda:1', 'sim:T4-16GB', 'cpu')
+    """
+    return (device or "cpu").partition("@")[0]
 
 
 def job_argv(spec: dict[str, Any]) -> list[str]:
@@ -325,7 +336,7 @@ def _environment(
         env["VRAMCTL_BATCH_SIZE"] = str(job.batch_size)
         env["VRAMCTL_GRAD_ACCUM"] = str(job.grad_accum)
     env[ENV_JOB_ID] = job.id
-    device = job.device or "cpu"
+    device = local_device(job.device)
     reserved = int(job.reserved_bytes or 0)
     env[ENV_DEVICE] = device
     env[ENV_RESERVED] = str(reserved)
@@ -514,7 +525,7 @@ def supervise(store: _Store, job_id: str) -> str | None:
     job = store.get(job_id)
     log_path = job.log_path or os.devnull
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-    device = job.device or "cpu"
+    device = local_device(job.device)
     watch: GpuWatch | None = None
     visible: str | None = None
     if device.startswith("cuda:"):
@@ -537,7 +548,7 @@ def supervise(store: _Store, job_id: str) -> str | None:
 def _run(
     store: _Store, job: _Row, log_path: str, visible: str | None, watch: GpuWatch | None
 ) -> str:
-    device = job.device or "cpu"
+    device = local_device(job.device)
     reserved = int(job.reserved_bytes or 0)
     on_cpu = device == "cpu"
     peak_file = None if on_cpu else _peak_prefix(job, log_path)
