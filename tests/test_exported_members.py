@@ -333,6 +333,7 @@ JOBS = {
     "Workload",
     "batch_plan",
     "check_placeable",
+    "connect",
     "device_capacity",
     "job_env",
     "job_from_dict",

@@ -16,7 +16,16 @@ from rich.table import Table
 
 import vramctl
 from vramctl import NA, VramctlError, format_bytes
-from vramctl.cli import _batch, _calibrate, _dashboard, _jobs, _monitor, _serve, _top  # noqa: F401
+from vramctl.cli import (  # noqa: F401
+    _batch,
+    _calibrate,
+    _dashboard,
+    _jobs,
+    _monitor,
+    _ray,
+    _serve,
+    _top,
+)
 from vramctl.cli._common import (
     app,
     check_seconds,

@@ -24,9 +24,13 @@ from vramctl.jobs import (
     JobClient,
     JobSpec,
     JobStore,
+    RayRunner,
+    Runner,
     Scheduler,
+    connect,
     load_settings,
     load_spec,
+    ray_devices,
 )
 
 __all__ = ["app"]
@@ -572,20 +576,45 @@ def scheduler(
             "--max-concurrent", min=1, help="Jobs per device at most.", show_default=False
         ),
     ] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS",
+            help="Run the jobs on a Ray cluster ('auto': this machine's), placed on "
+            "the GPUs its nodes advertise (see vramctl ray).",
+            show_default=False,
+        ),
+    ] = None,
     store: StoreOption = None,
 ) -> None:
     """Run the queue in the foreground until Ctrl-C: admit queued jobs by memory.
 
     Jobs keep running if the scheduler stops; a scheduler started later adopts
-    them. Example:
+    them. Examples:
 
         vramctl scheduler --devices cuda:0,cuda:1
+        vramctl scheduler --ray auto
     """
+    runner: Runner | None = None
+    placed_on = _devices(devices)
+    if ray_address is not None:
+        if devices is not None:
+            raise VramctlError("--devices and --ray: the cluster's nodes say their GPUs")
+        connect(ray_address)
+        found = ray_devices()
+        if not found:
+            raise VramctlError(
+                "the Ray cluster's nodes advertise no GPU memory: start each with "
+                'ray start --resources "$(vramctl ray resources)"'
+            )
+        placed_on, runner = list(found), RayRunner(found)
     with _store(store) as s, _interrupted() as stop:
         settings = load_settings()
         sched = Scheduler(
             s,
-            devices=_devices(devices),
+            devices=placed_on,
+            runner=runner,
             policy=policy if policy is not None else settings.policy,
             margin=margin if margin is not None else settings.margin,
             max_concurrent_jobs=(
@@ -598,9 +627,11 @@ def scheduler(
 
 
 @contextlib.contextmanager
-def _interrupted() -> Iterator[threading.Event]:
+def _interrupted(
+    message: str = "scheduler stopped; running jobs go on",
+) -> Iterator[threading.Event]:
     stop = threading.Event()
     try:
         yield stop
     except KeyboardInterrupt:
-        err.print("scheduler stopped; running jobs go on", highlight=False)
+        err.print(message, highlight=False)

@@ -45,6 +45,7 @@ __all__ = [
     "RayAgent",
     "RayGpu",
     "RayRunner",
+    "connect",
     "hold_job",
     "node_resources",
     "outside_vramctl",
@@ -58,6 +59,23 @@ _RESOURCE_RE = re.compile(r"^vramctl_(sim)?gpu(\d+)_mib$")
 
 def _ray() -> Any:
     return require("ray", extra="ray", what="the Ray backend")
+
+
+def connect(address: str = "auto") -> None:
+    """Connect this process to the Ray cluster at ``address`` (``"auto"``: the one this
+    machine runs; ``ray://HOST:10001`` through Ray Client), once."""
+    from vramctl._errors import VramctlError
+
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except ConnectionError as exc:
+        raise VramctlError(
+            f"cannot reach a Ray cluster at {address!r} ({exc}); start one with "
+            "'ray start --head --resources \"$(vramctl ray resources)\"'"
+        ) from None
 
 
 def resource_name(index: int, simulated: bool = False) -> str:
