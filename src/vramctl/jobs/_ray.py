@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -54,6 +52,7 @@ __all__ = [
 ]
 
 MiB = 2**20
+_SUPERVISE = str(Path(__file__).resolve().parent / "_supervise.py")
 _RESOURCE_RE = re.compile(r"^vramctl_(sim)?gpu(\d+)_mib$")
 
 
@@ -213,45 +212,33 @@ def _resource_order(name: str) -> tuple[int, str]:
 # -- running jobs -----------------------------------------------------------------------------
 
 
-def _alive(pid: int, started: float | None) -> bool:
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return started is None or abs(proc.create_time() - started) < 0.01
-    except psutil.Error:
-        return False
-
-
-def hold_job(store_path: str, job_id: str, poll_s: float = 0.2) -> str:
+def hold_job(argv: list[str]) -> int:
     """The body of a job's Ray task, on its node, while the task holds the reservation:
-    start the job's supervisor (an admitted job), or wait for the one already running (a
-    task run again after its worker died). Returns the job's state when it ends here."""
-    with JobStore(store_path) as store:
-        job = store.get(job_id)
-        pid, started = job.supervisor_pid, job.supervisor_started
-        if pid is not None and _alive(pid, started):
-            while _alive(pid, started):
-                time.sleep(poll_s)
-        elif job.state == "admitted":
-            env = dict(os.environ)
-            if env.get("CUDA_VISIBLE_DEVICES") == "":
-                del env["CUDA_VISIBLE_DEVICES"]  # Ray's for a task with no num_gpus
-            script = str(Path(__file__).resolve().parent / "_supervise.py")
-            proc = subprocess.Popen(
-                [sys.executable, script, store_path, job_id],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,  # outlives this worker
-            )
-            proc.wait()
-        # else: running with its supervisor gone, or over: the scheduler's adoption decides.
-        return store.get(job_id).state
+    runs ``_supervise.py --hold STORE JOB_ID`` (in a session of its own, so that it
+    outlives this worker), which supervises an admitted job or waits for the supervisor
+    already running it. Only the standard library: it is sent to the workers by value,
+    so they import neither vramctl nor PyTorch to run it."""
+    import os
+    import subprocess
 
+    env = dict(os.environ)
+    if env.get("CUDA_VISIBLE_DEVICES") == "":
+        del env["CUDA_VISIBLE_DEVICES"]  # Ray's for a task with no num_gpus
+    done = subprocess.run(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+        check=False,
+    )
+    return done.returncode
+
+
+# Pickled by value (a function of ``__main__`` is): a worker runs it without importing
+# this module, which would import vramctl and PyTorch (seconds in every new worker).
+hold_job.__module__ = "__main__"
 
 _TASK: list[Any] = []
 
@@ -286,7 +273,7 @@ class RayRunner:
                 max_retries=self.max_retries,
                 name=f"vramctl-job-{job.id}",
             )
-            .remote(str(store.path), job.id)
+            .remote([sys.executable, _SUPERVISE, "--hold", str(store.path), job.id])
         )
 
     def holds(self, job_id: str) -> bool:

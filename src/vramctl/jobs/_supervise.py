@@ -660,16 +660,44 @@ def _finish(
     return state
 
 
+def _running(pid: int, started: float | None) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return started is None or abs(proc.create_time() - started) < 0.01
+    except psutil.Error:
+        return False
+
+
+def hold(store: _Store, job_id: str, poll_s: float = 0.2) -> str | None:
+    """Supervise an admitted job, or wait for the supervisor already running it (a Ray
+    task run again after its worker died holds the reservation again this way); a job
+    running without its supervisor is left to the scheduler's adoption."""
+    job = store.get(job_id)
+    pid, started = job.supervisor_pid, job.supervisor_started
+    if pid is not None and _running(int(pid), started):
+        while _running(int(pid), started):
+            time.sleep(poll_s)
+        return str(store.get(job_id).state)
+    if job.state == "admitted":
+        return supervise(store, job_id)
+    return str(job.state)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    waits = bool(args) and args[0] == "--hold"
+    if waits:
+        args = args[1:]
     if len(args) != 2:
-        print("usage: python _supervise.py STORE JOB_ID", file=sys.stderr)
+        print("usage: python _supervise.py [--hold] STORE JOB_ID", file=sys.stderr)
         return 2
     # The scheduler's own signals (Ctrl-C in its terminal) are not the job's.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     store = _Store(args[0])
     try:
-        supervise(store, args[1])
+        (hold if waits else supervise)(store, args[1])
     finally:
         store.conn.close()
     return 0
