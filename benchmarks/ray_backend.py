@@ -3,9 +3,10 @@
 A local Ray cluster on this machine with two simulated 8 GiB GPUs: Ray is told of two
 logical GPUs (``num_gpus=2``) for the plain side, and the node offers the vramctl
 resources (``vramctl ray resources``) for vramctl's. The same seeded job mix runs on each
-side in turn. Each job declares a need (1.5-4 GiB) and runs a real process that takes its
-true peak in four steps and holds it for 1-2.5 s; 30% of the jobs take 1.6 times what
-they declared (an estimate that was wrong), the others 70-100% of it.
+side in turn. Each job declares a need (2, 3 or 4 GiB) and runs a real process that takes its
+true peak for 2-4 s (half of it held all along, the other half taken and freed every
+0.25 s, as a training step's activations are); 30% of the jobs peak at 1.75 times what
+they declared (an estimate that was wrong), the others at 70-100% of it.
 
 The GPU's memory, shared by every process on it, is a file per GPU holding the bytes in
 use (locked while read and written): a step that would take the GPU past 8 GiB runs out
@@ -45,10 +46,11 @@ GiB = 2**30
 CAPACITY = 8 * GiB
 GPUS = 2
 OVERRUN_SHARE = 0.3
-OVERRUN = 1.6
+OVERRUN = 1.75
 
-# The job: takes its peak in four steps, each a tensor (the cap) and a share of its GPU's
-# memory file (the GPU); exit 0 done, 3 out of memory within its need, 4 past it.
+# The job: holds half its peak (weights) and, step after step, takes the other half
+# (activations) and frees it; each as a tensor (the cap) and a share of its GPU's memory
+# file (the GPU). Exit 0 done, 3 out of memory within its need, 4 past it.
 JOB = r"""
 import fcntl, os, sys, time
 declared, peak, hold = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
@@ -70,23 +72,32 @@ def move(n):
         f.write(str(used + n))
     return True
 
-mine, held, code = 0, [], 0
+def take(n):
+    # A tensor (the cap, under vramctl) and its share of the GPU's memory file.
+    global mine
+    t = torch.empty(n, dtype=torch.uint8)
+    if not move(n):
+        print("out of memory: the GPU is full", mine + n, declared)
+        raise SystemExit(3 if mine + n <= declared else 4)
+    mine += n
+    return t
+
+mine = 0
 try:
-    for _ in range(4):
-        n = peak // 4
-        held.append(torch.empty(n, dtype=torch.uint8))
-        if not move(n):
-            code = 3 if mine + n <= declared else 4
-            print("out of memory: the GPU is full", mine + n, declared)
-            break
-        mine += n
-        time.sleep(hold / 4)
+    weights = take(peak // 2)  # held all along
+    end = time.time() + hold
+    while time.time() < end:  # steps: activations up to the peak, then freed
+        activations = take(peak - peak // 2)
+        time.sleep(0.2)
+        del activations
+        move(-(peak - peak // 2))
+        mine -= peak - peak // 2
+        time.sleep(0.05)
 except torch.OutOfMemoryError as exc:
-    code = 4
     print("out of memory: past its cap", exc)
+    raise SystemExit(4)
 finally:
     move(-mine)
-sys.exit(code)
 """
 
 
@@ -94,10 +105,10 @@ def job_mix(n: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     jobs = []
     for i in range(n):
-        declared = int(rng.choice((1.5, 2.0, 3.0, 4.0)) * GiB)
+        declared = int(rng.choice((2.0, 3.0, 4.0)) * GiB)
         over = rng.random() < OVERRUN_SHARE
         peak = int(declared * (OVERRUN if over else rng.uniform(0.7, 1.0)))
-        jobs.append({"i": i, "declared": declared, "peak": peak, "hold": rng.uniform(1.0, 2.5)})
+        jobs.append({"i": i, "declared": declared, "peak": peak, "hold": rng.uniform(2.0, 4.0)})
     return jobs
 
 
