@@ -92,6 +92,25 @@ def test_the_store_keeps_jobs_and_moves_them_once(store: JobStore) -> None:
         store.update(a.id, spec="{}")
 
 
+def test_latest_lists_what_finished_last_first(store: JobStore) -> None:
+    made = [store.submit(spec(f"j{k}", "pass")).id for k in range(5)]
+    for k, job_id in enumerate(made):  # finished in the order 4, 0, 1, 3 (2 runs on)
+        if k != 2:
+            state = "timed-out" if k == 3 else "failed"
+            store.move(job_id, "queued", state, finished_at=1000.0 + (k + 1) % 5)
+    store.move(made[2], "queued", "running")
+    assert [j.id for j in store.latest(["failed", "timed-out"], 10)] == [
+        made[3],
+        made[1],
+        made[0],
+        made[4],
+    ]
+    assert [j.id for j in store.latest(["failed"], 2)] == [made[1], made[0]]
+    assert store.latest(["failed"], 0) == [] and store.latest([], 5) == []
+    with pytest.raises(JobStoreError, match="unknown job state 'done'"):
+        store.latest(["done"], 1)
+
+
 def test_learned_peaks_keep_the_largest(store: JobStore) -> None:
     assert store.learned_peak("train") is None
     store.learn("train", 3 * GiB)

@@ -96,6 +96,7 @@ def test_state_has_devices_history_alerts_and_events(
     assert doc["interval_s"] == 0.2
     assert doc["sample_cost_s"] >= 0
     assert doc["running"] is True
+    assert doc["jobs"] is None  # no job queue here: the page shows no jobs view
     (cpu,) = doc["devices"]
     assert {"id", "name", "uuid", "kind", "total", "latest", "peak", "processes"} <= set(cpu)
     assert (cpu["id"], cpu["kind"]) == ("cpu", "cpu")

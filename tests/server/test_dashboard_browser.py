@@ -1,4 +1,5 @@
-"""The dashboard in a real headless Chromium: it loads, its charts move, alerts show up.
+"""The dashboard in a real headless Chromium: it loads, its charts move, alerts show up;
+served with the job queue, its jobs view shows the queue, the reservations and the failures.
 
 Screenshots go to ``test-artifacts/dashboard/``. Without Playwright or Chromium
 the test is skipped, unless ``VRAMCTL_REQUIRE_BROWSER=1`` (set in CI) makes
@@ -8,10 +9,13 @@ that a failure.
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import shutil
+import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -21,8 +25,9 @@ import torch
 
 from vramctl.device import ProcessMemory, SimulatedDevice
 from vramctl.guard import GuardEvent
+from vramctl.jobs import ACTIVE, JobSpec, JobStore, MemoryNeed
 from vramctl.monitor import Alert, Level, Monitor, UsageRule
-from vramctl.server import DashboardServer, serve_dashboard
+from vramctl.server import DashboardServer, JobServer, serve_dashboard, serve_jobs
 
 pytestmark = pytest.mark.browser
 
@@ -121,6 +126,7 @@ def test_dashboard_loads_updates_and_shows_alerts(
     # The page loads its state, draws a chart per device, and goes live.
     page.wait_for_selector("#status[data-state=live]", timeout=10_000)
     assert page.text_content("#status") == "live"
+    assert page.locator("#jobs").is_hidden()  # no job queue here
     for dev in ("cpu", SIM):
         assert page.locator(f'.device[data-device="{dev}"] .chart canvas').count() == 1
     assert "%" in (page.text_content(f'.device[data-device="{SIM}"] .figure') or "")
@@ -328,3 +334,147 @@ def test_page_shows_the_outage_and_comes_back_live(browser: Any) -> None:
     finally:
         server.close()
         mon.stop()
+
+
+# -- the jobs view (vramctl serve) ----------------------------------------------------------
+
+JOBS_TOKEN = "jobs-token"
+JOBS_SIM = "sim:8GiB"
+
+
+@pytest.fixture
+def job_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[JobServer]:
+    monkeypatch.setenv("VRAMCTL_HOME", str(tmp_path))  # its settings: none
+    monkeypatch.delenv("VRAMCTL_TOKEN", raising=False)
+    with serve_jobs(
+        port=0, store=tmp_path / "jobs.db", devices=[JOBS_SIM], token=JOBS_TOKEN, interval=0.5
+    ) as server:
+        yield server
+
+
+def _call(method: str, url: str, body: Any = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Authorization", f"Bearer {JOBS_TOKEN}")
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def _submit(server: JobServer, name: str, code: str, memory: str, **kw: Any) -> str:
+    spec = {"name": name, "command": [sys.executable, "-c", code], "memory": memory, **kw}
+    job_id: str = _call("POST", server.url + "jobs", spec)["id"]
+    return job_id
+
+
+def _cancel_all(server: JobServer, ids: list[str], timeout: float = 30.0) -> None:
+    """Cancel the jobs and wait until each has ended (its process with it)."""
+    for job_id in ids:
+        _call("DELETE", f"{server.url}jobs/{job_id}")
+    deadline = time.monotonic() + timeout
+    for job_id in ids:
+        while _call("GET", f"{server.url}jobs/{job_id}")["state"] in ("queued", *ACTIVE):
+            assert time.monotonic() < deadline, f"job {job_id} did not end"
+            time.sleep(0.05)
+
+
+def test_jobs_view_shows_the_queue_the_reservations_and_the_failures(
+    browser: Any, job_server: JobServer
+) -> None:
+    server = job_server
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    problems = _watch(page)
+    outside: list[str] = []
+    page.on(
+        "request",
+        lambda req: None if req.url.startswith((server.url, "data:")) else outside.append(req.url),
+    )
+    page.goto(server.dashboard.page_url)
+    page.wait_for_selector("#status[data-state=live]", timeout=10_000)
+    page.wait_for_selector("#jobs[data-state=live]", timeout=10_000)
+    assert page.locator("#jobs").is_visible()
+    assert "No job waiting" in page.locator("#queue").inner_text()
+
+    made: list[str] = []
+    try:
+        # A job that runs, holding 5 GiB of the 8 GiB device (with its margin) ...
+        holder = _submit(server, "holder", "import time; time.sleep(30)", "5GiB")
+        made.append(holder)
+        segment = page.locator(f'.jobdev[data-device="{JOBS_SIM}"] .seg[data-job="{holder}"]')
+        segment.wait_for(timeout=30_000)
+        # ... one too big to be admitted beside it, and one that fails.
+        big = _submit(server, "too-big-for-now", "pass", "6GiB", priority=5)
+        made.append(big)
+        bad = _submit(server, "fails-with-3", "raise SystemExit(3)", "1GiB")
+        made.append(bad)
+
+        # The queue: the big job, its need and priority.
+        row = page.locator(f'#queue tr[data-job="{big}"]')
+        row.wait_for(timeout=30_000)
+        cells = row.locator("td").all_inner_texts()
+        assert cells[0].split() == ["too-big-for-now", big]
+        assert cells[1:3] == ["6.00 GiB", "5"]
+        assert cells[3].endswith(" s")
+
+        # The failure, with its reason.
+        failure = page.locator(f'#failures li[data-job="{bad}"]')
+        failure.wait_for(timeout=30_000)
+        assert failure.locator(".badge").text_content() == "failed"
+        assert failure.locator("b").text_content() == "fails-with-3 "
+        assert failure.locator(".reason").text_content() == "exited with status 3"
+
+        # The running job's segment: its reservation's share of the device's memory.
+        reserved = _call("GET", f"{server.url}jobs/{holder}")["reserved_bytes"]
+        (dev,) = _call("GET", server.url + "workers/status")["devices"]
+        expected = reserved / dev["capacity_bytes"]
+        assert 5 / 8 <= expected < 1
+        bar = page.locator(f'.jobdev[data-device="{JOBS_SIM}"] .resbar')
+        shown = segment.evaluate("s => s.getBoundingClientRect().width") / bar.evaluate(
+            "b => b.clientWidth"
+        )
+        assert abs(shown - expected) < 0.01, (shown, expected)
+        assert "holder" in segment.inner_text()
+        head = page.locator(f'.jobdev[data-device="{JOBS_SIM}"] .jobdev-head').inner_text()
+        assert "reserved of 8.00 GiB" in head
+        assert "1 running" in page.locator("#jobs-count").inner_text()
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "jobs.png"), full_page=True)
+        # On a phone it does not scroll sideways (once the charts follow the new width).
+        page.set_viewport_size({"width": 400, "height": 900})
+        page.wait_for_function("() => document.documentElement.scrollWidth <= 400", timeout=10_000)
+        page.screenshot(path=str(ARTIFACTS / "jobs-narrow.png"), full_page=True)
+
+        # Cancelled, the holder leaves the bar and the big job runs in its place.
+        _call("DELETE", f"{server.url}jobs/{holder}")
+        segment.wait_for(state="detached", timeout=30_000)
+        row.wait_for(state="detached", timeout=30_000)
+    finally:
+        _cancel_all(server, made)
+    assert problems == []
+    assert outside == []
+
+
+def test_jobs_view_reads_the_queue_with_the_pages_token(browser: Any, tmp_path: Path) -> None:
+    # On an address other than loopback every route needs the token: the page passes it on.
+    with serve_jobs(
+        "0.0.0.0", 0, store=tmp_path / "jobs.db", devices=[JOBS_SIM], token=JOBS_TOKEN
+    ) as server:
+        # A job that another scheduler of the same store admitted on a device not served here.
+        with JobStore(tmp_path / "jobs.db") as store:
+            spec = JobSpec(name="elsewhere", command=("true",), memory=MemoryNeed.of_size("2GiB"))
+            other = store.submit(spec).id
+            store.move(other, "queued", "admitted", device="sim:other", reserved_bytes=2 * 2**30)
+            store.update(other, admitted_at=time.time())
+        page = browser.new_page()
+        problems = _watch(page)
+        page.goto(f"http://127.0.0.1:{server.dashboard.port}/?token={JOBS_TOKEN}")
+        page.wait_for_selector("#jobs[data-state=live]", timeout=10_000)
+        here = page.locator(f'.jobdev[data-device="{JOBS_SIM}"]')
+        here.locator(".resbar").wait_for(timeout=10_000)
+        assert "no job running" in here.inner_text()
+        # Its reservation is listed, against no device total.
+        elsewhere = page.locator('.jobdev[data-device="sim:other"]')
+        assert elsewhere.locator(".figure").text_content() == "2.00 GiB reserved"
+        assert elsewhere.locator(f'li[data-job="{other}"]').count() == 1
+        assert problems == []

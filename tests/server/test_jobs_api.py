@@ -201,6 +201,102 @@ def test_status_health_and_schema(server: JobServer) -> None:
     wait_state(server, made["id"])
 
 
+def test_the_status_lists_the_queue_the_running_and_the_latest_failures(
+    server: JobServer,
+) -> None:
+    url, token = server.url, server.token
+    _, holder = call(
+        "POST",
+        f"{url}jobs",
+        job("holder", "import time; time.sleep(30)", "5GiB", env={"SECRET": "hush"}),
+        token=token,
+    )
+    made: list[str] = [holder["id"]]
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            workers = call("GET", f"{url}workers/status")[1]
+            if holder["id"] in [j["id"] for j in workers["active"]]:
+                break
+            time.sleep(0.05)
+        # Too big while the holder runs (5 GiB and 6 GiB, each with its margin, on 8 GiB).
+        _, big = call("POST", f"{url}jobs", job("big", "pass", "6GiB", priority=5), token=token)
+        _, bad = call("POST", f"{url}jobs", job("bad", "raise SystemExit(3)"), token=token)
+        _, late = call(
+            "POST",
+            f"{url}jobs",
+            job("late", "import time; time.sleep(30)", run_timeout=0.5),
+            token=token,
+        )
+        made += [big["id"], bad["id"], late["id"]]
+        assert wait_state(server, bad["id"])["state"] == "failed"
+        assert wait_state(server, late["id"])["state"] == "timed-out"
+        status, workers = call("GET", f"{url}workers/status")
+        assert status == 200
+        assert abs(workers["time"] - time.time()) < 60
+
+        (queued,) = [p for p in workers["pending"] if p["id"] == big["id"]]
+        assert queued == {
+            "id": big["id"],
+            "name": "big",
+            "need_bytes": 6 * 2**30,
+            "need_kind": "size",
+            "priority": 5,
+            "submitted_at": big["submitted_at"],
+            "attempts": 0,
+        }
+        (running,) = [j for j in workers["active"] if j["id"] == holder["id"]]
+        assert running["name"] == "holder" and running["device"] == "sim:8GiB"
+        assert running["reserved_bytes"] >= 5 * 2**30 and running["admitted_at"] is not None
+        (dev,) = workers["devices"]
+        assert dev["capacity_bytes"] == 8 * 2**30 and holder["id"] in dev["jobs"]
+
+        # The latest failures first, each with its reason; a timeout is one.
+        failures = workers["recent_failures"]
+        assert [f["id"] for f in failures[:2]] == [late["id"], bad["id"]]
+        assert failures[1] == {
+            **failures[1],
+            "name": "bad",
+            "state": "failed",
+            "reason": "exited with status 3",
+            "exit_code": 3,
+            "device": "sim:8GiB",
+        }
+        assert failures[0]["state"] == "timed-out"
+        assert failures[0]["reason"] == "ran past its run timeout of 0.5 s"
+        assert failures[0]["finished_at"] >= failures[1]["finished_at"]
+        assert workers["failed_jobs"] >= 2 and len(failures) <= 20
+
+        # An open route: no command, environment, spec or log.
+        def keys(doc: Any) -> set[str]:
+            if isinstance(doc, dict):
+                return set(doc) | {k for v in doc.values() for k in keys(v)}
+            if isinstance(doc, list):
+                return {k for v in doc for k in keys(v)}
+            return set()
+
+        assert not keys(workers) & {"spec", "command", "env", "cwd", "log_path", "pid"}
+        assert "hush" not in json.dumps(workers)
+
+        # The answer is what the served schema says, field for field.
+        paths = call("GET", f"{url}openapi.json")[1]["paths"]
+        schema = paths["/workers/status"]["get"]["responses"]["200"]["content"]
+        schema = schema["application/json"]["schema"]
+        assert set(workers) == set(schema["required"])
+        for key in ("devices", "active", "pending", "recent_failures"):
+            wanted = set(schema["properties"][key]["items"]["required"])
+            assert workers[key] and all(set(e) == wanted for e in workers[key]), key
+
+        # The dashboard's page is told where to read it.
+        status, state = call("GET", f"{url}api/state")
+        assert status == 200 and state["jobs"] == "workers/status"
+    finally:
+        for job_id in made:
+            call("DELETE", f"{url}jobs/{job_id}", token=token)
+        for job_id in made:
+            wait_state(server, job_id)
+
+
 def test_a_service_on_another_address_needs_the_token_for_every_route(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")

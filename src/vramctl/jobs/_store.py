@@ -271,6 +271,21 @@ class JobStore:
         end = None if limit is None else offset + limit
         return jobs[offset:end]
 
+    def latest(self, states: Sequence[str], limit: int) -> builtins.list[Job]:
+        """The last ``limit`` jobs in ``states`` to finish, the latest first (by
+        ``finished_at``, then submission): what ended recently, read without the rest."""
+        bad = [s for s in states if s not in STATES]
+        if bad:
+            raise JobStoreError(f"unknown job state {bad[0]!r}; states: {', '.join(STATES)}")
+        if not states or limit <= 0:
+            return []
+        sql = (
+            f"SELECT {', '.join(_COLUMNS)} FROM jobs"
+            f" WHERE state IN ({', '.join('?' * len(states))})"
+            " ORDER BY finished_at IS NULL, finished_at DESC, seq DESC LIMIT ?"
+        )
+        return [_job(r) for r in self._conn.execute(sql, [*states, int(limit)])]
+
     def keys(self, states: Sequence[str]) -> builtins.list[tuple[str, int, int, float, int]]:
         """``(id, attempts, priority, submitted_at, seq)`` of the jobs in ``states``, in
         submission order: a cheap look at a queue whose jobs the caller already holds

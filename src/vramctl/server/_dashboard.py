@@ -242,8 +242,9 @@ def _device_state(monitor: Monitor, dev: Any) -> dict[str, Any]:
     }
 
 
-def _state(monitor: Monitor, title: str = "vramctl") -> dict[str, Any]:
-    """Everything the page shows, JSON-ready: devices with history, alerts, events."""
+def _state(monitor: Monitor, title: str = "vramctl", jobs: str | None = None) -> dict[str, Any]:
+    """Everything the page shows, JSON-ready: devices with history, alerts, events, and
+    where the job queue's summary is read (``jobs``), when the app serves one."""
     if not monitor.running and monitor.samples_taken == 0:
         monitor.sample()
     events = list(monitor.events)
@@ -270,6 +271,7 @@ def _state(monitor: Monitor, title: str = "vramctl") -> dict[str, Any]:
         "samples": monitor.samples_taken,
         "sample_cost_s": round(monitor.overhead, 6),
         "window": HISTORY_WINDOW,
+        "jobs": jobs,
         "devices": [_device_state(monitor, d) for d in monitor.devices],
         "alerts": alerts,
         "active_alerts": active,
@@ -371,7 +373,9 @@ def dashboard_router(monitor: Monitor, *, title: str = "vramctl") -> APIRouter:
     ``/`` (the page), ``/static/{name}``, ``/api/state``, ``/api/stream`` (events),
     ``/metrics`` (Prometheus) and ``/healthz``. The token check is the app's: see
     :func:`create_app`. The page reads its token from ``?token=`` (or from the
-    app's ``vramctl_token`` state) and passes it on to the API.
+    app's ``vramctl_token`` state) and passes it on to the API. Where the app's
+    ``vramctl_jobs_status`` state names the job queue's summary (``"workers/status"``,
+    as ``vramctl serve`` sets it), the page shows its jobs view too.
     """
     return _router(monitor, title)
 
@@ -396,10 +400,13 @@ def _router(monitor: Monitor, title: str) -> _DashboardRouter:
         return Response(_static(name), media_type=kind, headers={"Cache-Control": "no-cache"})
 
     @router.get("/api/state")
-    def api_state() -> Response:
-        """Devices with their recent history, peaks and processes; alerts; events."""
+    def api_state(request: Request) -> Response:
+        """Devices with their recent history, peaks and processes; alerts; events; and
+        ``jobs``, the address of the job queue's summary when the app serves the queue
+        (the page then shows its jobs view), else null."""
+        jobs = getattr(request.app.state, "vramctl_jobs_status", None)
         return Response(
-            _json(_state(monitor, title)),
+            _json(_state(monitor, title, jobs)),
             media_type="application/json",
             headers={"Cache-Control": "no-store"},
         )

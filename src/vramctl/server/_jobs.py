@@ -67,6 +67,10 @@ FOLLOW_POLL_S = 0.2
 _STATES_PATTERN = "^({s})(,({s}))*$".format(s="|".join(STATES))
 #: The largest job spec body accepted (bytes).
 MAX_BODY = 1 << 20
+#: The states ``GET /workers/status`` lists as failures.
+FAILED = ("failed", "timed-out")
+#: How many of the latest failures ``GET /workers/status`` lists.
+RECENT_FAILURES = 20
 
 
 class ApiError(VramctlError):
@@ -220,9 +224,13 @@ class JobService:
     # -- status ------------------------------------------------------------------------
 
     def workers(self) -> dict[str, Any]:
-        """Seed 001's summary: active and pending jobs, allocated and pending bytes."""
+        """Seed 001's summary: active and pending jobs, allocated and pending bytes; and
+        for the dashboard's jobs view, each queued job's priority and submission, and the
+        jobs that failed or timed out last, with their reasons. No command, environment
+        or log: the route is open on loopback."""
         active = self.store.list(ACTIVE)
         queued = self.store.list(["queued"])
+        counts = self.store.counts()
         devices = []
         for dev in self.devices:
             held = [j for j in active if j.device == dev.id]
@@ -238,15 +246,28 @@ class JobService:
         pending = []
         for job in queued:
             need = job.spec.memory.size  # None for an estimated or learned need
-            pending.append({"id": job.id, "name": job.name, "need_bytes": need})
+            pending.append(
+                {
+                    "id": job.id,
+                    "name": job.name,
+                    "need_bytes": need,
+                    "need_kind": job.spec.memory.kind,
+                    "priority": job.priority,
+                    "submitted_at": job.submitted_at,
+                    "attempts": job.attempts,
+                }
+            )
         return {
+            "time": time.time(),
             "active_jobs": len(active),
             "pending_jobs": len(queued),
+            "failed_jobs": sum(counts[s] for s in FAILED),
             "allocated_bytes": sum(j.reserved_bytes or 0 for j in active),
             "pending_bytes": sum(p["need_bytes"] or 0 for p in pending),
             "devices": devices,
             "active": [_summary(j) for j in active],
             "pending": pending,
+            "recent_failures": [_failure(j) for j in self.store.latest(FAILED, RECENT_FAILURES)],
         }
 
     def health(self) -> tuple[bool, list[str]]:
@@ -273,7 +294,21 @@ def _summary(job: Job) -> dict[str, Any]:
         "state": job.state,
         "device": job.device,
         "reserved_bytes": job.reserved_bytes,
+        "admitted_at": job.admitted_at,
         "started_at": job.started_at,
+    }
+
+
+def _failure(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "name": job.name,
+        "state": job.state,
+        "device": job.device,
+        "reason": job.reason,
+        "exit_code": job.exit_code,
+        "attempts": job.attempts,
+        "finished_at": job.finished_at,
     }
 
 
@@ -370,9 +405,20 @@ def jobs_router(service: JobService) -> APIRouter:
             stream, media_type="text/plain; charset=utf-8", headers={"Cache-Control": "no-store"}
         )
 
-    @router.get("/workers/status")
+    @router.get(
+        "/workers/status",
+        response_model=None,
+        responses={
+            200: {
+                "description": "the queue's summary",
+                "content": {"application/json": {"schema": WORKERS_SCHEMA}},
+            }
+        },
+    )
     def workers_status() -> dict[str, Any]:
-        """Active and pending jobs, and the bytes allocated and pending, per device."""
+        """Active and pending jobs, and the bytes allocated and pending, per device; the
+        latest jobs that failed or timed out, with their reasons. No command, environment
+        or log (open on loopback)."""
         return service.workers()
 
     @router.get("/health", responses={503: {"description": "degraded"}})
@@ -405,6 +451,79 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (422, "invalid request"),
     )
 }
+
+_NUM = {"type": "number"}
+_INT = {"type": "integer"}
+_OPT_INT = {"type": ["integer", "null"]}
+_OPT_NUM = {"type": ["number", "null"]}
+_OPT_STR = {"type": ["string", "null"]}
+_STR = {"type": "string"}
+
+
+def _object(properties: dict[str, Any]) -> dict[str, Any]:
+    """An object schema whose every property is always there."""
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def _list_of(properties: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    return {"type": "array", "items": _object(properties), **kw}
+
+
+#: ``GET /workers/status``'s answer.
+WORKERS_SCHEMA: dict[str, Any] = _object(
+    {
+        "time": _NUM,
+        "active_jobs": _INT,
+        "pending_jobs": _INT,
+        "failed_jobs": _INT,
+        "allocated_bytes": _INT,
+        "pending_bytes": _INT,
+        "devices": _list_of(
+            {
+                "id": _STR,
+                "name": _STR,
+                "capacity_bytes": _INT,
+                "allocated_bytes": _INT,
+                "jobs": {"type": "array", "items": _STR},
+            }
+        ),
+        "active": _list_of(
+            {
+                "id": _STR,
+                "name": _STR,
+                "state": {"enum": list(ACTIVE)},
+                "device": _OPT_STR,
+                "reserved_bytes": _OPT_INT,
+                "admitted_at": _OPT_NUM,
+                "started_at": _OPT_NUM,
+            }
+        ),
+        "pending": _list_of(
+            {
+                "id": _STR,
+                "name": _STR,
+                "need_bytes": _OPT_INT,
+                "need_kind": {"enum": ["size", "estimate", "learned"]},
+                "priority": _INT,
+                "submitted_at": _NUM,
+                "attempts": _INT,
+            }
+        ),
+        "recent_failures": _list_of(
+            {
+                "id": _STR,
+                "name": _STR,
+                "state": {"enum": list(FAILED)},
+                "device": _OPT_STR,
+                "reason": _OPT_STR,
+                "exit_code": _OPT_INT,
+                "attempts": _INT,
+                "finished_at": _OPT_NUM,
+            },
+            maxItems=RECENT_FAILURES,
+        ),
+    }
+)
 
 _SIZE = {"oneOf": [{"type": "string"}, {"type": "integer", "minimum": 1}]}
 _DURATION = {"oneOf": [{"type": "string"}, {"type": "number", "minimum": 0}]}

@@ -249,6 +249,9 @@ def serve_jobs(
 def _configure(app: FastAPI, collector: _JobsCollector) -> None:
     install_error_handlers(app)
     app.state.vramctl_collectors = [collector]
+    # The page's jobs view reads the queue's summary (relative to the page: behind a
+    # proxy's prefix too).
+    app.state.vramctl_jobs_status = "workers/status"
 
 
 def _resolve(devices: Sequence[Device | str] | None) -> list[Device]:

@@ -328,6 +328,156 @@
       " ms per sample \u00b7 " + counts.samples + " samples \u00b7 charts keep the last " + WINDOW + " points";
   }
 
+  // -- jobs (vramctl serve): polls the queue's summary ------------------------------------
+
+  var QUEUE_LIMIT = 50;    // queued jobs listed (the rest are counted)
+  var SEGMENT_COLORS = 6;  // .seg.c0 ... .c5 in the stylesheet
+  var jobs = { path: null, timer: null, pollMs: 2000, polls: 0 };
+
+  function fmtAge(s) {
+    if (s === null || s === undefined || !isFinite(s)) return "N/A";
+    s = Math.max(0, s);
+    if (s < 60) return s.toFixed(0) + " s";
+    if (s < 3600) return Math.floor(s / 60) + " min " + Math.floor(s % 60) + " s";
+    return Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " min";
+  }
+
+  function share(part, whole) {
+    return whole ? Math.min(100, Math.max(0, 100 * part / whole)) : 0;
+  }
+
+  function jobDeviceView(dev, running, now) {
+    var reserved = dev.allocated_bytes || 0, total = dev.capacity_bytes;
+    var bar = el("div", {
+      class: "resbar", role: "img", "data-total": String(total || 0),
+      "aria-label": "jobs' reservations on " + dev.id,
+    });
+    var list = el("ul", { class: "joblist" });
+    running.forEach(function (j, i) {
+      var color = "c" + (i % SEGMENT_COLORS);
+      var bytes = j.reserved_bytes || 0;
+      var seg = el("span", {
+        class: "seg " + color, "data-job": j.id, "data-reserved": String(bytes),
+        title: j.name + " (" + j.id + "): " + fmtBytes(bytes),
+      }, [el("span", { text: j.name })]);
+      seg.style.width = share(bytes, total).toFixed(3) + "%";
+      bar.appendChild(seg);
+      var since = j.started_at || j.admitted_at;
+      list.appendChild(el("li", { "data-job": j.id }, [
+        el("span", { class: "swatch " + color }),
+        el("b", { text: j.name + " " }),
+        el("span", { class: "id muted", text: j.id + " " }),
+        el("span", { class: "state", text: j.state }),
+        el("span", { class: "num", text: fmtBytes(bytes) +
+          (since ? " \u00b7 for " + fmtAge(now - since) : "") }),
+      ]));
+    });
+    if (!running.length) list.appendChild(el("li", { class: "empty muted", text: "no job running" }));
+    return el("div", { class: "jobdev", "data-device": dev.id }, [
+      el("div", { class: "jobdev-head" }, [
+        el("b", { text: dev.name && dev.name !== dev.id ? dev.id + " (" + dev.name + ")" : dev.id }),
+        el("span", { class: "figure", text: fmtBytes(reserved) + " reserved" + (total
+          ? " of " + fmtBytes(total) + " (" + share(reserved, total).toFixed(1) + "%)" : "") }),
+      ]),
+      bar, list,
+    ]);
+  }
+
+  function showJobs(st) {
+    var now = st.time;
+    var byDevice = new Map();
+    st.active.forEach(function (j) {
+      if (!byDevice.has(j.device)) byDevice.set(j.device, []);
+      byDevice.get(j.device).push(j);
+    });
+    var box = document.getElementById("job-devices");
+    box.textContent = "";
+    st.devices.forEach(function (dev) {
+      box.appendChild(jobDeviceView(dev, byDevice.get(dev.id) || [], now));
+      byDevice.delete(dev.id);
+    });
+    byDevice.forEach(function (running, id) {  // held by a scheduler on devices not served here
+      var reserved = running.reduce(function (n, j) { return n + (j.reserved_bytes || 0); }, 0);
+      var dev = { id: id || "no device", name: null, capacity_bytes: null, allocated_bytes: reserved };
+      box.appendChild(jobDeviceView(dev, running, now));
+    });
+
+    var tbody = document.querySelector("#queue tbody");
+    tbody.textContent = "";
+    if (!st.pending.length) {
+      tbody.appendChild(el("tr", { class: "empty" }, [el("td", { colspan: "4", class: "muted", text: "No job waiting." })]));
+    }
+    st.pending.slice(0, QUEUE_LIMIT).forEach(function (j) {
+      var need = j.need_bytes !== null && j.need_bytes !== undefined ? fmtBytes(j.need_bytes)
+        : j.need_kind === "estimate" ? "estimated" : j.need_kind === "learned" ? "learned" : "N/A";
+      tbody.appendChild(el("tr", { "data-job": j.id }, [
+        el("td", {}, [el("b", { text: j.name + " " }), el("span", { class: "id muted", text: j.id })]),
+        el("td", { class: "num need", text: need }),
+        el("td", { class: "num", text: String(j.priority) }),
+        el("td", { class: "num", text: fmtAge(now - j.submitted_at) }),
+      ]));
+    });
+    if (st.pending.length > QUEUE_LIMIT) {
+      tbody.appendChild(el("tr", { class: "more" }, [el("td", {
+        colspan: "4", class: "muted", text: "and " + (st.pending.length - QUEUE_LIMIT) + " more",
+      })]));
+    }
+
+    var failures = document.getElementById("failures");
+    failures.textContent = "";
+    if (!st.recent_failures.length) failures.appendChild(el("li", { class: "empty", text: "No failed jobs." }));
+    st.recent_failures.forEach(function (j) {
+      failures.appendChild(el("li", { class: "failure level-error", "data-job": j.id }, [
+        j.finished_at ? el("time", { text: fmtTime(j.finished_at) }) : null,
+        el("span", { class: "badge", text: j.state }),
+        el("b", { text: j.name + " " }),
+        el("span", { class: "id muted", text: j.id + (j.device ? " on " + j.device : "") }),
+        el("div", { class: "reason", text: j.reason || "no reason recorded" }),
+      ]));
+    });
+
+    document.getElementById("jobs-count").textContent = "(" + st.active_jobs + " running \u00b7 " +
+      st.pending_jobs + " queued \u00b7 " + st.failed_jobs + " failed)";
+    document.getElementById("queue-count").textContent = "(" + st.pending_jobs + ", in submission order)";
+    document.getElementById("failures-count").textContent = st.failed_jobs > st.recent_failures.length
+      ? "(the last " + st.recent_failures.length + " of " + st.failed_jobs + ")" : "";
+  }
+
+  function jobsProblem(text) {
+    var note = document.getElementById("jobs-problem");
+    note.hidden = !text;
+    note.textContent = text || "";
+    document.getElementById("jobs").dataset.state = text ? "stale" : "live";
+  }
+
+  function pollJobs() {
+    jobs.timer = null;
+    if (!jobs.path) return;
+    fetch(api(jobs.path), { cache: "no-store" }).then(function (r) {
+      if (!r.ok) throw new Error("the server answered " + r.status);
+      return r.json();
+    }).then(function (st) {
+      showJobs(st);
+      jobs.polls += 1;
+      document.getElementById("jobs").dataset.polls = String(jobs.polls);
+      jobsProblem(null);
+    }).catch(function (err) {
+      jobsProblem("could not read the queue (" + err.message + "); trying again");
+    }).then(function () {
+      if (jobs.path && jobs.timer === null) jobs.timer = setTimeout(pollJobs, jobs.pollMs);
+    });
+  }
+
+  function followJobs(path, intervalS) {
+    // The app says whether it serves a job queue (vramctl serve) and where its summary is.
+    jobs.path = path || null;
+    jobs.pollMs = Math.max(1000, 1000 * (intervalS || 1));
+    document.getElementById("jobs").hidden = !jobs.path;
+    clearTimeout(jobs.timer);
+    jobs.timer = null;
+    if (jobs.path) pollJobs();
+  }
+
   // -- state and stream -------------------------------------------------------------------------
 
   function applyState(st) {
@@ -363,6 +513,7 @@
     activity.appendChild(el("li", { class: "empty", text: "No OOM recoveries or leaks." }));
     st.events.forEach(function (e) { addActivity(e.kind, e.timestamp, e.data); });
     showMeta(st);
+    followJobs(st.jobs, st.interval_s);
   }
 
   function loadState() {
