@@ -10,13 +10,16 @@ parsed by the real ``vramctl serve`` command, and the health check runs against 
 from __future__ import annotations
 
 import fnmatch
+import http.server
 import json
 import os
 import platform
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -390,5 +393,44 @@ def test_the_healthcheck_fails_without_the_token_or_a_service(
     assert done.returncode == 1
     assert "HTTP 401" in done.stdout
     assert run_healthcheck(url, VRAMCTL_TOKEN="wrong").returncode == 1
-    closed = run_healthcheck("http://127.0.0.1:9/health")
+    with socket.socket() as probe:  # a port that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    closed = run_healthcheck(f"http://127.0.0.1:{free}/health")
     assert closed.returncode == 1 and closed.stdout.startswith("unhealthy:")
+
+
+def test_the_healthcheck_fails_on_any_answer_but_ok() -> None:
+    answers = {
+        "/degraded": (503, {"status": "degraded", "reasons": ["scheduler loop: stopped"]}),
+        "/odd": (200, {"status": "starting"}),
+        "/ok": (200, {"status": "ok"}),
+    }
+
+    class Stub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, body = answers[self.path]
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    thread = threading.Thread(target=stub.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{stub.server_address[1]}"
+        degraded = run_healthcheck(base + "/degraded")
+        assert degraded.returncode == 1
+        assert "HTTP 503" in degraded.stdout and "scheduler loop: stopped" in degraded.stdout
+        assert run_healthcheck(base + "/odd").returncode == 1
+        assert run_healthcheck(base + "/ok").returncode == 0
+    finally:
+        stub.shutdown()
+        stub.server_close()
+        thread.join(10)
