@@ -19,7 +19,8 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 # A user of its own: it owns the store and the token, and the jobs run as it.
-RUN useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin vramctl \
+RUN groupadd --gid 10001 vramctl \
+    && useradd --create-home --uid 10001 --gid 10001 --shell /usr/sbin/nologin vramctl \
     && mkdir -p /data \
     && chown vramctl:vramctl /data
 
