@@ -70,7 +70,7 @@ def job(name: str, code: str = "print('hello')", memory: str = "1GiB", **kw: Any
 def wait_state(server: JobServer, job_id: str, timeout: float = 30.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status, got = call("GET", f"{server.url}jobs/{job_id}")
+        status, got = call("GET", f"{server.url}jobs/{job_id}", token=server.token)
         assert status == 200
         if got["state"] in ("succeeded", "failed", "cancelled", "timed-out"):
             return dict(got)
@@ -92,7 +92,7 @@ def test_a_job_runs_end_to_end_over_http(server: JobServer) -> None:
     assert done["state"] == "succeeded" and done["device"] == "sim:8GiB"
     status, text = call("GET", f"{server.url}jobs/{made['id']}/logs", token=server.token)
     assert status == 200 and text.strip() == "hello"
-    status, listed = call("GET", f"{server.url}jobs?state=succeeded&limit=5")
+    status, listed = call("GET", f"{server.url}jobs?state=succeeded&limit=5", token=server.token)
     assert status == 200 and made["id"] in [j["id"] for j in listed["jobs"]]
 
 
@@ -119,8 +119,11 @@ def test_every_mutating_route_needs_the_token_on_loopback_too(server: JobServer)
         assert call("DELETE", url, token=token)[0] == 401
         assert call("GET", f"{url}/logs", token=token)[0] == 401
         assert call("GET", f"{url}/logs?follow=true", token=token)[0] == 401
+        # A job's spec holds its command and environment: reading it needs the token too.
+        assert call("GET", url, token=token)[0] == 401
+        assert call("GET", f"{server.url}jobs", token=token)[0] == 401
     # Read-only status stays open on loopback.
-    assert call("GET", url)[0] == 200
+    assert call("GET", url, token=server.token)[0] == 200
     assert call("GET", f"{server.url}workers/status")[0] == 200
     status, cancelled = call("DELETE", url, token=server.token)
     assert status == 200 and (cancelled["cancel_requested"] or cancelled["state"] == "cancelled")
@@ -166,9 +169,9 @@ def test_unknown_ids_routes_and_filters_are_json_4xx(server: JobServer) -> None:
         ("limit=0", "limit"),
         ("offset=-1", "offset"),
     ):
-        status, body = call("GET", f"{server.url}jobs?{query}")
+        status, body = call("GET", f"{server.url}jobs?{query}", token=server.token)
         assert status == 422 and says in body["error"] + " ".join(body.get("problems", []))
-    status, body = call("GET", f"{server.url}jobs?limit=notanumber")
+    status, body = call("GET", f"{server.url}jobs?limit=notanumber", token=server.token)
     assert status == 422 and body["problems"]
 
 
@@ -331,7 +334,7 @@ def test_vramctl_serve_runs_jobs_from_a_client_until_sigterm(tmp_path: Path) -> 
         status, made = call("POST", url + "jobs", job("from-cli"), token=token)
         assert status == 201
         deadline = time.monotonic() + 30
-        while call("GET", f"{url}jobs/{made['id']}")[1]["state"] != "succeeded":
+        while call("GET", f"{url}jobs/{made['id']}", token=token)[1]["state"] != "succeeded":
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert (tmp_path / "jobs.db").exists()
@@ -412,7 +415,7 @@ def test_concurrent_submissions_are_all_kept(server: JobServer) -> None:
         answers = list(pool.map(submit, range(160)))
     assert [status for status, _ in answers] == [201] * 160
     ids = {made["id"] for _, made in answers}
-    _, listed = call("GET", f"{server.url}jobs?limit=1000")
+    _, listed = call("GET", f"{server.url}jobs?limit=1000", token=server.token)
     assert ids <= {j["id"] for j in listed["jobs"]}
     for job_id in ids:
         call("DELETE", f"{server.url}jobs/{job_id}", token=server.token)

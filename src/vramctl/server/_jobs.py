@@ -354,13 +354,16 @@ def jobs_router(service: JobService) -> APIRouter:
 
     @router.get("/jobs", responses=_ERRORS)
     def list_jobs(
+        request: Request,
         state: Annotated[str | None, Query(pattern=_STATES_PATTERN)] = None,
         label: str | None = None,
         limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE)] = None,
         offset: Annotated[int, Query(ge=0)] = 0,
     ) -> dict[str, Any]:
         """Jobs in submission order: ``state`` (comma-separated), ``label`` (KEY or
-        KEY=VALUE), ``limit`` (at most 1000) and ``offset``."""
+        KEY=VALUE), ``limit`` (at most 1000) and ``offset``. Needs the token (a job's
+        spec holds its command and environment)."""
+        service.check_token(request)
         states = None if state is None else [s.strip() for s in state.split(",") if s.strip()]
         bad = [s for s in states or [] if s not in STATES]
         if bad:
@@ -374,8 +377,10 @@ def jobs_router(service: JobService) -> APIRouter:
         }
 
     @router.get("/jobs/{job_id}", responses=_ERRORS)
-    def get_job(job_id: str) -> dict[str, Any]:
-        """One job: its spec, state, device, reservation, batch, exit status, peak."""
+    def get_job(job_id: str, request: Request) -> dict[str, Any]:
+        """One job: its spec, state, device, reservation, batch, exit status, peak.
+        Needs the token (the spec holds its command and environment)."""
+        service.check_token(request)
         return _job_json(service.job(job_id))
 
     @router.delete("/jobs/{job_id}", responses=_ERRORS)
