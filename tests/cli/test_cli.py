@@ -219,9 +219,14 @@ def test_help_explains_each_command() -> None:
 
 
 def _commands() -> list[list[str]]:
-    """``[]`` (vramctl itself) and every command."""
+    """``[]`` (vramctl itself), every command, and every command of a group."""
     group: Any = typer.main.get_command(app)
-    return [[], *([name] for name in sorted(group.commands))]
+    out: list[list[str]] = [[]]
+    for name in sorted(group.commands):
+        out.append([name])
+        inner = getattr(group.commands[name], "commands", {})
+        out += [[name, sub] for sub in sorted(inner)]
+    return out
 
 
 @pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "vramctl")
@@ -229,11 +234,13 @@ def test_help_reads_whole_at_80_columns(command: list[str]) -> None:
     result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     text = result.stdout
-    group: Any = typer.main.get_command(app)
-    cmd = group.commands[command[0]] if command else group
+    cmd: Any = typer.main.get_command(app)
+    for name in command:
+        cmd = cmd.commands[name]
     names = [n for p in cmd.params if not getattr(p, "hidden", False) for n in p.opts]
     names += [n for p in cmd.params for n in getattr(p, "secondary_opts", [])]
-    assert "--help" in text and names
+    assert "--help" in text
+    assert names or getattr(cmd, "commands", None)  # a group may have only commands
     for name in names:
         if name.startswith("-"):  # an option: its whole name, not a cut one
             assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), (name, text)

@@ -23,9 +23,9 @@ app.add_typer(ray_app, name="ray")
 @ray_app.command("resources")
 @user_errors
 def resources(devices: DevicesOption = None) -> None:
-    """Print this node's GPU memory as Ray custom resources (JSON, in MiB).
+    """Print this node's GPU memory as Ray resources (JSON).
 
-    One resource per GPU, vramctl_gpu<N>_mib, for ray start:
+    One resource per GPU, vramctl_gpu<N>_mib, in MiB, for ray start:
 
         ray start --head --resources "$(vramctl ray resources)"
     """
@@ -46,7 +46,7 @@ def agent(
     ] = 2.0,
     devices: DevicesOption = None,
 ) -> None:
-    """Keep this node's GPU resources true to memory used outside vramctl.
+    """Hold memory used outside vramctl out of Ray's figures.
 
     Run it on each node after ray start, until Ctrl-C: a placeholder per GPU
     holds, out of the GPU's resource, the memory other processes use there.
