@@ -45,6 +45,7 @@ from vramctl.jobs._need import device_capacity, matching_devices, price
 from vramctl.jobs._placement import BestFit, Fragmentation, LeastLoaded, MostFree, Policy
 from vramctl.jobs._spec import JobSpec, JobSpecError
 from vramctl.jobs._store import ACTIVE, Job, JobStore
+from vramctl.jobs._supervise import process_alive as _alive
 from vramctl.jobs._supervise import tree_rss
 
 __all__ = ["POLICIES", "LocalRunner", "Runner", "Scheduler"]
@@ -444,14 +445,3 @@ def _tree(pid: int) -> list[int]:
         return [pid, *(c.pid for c in proc.children(recursive=True))]
     except psutil.Error:
         return []
-
-
-def _alive(pid: int, started: float | None) -> bool:
-    """Whether ``pid`` runs, and is the process that started at ``started`` (not a reuse)."""
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return started is None or abs(proc.create_time() - started) < 0.01
-    except psutil.Error:
-        return False

@@ -59,12 +59,14 @@ __all__ = [
     "TOLERANCE",
     "GpuWatch",
     "held_pids",
+    "hold",
     "job_argv",
     "local_device",
     "main",
     "mps_in_use",
     "mps_limit",
     "overrun_tolerance",
+    "process_alive",
     "read_peaks",
     "supervise",
     "tree_rss",
@@ -660,7 +662,9 @@ def _finish(
     return state
 
 
-def _running(pid: int, started: float | None) -> bool:
+def process_alive(pid: int, started: float | None) -> bool:
+    """Whether ``pid`` runs, and is the process that started at ``started`` (not a reuse
+    of its number); ``started`` None checks only that it runs."""
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
@@ -676,8 +680,8 @@ def hold(store: _Store, job_id: str, poll_s: float = 0.2) -> str | None:
     running without its supervisor is left to the scheduler's adoption."""
     job = store.get(job_id)
     pid, started = job.supervisor_pid, job.supervisor_started
-    if pid is not None and _running(int(pid), started):
-        while _running(int(pid), started):
+    if pid is not None and process_alive(int(pid), started):
+        while process_alive(int(pid), started):
             time.sleep(poll_s)
         return str(store.get(job_id).state)
     if job.state == "admitted":
