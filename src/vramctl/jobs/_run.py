@@ -53,19 +53,9 @@ ENV_GUARD = "VRAMCTL_GUARD"
 _HELD: list[Any] = []
 
 
-def load_entry_point(text: str) -> Callable[[], Any]:
-    """The function named by ``module:function`` (``function`` may be dotted)."""
-    module_name, _, attr = text.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"{text} is not callable")
-    return obj  # type: ignore[no-any-return]
-
-
 def _attribute(text: str | None) -> Any:
-    """The object named by ``module:attribute`` (None for None)."""
+    """The object named by ``module:attribute`` (``attribute`` may be dotted; None for
+    None)."""
     if text is None:
         return None
     module_name, _, attr = text.partition(":")
@@ -73,6 +63,14 @@ def _attribute(text: str | None) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def load_entry_point(text: str) -> Callable[[], Any]:
+    """The function named by ``module:function`` (``function`` may be dotted)."""
+    obj = _attribute(text)
+    if not callable(obj):
+        raise TypeError(f"{text} is not callable")
+    return obj  # type: ignore[no-any-return]
 
 
 class _JobGuard:
