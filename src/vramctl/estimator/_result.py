@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vramctl._units import format_bytes
@@ -106,6 +106,16 @@ class Estimate:
     fits_point: bool = False
     #: Whether the step fits at ``peak_device_high``, the safe end.
     fits_safe: bool = False
+    #: Floating-point operations of the step (forward, backward and optimizer; a
+    #: multiply-add counts two), as ``torch.utils.flop_counter`` counts them.
+    flops: int = 0
+    #: Bytes the step's operators read and write in device memory (a roofline's traffic).
+    bytes_moved: int = 0
+    #: The predicted time of one step on the target, in seconds (None: not predicted).
+    step_seconds: float | None = None
+    #: Predicted seconds by operator group (matmul, convolution, attention, memory,
+    #: optimizer, overhead); they sum to ``step_seconds``.
+    time_breakdown: dict[str, float] = field(default_factory=dict)
 
     @property
     def budget(self) -> int:
