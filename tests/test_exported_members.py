@@ -227,6 +227,14 @@ DEVICE = {
 }
 ESTIMATOR = {
     "BATCH_BOUND",
+    "GPU_EFFICIENCY",
+    "StepTime",
+    "Throughput",
+    "cpu_profile_path",
+    "cpu_throughput",
+    "gpu_throughput",
+    "measure_throughput",
+    "target_throughput",
     "LENGTH_BOUND",
     "MODES",
     "PRECISIONS",

@@ -102,6 +102,29 @@ def _check_out(out: Path, save: bool) -> None:
     check_can_write("--out", out, make_parents=True)
 
 
+def _calibrate_cpu(save: bool, as_json: bool) -> None:
+    from vramctl.estimator import cpu_profile_path, cpu_throughput
+
+    with err.status("measuring this CPU's throughput", spinner="dots"):
+        tp = cpu_throughput(remeasure=True, save=save)
+    path = cpu_profile_path() if save else None
+    if as_json:
+        emit_json({**tp.to_dict(), "path": str(path) if path else None}, indent=True)
+        return
+    console.print(f"[bold]{tp.source}[/]", highlight=False)
+    for group, rates in tp.rates.items():
+        shown = ", ".join(f"{k} {v / 1e9:,.1f}" for k, v in rates.items())
+        console.print(f"  {group:<12} GFLOP/s: {shown}", highlight=False)
+    console.print(f"  {'memory':<12} {tp.bandwidth / 1e9:,.1f} GB/s", highlight=False)
+    console.print(
+        f"  {'overhead':<12} {tp.op_overhead * 1e6:.1f} us per operator, "
+        f"{tp.view_overhead * 1e6:.1f} us per view",
+        highlight=False,
+    )
+    if path is not None:
+        console.print(f"saved to {path}", highlight=False)
+
+
 @app.command()
 @user_errors
 def calibrate(
@@ -127,9 +150,15 @@ def calibrate(
     list_profiles: Annotated[
         bool, typer.Option("--list", help="List the saved profiles and exit.")
     ] = False,
+    cpu: Annotated[
+        bool,
+        typer.Option(
+            "--cpu", help="Measure this CPU's throughput (step times on the CPU) instead."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Measure this GPU's CUDA constants; later estimates for it use them.
+    """Measure this GPU's CUDA constants and speed; later estimates for it use them.
 
     In a fresh process, with the GPU otherwise idle, this reads the CUDA context
     (through NVML), the cuBLAS workspace per handle and the handles a training
@@ -139,13 +168,21 @@ def calibrate(
     ($VRAMCTL_CONFIG_DIR, else ~/.config/vramctl, then calibration/); later
     estimates for this GPU, or another of its compute capability, use it.
     'vramctl estimate --calibration off' (or VRAMCTL_CALIBRATION=off) uses the
-    built-in constants instead. Example:
+    built-in constants instead. The profile also keeps the GPU's measured
+    throughput (matrix multiplies by dtype, convolutions, attention, memory
+    bandwidth, per-operator overhead), which step-time predictions use in place
+    of the data sheet's peaks. --cpu measures the CPU's the same way (a second
+    or two; estimates for the CPU measure it once by themselves). Example:
 
         vramctl calibrate                # measure cuda:0 and save its profile
+        vramctl calibrate --cpu          # measure this CPU's throughput
         vramctl calibrate --list         # the saved profiles
     """
     if list_profiles:
         _list(as_json)
+        return
+    if cpu:
+        _calibrate_cpu(save, as_json)
         return
     from vramctl.estimator import calibrate as run_calibration
 

@@ -15,7 +15,7 @@ a few hundred MiB more once a process starts (see ``docs/simulate.md``).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vramctl._errors import UnknownDeviceError
 from vramctl.device._capability import ComputeCapability
@@ -39,6 +39,19 @@ class GpuSpec:
     pattern: str
     aliases: tuple[str, ...] = field(default=())
     note: str = ""
+    #: Dense peak throughput in TFLOP/s by compute dtype ("fp32", "tf32", "bf16", "fp16"),
+    #: from the vendor's data sheet (no sparsity); a dtype without tensor cores is absent.
+    peak_tflops: tuple[tuple[str, float], ...] = field(default=())
+    #: Peak memory bandwidth, GB/s (10^9 bytes per second).
+    bandwidth_gbs: float = 0.0
+    #: Host link (PCIe) bandwidth per direction, GB/s.
+    host_gbs: float = 0.0
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for a compute dtype; a dtype the GPU has no fast path for runs at
+        the fp32 rate (bf16 on a V100 or T4 is emulated)."""
+        table = dict(self.peak_tflops)
+        return table.get(dtype, table.get("fp32", 0.0)) * 1e12
 
     @property
     def total_bytes(self) -> int:
@@ -61,6 +74,9 @@ class GpuSpec:
             "features": self.capability.features(),
             "aliases": list(self.aliases),
             "note": self.note,
+            "peak_tflops": dict(self.peak_tflops),
+            "bandwidth_gbs": self.bandwidth_gbs,
+            "host_gbs": self.host_gbs,
         }
 
 
@@ -92,6 +108,39 @@ _CATALOG: tuple[GpuSpec, ...] = (
     GpuSpec("V100-16GB", 16384, 15.75, _cc("7.0"), r"\bV100\b(?!.*32\s*GB)", ("v100", "v100-16")),
     GpuSpec("T4-16GB", 15360, 14.58, _cc("7.5"), r"\bT4\b", ("t4",)),
 )
+
+
+#: Dense peak TFLOP/s (fp32, tf32, bf16, fp16), memory bandwidth GB/s and PCIe GB/s per
+#: direction, from NVIDIA's data sheets (SXM parts where there are two; the A10G and the
+#: GeForce cards' tensor rates are those with fp32 accumulation).
+_PEAKS: dict[str, tuple[float, float | None, float | None, float, float, float]] = {
+    "H200-141GB": (67.0, 494.7, 989.4, 989.4, 4800.0, 64.0),
+    "H100-80GB": (67.0, 494.7, 989.4, 989.4, 3350.0, 64.0),
+    "A100-80GB": (19.5, 156.0, 312.0, 312.0, 2039.0, 32.0),
+    "A100-40GB": (19.5, 156.0, 312.0, 312.0, 1555.0, 32.0),
+    "L40S-48GB": (91.6, 183.0, 362.1, 362.1, 864.0, 32.0),
+    "A10G-24GB": (31.2, 35.0, 70.0, 70.0, 600.0, 16.0),
+    "L4-24GB": (30.3, 60.0, 121.0, 121.0, 300.0, 32.0),
+    "RTX4090-24GB": (82.6, 82.6, 165.2, 165.2, 1008.0, 32.0),
+    "RTX3090-24GB": (35.6, 35.6, 71.0, 71.0, 936.0, 32.0),
+    "V100-32GB": (15.7, None, None, 125.0, 900.0, 16.0),
+    "V100-16GB": (15.7, None, None, 125.0, 900.0, 16.0),
+    "T4-16GB": (8.1, None, None, 65.0, 320.0, 16.0),
+}
+
+
+def _with_peaks(spec: GpuSpec) -> GpuSpec:
+    fp32, tf32, bf16, fp16, bandwidth, host = _PEAKS[spec.name]
+    rates = {"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": fp16}
+    return replace(
+        spec,
+        peak_tflops=tuple((k, v) for k, v in rates.items() if v is not None),
+        bandwidth_gbs=bandwidth,
+        host_gbs=host,
+    )
+
+
+_CATALOG = tuple(_with_peaks(s) for s in _CATALOG)
 
 
 def catalog() -> list[GpuSpec]:

@@ -52,6 +52,7 @@ from torch import nn
 from vramctl.device import ComputeCapability, Device
 from vramctl.estimator import _cuda_model
 from vramctl.estimator._calibration import Calibration, CalibrationError, fit_constants
+from vramctl.estimator._timing import measure_throughput
 
 __all__ = ["calibrate", "measure"]
 
@@ -337,6 +338,11 @@ def measure(
     dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     cudnn = _convolutions(cuda, dtypes)
     after_conv = ctx.read()
+    say("throughput: matrix multiplies, convolutions, attention, memory, launches")
+    try:
+        throughput: dict[str, Any] = measure_throughput(cuda, scale=4.0).to_dict()
+    except Exception as exc:  # the memory constants stand without it
+        throughput = {"error": f"{type(exc).__name__}: {exc}"}
     others = [p.pid for p in dev.processes() if p.pid != os.getpid()]
     return {
         "device": dev.name,
@@ -354,6 +360,7 @@ def measure(
             "other_processes": len(others),
         },
         "cudnn": cudnn,
+        "throughput": throughput,
     }
 
 

@@ -47,6 +47,7 @@ def estimate(
     task: str | None = None,
     image_size: int | tuple[int, int] | None = None,
     trust_remote_code: bool = False,
+    offload_activations: bool = False,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
 
@@ -75,6 +76,14 @@ def estimate(
     capability, where there is one; ``calibration=False`` uses the built-in ones,
     and a :class:`~vramctl.estimator.Calibration` or a profile's path picks one.
 
+    ``offload_activations=True`` prices the step with the tensors saved for backward
+    kept in host memory (``torch.autograd.graph.save_on_cpu``): they leave the device
+    after forward and are copied back when backward needs them.
+
+    The estimate also predicts the step's time (``step_seconds``, from its FLOPs and
+    bytes per operator and the target's rates: the CPU's measured here, a GPU's from
+    ``vramctl calibrate`` or its data sheet).
+
     Those constants differ by driver, CUDA version, module loading and
     ``cudnn.benchmark``, so ``nvidia-smi`` may read up to ``device_uncertainty``
     more than ``peak_device`` (1 GiB or more without a profile of the GPU; see
@@ -97,6 +106,7 @@ def estimate(
         task=task,
         image_size=image_size,
         trust_remote_code=trust_remote_code,
+        offload_activations=offload_activations,
     )
     est = session.estimate(batch, batch_size, seq_len, seconds)
     return dataclasses.replace(est, elapsed=time.perf_counter() - t0)

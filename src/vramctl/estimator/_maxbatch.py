@@ -158,6 +158,7 @@ def max_batch_size(
     task: str | None = None,
     image_size: int | tuple[int, int] | None = None,
     trust_remote_code: bool = False,
+    offload_activations: bool = False,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.
 
@@ -196,6 +197,7 @@ def max_batch_size(
         task=task,
         image_size=image_size,
         trust_remote_code=trust_remote_code,
+        offload_activations=offload_activations,
     )
     cache: dict[tuple[int, float | None], Estimate] = {}
     host: dict[int, int] = {}

@@ -116,6 +116,11 @@ class Estimate:
     #: Predicted seconds by operator group (matmul, convolution, attention, memory,
     #: optimizer, overhead); they sum to ``step_seconds``.
     time_breakdown: dict[str, float] = field(default_factory=dict)
+    #: Predicted seconds by phase (forward, backward, optimizer); they sum to
+    #: ``step_seconds``.
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    #: Where the time model's rates came from (a measured profile, a data sheet).
+    throughput: str | None = None
 
     @property
     def budget(self) -> int:

@@ -33,6 +33,7 @@ from vramctl.estimator._autocast import CudaAutocast
 from vramctl.estimator._calibration import CalibrationSource, measured_on
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace
 from vramctl.estimator._hub import eager_masks
+from vramctl.estimator._opcost import OpCost
 from vramctl.estimator._result import CATEGORIES, Estimate, uncalibrated_note
 from vramctl.estimator._spec import (
     BatchSource,
@@ -46,6 +47,7 @@ from vramctl.estimator._spec import (
     warm_optimizer,
 )
 from vramctl.estimator._target import Target, resolve_target
+from vramctl.estimator._timing import predict, target_throughput, tf32_matmul
 from vramctl.estimator._trace import (
     DataDependentError,
     EagerLinear,
@@ -295,7 +297,7 @@ class Session:
         assert self.model is not None
         spec = self.spec
         phase("forward")
-        with spec.forward_context():
+        with spec.forward_context(), _offloaded(tracer, spec.offload_activations):
             out = call_model(self.model, batch)
             loss = spec.loss(out, batch)
         phase("backward")
@@ -319,6 +321,32 @@ class Session:
         else:
             for p in self.params:
                 p.grad = None
+
+
+@contextlib.contextmanager
+def _offloaded(tracer: Tracer, on: bool) -> Iterator[None]:
+    """The saved tensors leave device memory in forward and come back in backward, as
+    ``torch.autograd.graph.save_on_cpu`` does: packing drops autograd's reference (the
+    tensor is freed where nothing else holds it) and unpacking allocates its copy."""
+    if not on:
+        yield
+        return
+
+    def pack(t: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+        nbytes = t.numel() * t.element_size()
+        tracer.trace.costs.append(OpCost("transfer", tracer.phase, "other", 0, nbytes, True))
+        return t.shape, t.dtype
+
+    def unpack(packed: tuple[torch.Size, torch.dtype]) -> torch.Tensor:
+        shape, dtype = packed
+        t = torch.empty(shape, dtype=dtype)
+        tracer.trace.costs.append(
+            OpCost("transfer", tracer.phase, "other", 0, t.numel() * t.element_size(), True)
+        )
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 def _build(factory: Callable[[], Any]) -> Any:
@@ -572,6 +600,17 @@ def build_estimate(
         allocated = reserved = peak_device = logical
         fits[False] = fits[True] = peak_device <= budget
         notes.append("CPU target: live tensor bytes, no CUDA context or allocator modelled")
+    tp = target_throughput(target)
+    timed = None
+    if tp is None:
+        notes.append(
+            f"step time: not predicted for a GPU known only by its size ({target.name}); "
+            "name a catalog GPU"
+        )
+    else:
+        timed = predict(
+            trace.costs, tp, tf32=target.cuda and _tf32_capable(target) and tf32_matmul()
+        )
     if spec.autocast_dtype is not None and target.cuda:
         notes.append(
             "autocast: CUDA's fp32 rules (norms, softmax, exp/log/pow, sums, losses) applied "
@@ -611,7 +650,18 @@ def build_estimate(
         safe=session.safe,
         fits_point=fits[False],
         fits_safe=fits[True],
+        flops=timed.flops if timed else sum(c.flops for c in trace.costs),
+        bytes_moved=timed.bytes if timed else sum(c.bytes for c in trace.costs),
+        step_seconds=timed.seconds if timed else None,
+        time_breakdown=dict(timed.by_group) if timed else {},
+        phase_seconds=dict(timed.by_phase) if timed else {},
+        throughput=tp.source if tp else None,
     )
+
+
+def _tf32_capable(target: Target) -> bool:
+    cc = target.capability
+    return cc is not None and cc.major >= 8
 
 
 def open_session(
@@ -630,6 +680,7 @@ def open_session(
     task: str | None = None,
     image_size: int | tuple[int, int] | None = None,
     trust_remote_code: bool = False,
+    offload_activations: bool = False,
 ) -> Session:
     """Check the arguments, resolve the device and build the model on fake tensors."""
     check_utilization(target_utilization)
@@ -642,6 +693,7 @@ def open_session(
         loss_fn=loss_fn,
         autocast_device="cpu",
         foreach=True if target.cuda else None,
+        offload_activations=offload_activations,
     )
     session = Session.open(
         model,

@@ -40,7 +40,16 @@ __all__ = [
 
 MODES = ("train", "infer")
 PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "rmsprop", "adagrad", "none")
+OPTIMIZERS = (
+    "adamw",
+    "adamw-fused",
+    "adam",
+    "sgd",
+    "sgd-momentum",
+    "rmsprop",
+    "adagrad",
+    "none",
+)
 ModelSource = nn.Module | str | Callable[[], nn.Module]
 BatchSource = Any
 
@@ -65,6 +74,9 @@ class StepSpec:
     autocast_device: str = "cpu"
     #: Use the multi-tensor (foreach) optimizer kernels, as PyTorch does on CUDA.
     foreach: bool | None = None
+    #: Keep the tensors saved for backward in host memory between forward and backward
+    #: (``torch.autograd.graph.save_on_cpu``), copied back when backward needs them.
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -96,6 +108,8 @@ class StepSpec:
         kw: dict[str, Any] = {} if self.foreach is None else {"foreach": self.foreach}
         if opt == "adamw":
             return torch.optim.AdamW(params, lr=1e-4, **kw)
+        if opt == "adamw-fused":
+            return torch.optim.AdamW(params, lr=1e-4, fused=True)
         if opt == "adam":
             return torch.optim.Adam(params, lr=1e-4, **kw)
         if opt == "sgd":

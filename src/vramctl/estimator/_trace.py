@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from vramctl._tensors import storage, tensors
+from vramctl.estimator._opcost import OpCost, op_cost
 
 __all__ = [
     "EagerLinear",
@@ -127,6 +128,8 @@ class Trace:
     #: Assumptions made where values were unknown (data-dependent operators).
     assumptions: list[str] = field(default_factory=list)
     ops: int = 0
+    #: Each operator's FLOPs and bytes, in order (the step-time model's input).
+    costs: list[OpCost] = field(default_factory=list)
 
     def live_bytes(self) -> Iterator[int]:
         """Live bytes after each event."""
@@ -288,6 +291,8 @@ class Tracer(TorchDispatchMode):
         if ws > 0:
             self.trace.events.append(~sid)
             self.trace.records[sid].freed_phase = self.phase
+        if self.record:
+            self.trace.costs.append(op_cost(func, name, self.phase, args, kwargs, out))
         self.failed_op = None
         return out
 

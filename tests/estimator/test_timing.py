@@ -1,0 +1,166 @@
+"""The step-time model: FLOPs and bytes from the trace, rates per device, the prediction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+import vramctl
+from vramctl.cli._app import app
+from vramctl.estimator import (
+    Calibration,
+    Throughput,
+    builtin_calibration,
+    cpu_profile_path,
+    cpu_throughput,
+    gpu_throughput,
+    measure_throughput,
+)
+from vramctl.estimator._opcost import OpCost
+from vramctl.estimator._timing import predict
+
+
+class Mlp(nn.Module):
+    def __init__(self, width: int = 512, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_flops_of_a_linear_layer_are_counted_exactly() -> None:
+    model = nn.Linear(256, 128, bias=False)
+    x = torch.randn(32, 256)
+    infer = vramctl.estimate(model, x, mode="infer", device="cpu")
+    assert infer.flops == 2 * 32 * 256 * 128
+    train = vramctl.estimate(model, x, mode="train", optimizer="sgd", device="cpu")
+    # backward: the weight's gradient only (the input needs none): forward + one more
+    assert train.flops == 2 * infer.flops
+    assert infer.bytes_moved >= (32 * 256 + 256 * 128 + 32 * 128) * 4
+
+
+def test_step_seconds_adds_up_by_group_and_by_phase() -> None:
+    est = vramctl.estimate(Mlp(), torch.randn(64, 512), device="cpu")
+    assert est.step_seconds is not None and est.step_seconds > 0
+    assert sum(est.time_breakdown.values()) == pytest.approx(est.step_seconds)
+    assert sum(est.phase_seconds.values()) == pytest.approx(est.step_seconds)
+    assert set(est.phase_seconds) == {"forward", "backward", "optimizer"}
+    assert est.time_breakdown["matmul"] > 0
+    assert est.throughput is not None and est.throughput.startswith("measured on")
+
+
+def test_a_faster_gpu_and_a_lower_precision_predict_less_time() -> None:
+    t4 = vramctl.estimate("gpt2", batch_size=4, seq_len=128, device="T4-16GB")
+    h100 = vramctl.estimate("gpt2", batch_size=4, seq_len=128, device="H100-80GB")
+    assert t4.step_seconds is not None and h100.step_seconds is not None
+    assert h100.step_seconds < t4.step_seconds / 3
+    a100 = vramctl.estimate("gpt2", batch_size=8, seq_len=256, device="A100-80GB")
+    bf16 = vramctl.estimate(
+        "gpt2", batch_size=8, seq_len=256, device="A100-80GB", precision="amp-bf16"
+    )
+    assert bf16.time_breakdown["matmul"] < a100.time_breakdown["matmul"] / 4
+    assert a100.flops == pytest.approx(bf16.flops, rel=0.01)
+
+
+def test_tf32_speeds_up_fp32_matmuls_on_ampere(monkeypatch: pytest.MonkeyPatch) -> None:
+    slow = vramctl.estimate("gpt2", batch_size=4, seq_len=128, device="A100-80GB")
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        fast = vramctl.estimate("gpt2", batch_size=4, seq_len=128, device="A100-80GB")
+        volta = vramctl.estimate("gpt2", batch_size=4, seq_len=128, device="V100-32GB")
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    assert fast.time_breakdown["matmul"] < slow.time_breakdown["matmul"] / 4
+    # no TF32 before compute capability 8.0
+    assert volta.time_breakdown["matmul"] > slow.time_breakdown["matmul"]
+
+
+def test_a_gpu_known_only_by_size_gets_no_time() -> None:
+    est = vramctl.estimate(Mlp(), torch.randn(8, 512), device="24GiB")
+    assert est.step_seconds is None
+    assert any("step time: not predicted" in n for n in est.notes)
+    assert est.flops > 0
+
+
+def test_offloading_activations_trades_memory_for_transfer_time() -> None:
+    kw = {"batch_size": 4, "seq_len": 256, "device": "A10G-24GB"}
+    plain = vramctl.estimate("gpt2", **kw)
+    off = vramctl.estimate("gpt2", offload_activations=True, **kw)
+    assert off.breakdown["activations"] < plain.breakdown["activations"] / 2
+    assert off.peak_device < plain.peak_device
+    assert off.time_breakdown["transfer"] > 0
+    assert "transfer" not in plain.time_breakdown
+    assert off.step_seconds is not None and plain.step_seconds is not None
+    assert off.step_seconds > plain.step_seconds
+
+
+def test_a_gpu_profile_with_measured_throughput_replaces_the_data_sheet() -> None:
+    spec = vramctl.gpu_spec("A100-80GB")
+    sheet = gpu_throughput(spec)
+    assert not sheet.measured and "data sheet" in sheet.source
+    assert sheet.rate("matmul", "bf16") == pytest.approx(312e12 * 0.7)
+    measured = Throughput(
+        device="NVIDIA A100-SXM4-80GB",
+        rates={"matmul": {"fp32": 1e12, "bf16": 2e12}},
+        bandwidth=1e11,
+        op_overhead=1e-5,
+        view_overhead=1e-6,
+        asynchronous=True,
+        source="measured on NVIDIA A100-SXM4-80GB",
+        measured=True,
+    )
+    cal = Calibration(
+        **{
+            **builtin_calibration("A100-80GB", spec.capability).__dict__,
+            "device": "NVIDIA A100-SXM4-80GB",
+            "measurements": {"throughput": measured.to_dict()},
+        }
+    )
+    slow = vramctl.estimate(Mlp(), torch.randn(64, 512), device="A100-80GB", calibration=cal)
+    fast = vramctl.estimate(Mlp(), torch.randn(64, 512), device="A100-80GB", calibration=False)
+    assert slow.throughput == measured.source
+    assert slow.step_seconds is not None and fast.step_seconds is not None
+    assert slow.step_seconds > fast.step_seconds
+
+
+def test_predict_sync_adds_overhead_and_async_overlaps_it() -> None:
+    ops = [OpCost("memory", "forward", "fp32", 0, 1000, True) for _ in range(10)]
+    base = {"rates": {"matmul": {"fp32": 1e9}}, "bandwidth": 1e6, "view_overhead": 0.0}
+    sync = Throughput(device="x", op_overhead=1e-3, **base)  # type: ignore[arg-type]
+    asyn = Throughput(device="x", op_overhead=1e-3, asynchronous=True, **base)  # type: ignore[arg-type]
+    assert predict(ops, sync).seconds == pytest.approx(10 * (1e-3 + 1e-3))
+    assert predict(ops, asyn).seconds == pytest.approx(10 * 1e-3)
+
+
+def test_the_cpu_profile_is_measured_once_and_kept() -> None:
+    path = cpu_profile_path()
+    tp = cpu_throughput(remeasure=True)
+    assert path.exists()
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "vramctl.throughput/1"
+    assert Throughput.from_dict(doc) == tp
+    assert tp.rates["matmul"]["fp32"] > 1e8  # any CPU does 0.1 GFLOP/s
+    assert tp.bandwidth > 1e8
+    assert cpu_throughput() == tp
+
+
+def test_measure_throughput_reports_every_group() -> None:
+    tp = measure_throughput("cpu", scale=0.25)
+    assert set(tp.rates) == {"matmul", "convolution", "attention"}
+    assert {"fp32", "bf16"} <= set(tp.rates["matmul"])
+    assert tp.op_overhead > 0 and not tp.asynchronous
+
+
+def test_calibrate_cpu_prints_json_and_saves() -> None:
+    result = CliRunner().invoke(app, ["calibrate", "--cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["path"] == str(cpu_profile_path())
+    assert doc["measured"] is True
+    assert doc["rates"]["matmul"]["fp32"] > 0
