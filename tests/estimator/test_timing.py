@@ -164,3 +164,11 @@ def test_calibrate_cpu_prints_json_and_saves() -> None:
     assert doc["path"] == str(cpu_profile_path())
     assert doc["measured"] is True
     assert doc["rates"]["matmul"]["fp32"] > 0
+
+
+def test_autocast_with_checkpointing_on_a_gpu_target_recomputes_in_the_same_dtypes() -> None:
+    # the recomputation runs CUDA's autocast rules too (it used to refuse the saved tensors)
+    kw = {"batch_size": 1, "seq_len": 64, "device": "A10G-24GB", "precision": "amp-bf16"}
+    plain = vramctl.estimate("gpt2", **kw)
+    ckpt = vramctl.estimate("gpt2", checkpointing=True, **kw)
+    assert ckpt.flops > plain.flops  # the recomputed forward

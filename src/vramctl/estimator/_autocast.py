@@ -25,13 +25,15 @@ autocast) is therefore listed as an fp32 operator itself.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["CUDA_FP32", "CUDA_FP32_SET_OPT_DTYPE", "CudaAutocast"]
+__all__ = ["CUDA_FP32", "CUDA_FP32_SET_OPT_DTYPE", "CudaAutocast", "cuda_autocast"]
 
 
 def _cuda_autocasts(op: str) -> bool:
@@ -160,3 +162,31 @@ class CudaAutocast(TorchFunctionMode):
             ):
                 kwargs = {**kwargs, "dtype": torch.float32}
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_autocast() -> Iterator[None]:
+    """:class:`CudaAutocast` for a step, activation checkpointing's recomputation included.
+
+    Backward runs a checkpointed block's forward again without the Python function modes
+    of the forward (autocast itself is restored by the checkpoint), so the rules are
+    entered again around the recomputation; without it the recomputed tensors would
+    differ in dtype from the saved ones and the checkpoint refuse them.
+    """
+    import torch.utils.checkpoint as checkpoint
+
+    run = getattr(checkpoint, "_run_fn_with_dynamo_disabled", None)
+
+    def recompute(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with CudaAutocast():
+            assert run is not None
+            return run(fn, *args, **kwargs)
+
+    if run is not None:
+        checkpoint._run_fn_with_dynamo_disabled = recompute
+    try:
+        with CudaAutocast():
+            yield
+    finally:
+        if run is not None:
+            checkpoint._run_fn_with_dynamo_disabled = run

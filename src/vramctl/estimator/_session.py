@@ -29,7 +29,7 @@ from vramctl.estimator._allocator import (
     AllocatorOutOfMemory,
     CachingAllocatorModel,
 )
-from vramctl.estimator._autocast import CudaAutocast
+from vramctl.estimator._autocast import cuda_autocast
 from vramctl.estimator._calibration import CalibrationSource, measured_on
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace
 from vramctl.estimator._hub import eager_masks
@@ -234,7 +234,7 @@ class Session:
             es.enter_context(eager_masks())
             es.enter_context(no_op_module_to())
             if self.target.cuda and spec.autocast_dtype is not None:
-                es.enter_context(CudaAutocast())
+                es.enter_context(cuda_autocast())
             es.enter_context(tracer)
             if self.target.cuda:
                 handles = consts.train_handles if spec.mode == "train" else 1
