@@ -18,6 +18,7 @@ import vramctl.fit
 import vramctl.guard
 import vramctl.jobs
 import vramctl.monitor
+import vramctl.optimize
 import vramctl.server
 
 EXPECTED = {
@@ -57,6 +58,7 @@ EXPECTED = {
     "catalog",
     "current_device",
     "devices",
+    "doctor",
     "estimate",
     "format_bytes",
     "get_device",
@@ -294,6 +296,7 @@ GUARD = {
     "total_bytes",
 }
 FIT = {"FitError", "FitResult", "cache_root", "fit_batch_size"}
+OPTIMIZE = {"DoctorReport", "Finding", "doctor"}
 CLI = {"main"}
 
 JOBS = {
@@ -361,6 +364,7 @@ PACKAGES = {
     vramctl.guard: GUARD,
     vramctl.jobs: JOBS,
     vramctl.monitor: MONITOR,
+    vramctl.optimize: OPTIMIZE,
     vramctl.server: SERVER,
 }
 
