@@ -45,6 +45,17 @@ class FakeGpu:
     errors: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     #: A GPU that fell off the bus: every call on its handle raises GPU_IS_LOST.
     lost: bool = False
+    #: Persistence mode (None: not supported, as on Windows).
+    persistence: bool | None = True
+    #: MIG mode (current, pending); None follows ``migs`` (on when it has instances).
+    mig_mode: tuple[bool, bool] | None = None
+    #: ECC mode (current, pending); None: the GPU has no ECC (NOT_SUPPORTED).
+    ecc_mode: tuple[bool, bool] | None = (True, True)
+    ecc_uncorrected_volatile: int = 0
+    ecc_uncorrected_aggregate: int = 0
+    ecc_corrected_volatile: int = 0
+    #: Row remapping (corrected rows, uncorrected rows, pending, failed); None: NOT_SUPPORTED.
+    remapped_rows: tuple[int, int, bool, bool] | None = (0, 0, False, False)
 
     def fail(self, times: int, error: int = pynvml.NVML_ERROR_GPU_IS_LOST) -> None:
         self.failures.extend([error] * times)
@@ -57,10 +68,20 @@ class FakeGpu:
 
 
 class FakeNvml:
-    def __init__(self, gpus: list[FakeGpu], *, init_error: int | None = None) -> None:
+    def __init__(
+        self,
+        gpus: list[FakeGpu],
+        *,
+        init_error: int | None = None,
+        driver_version: str = "550.54.15",
+        cuda_driver_version: int = 12040,
+    ) -> None:
         self.gpus = gpus
         self.init_error = init_error
         self.init_calls = 0
+        self.driver_version = driver_version
+        #: As NVML gives it: 1000 * major + 10 * minor (12040 is CUDA 12.4).
+        self.cuda_driver_version = cuda_driver_version
 
     # -- helpers ------------------------------------------------------------------
     @staticmethod
@@ -96,8 +117,9 @@ class FakeNvml:
     def nvmlDeviceGetMigMode(self, h: FakeGpu) -> list[int]:
         if h.parent is not None:
             raise self._not_supported()
-        mode = pynvml.NVML_DEVICE_MIG_ENABLE if h.migs else pynvml.NVML_DEVICE_MIG_DISABLE
-        return [mode, mode]
+        current, pending = h.mig_mode if h.mig_mode is not None else (bool(h.migs),) * 2
+        on, off = pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_DISABLE
+        return [on if current else off, on if pending else off]
 
     def nvmlDeviceGetMaxMigDeviceCount(self, h: FakeGpu) -> int:
         return 7
@@ -141,6 +163,38 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeMode(self, h: FakeGpu) -> int:
         return h.compute_mode
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self.driver_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return self.cuda_driver_version
+
+    def nvmlDeviceGetPersistenceMode(self, h: FakeGpu) -> int:
+        if h.parent is not None or h.persistence is None:
+            raise self._not_supported()
+        return pynvml.NVML_FEATURE_ENABLED if h.persistence else pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetEccMode(self, h: FakeGpu) -> list[int]:
+        if h.parent is not None or h.ecc_mode is None:
+            raise self._not_supported()
+        on, off = pynvml.NVML_FEATURE_ENABLED, pynvml.NVML_FEATURE_DISABLED
+        return [on if h.ecc_mode[0] else off, on if h.ecc_mode[1] else off]
+
+    def nvmlDeviceGetTotalEccErrors(self, h: FakeGpu, error_type: int, counter_type: int) -> int:
+        if h.parent is not None or h.ecc_mode is None or not h.ecc_mode[0]:
+            raise self._not_supported()
+        if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED:
+            return h.ecc_corrected_volatile if counter_type == pynvml.NVML_VOLATILE_ECC else 0
+        if counter_type == pynvml.NVML_VOLATILE_ECC:
+            return h.ecc_uncorrected_volatile
+        return h.ecc_uncorrected_aggregate
+
+    def nvmlDeviceGetRemappedRows(self, h: FakeGpu) -> tuple[int, int, int, int]:
+        if h.parent is not None or h.remapped_rows is None:
+            raise self._not_supported()
+        corrected, uncorrected, pending, failed = h.remapped_rows
+        return corrected, uncorrected, int(pending), int(failed)
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: FakeGpu) -> list[Any]:
         out = []

@@ -18,6 +18,7 @@ import vramctl.fit
 import vramctl.guard
 import vramctl.jobs
 import vramctl.monitor
+import vramctl.optimize
 import vramctl.server
 
 EXPECTED = {
@@ -57,6 +58,7 @@ EXPECTED = {
     "catalog",
     "current_device",
     "devices",
+    "doctor",
     "estimate",
     "format_bytes",
     "get_device",
@@ -198,6 +200,8 @@ DEVICE = {
     "CudaDevice",
     "Device",
     "DeviceHealth",
+    "DriverInfo",
+    "GpuSettings",
     "GpuSpec",
     "HealthPolicy",
     "HealthState",
@@ -213,7 +217,9 @@ DEVICE = {
     "catalog",
     "current_device",
     "devices",
+    "driver_info",
     "get_device",
+    "gpu_settings",
     "gpu_spec",
     "gpus",
     "match_gpu_name",
@@ -298,6 +304,7 @@ GUARD = {
     "total_bytes",
 }
 FIT = {"FitError", "FitResult", "cache_root", "fit_batch_size"}
+OPTIMIZE = {"DoctorReport", "Finding", "doctor"}
 CLI = {"main"}
 
 JOBS = {
@@ -365,6 +372,7 @@ PACKAGES = {
     vramctl.guard: GUARD,
     vramctl.jobs: JOBS,
     vramctl.monitor: MONITOR,
+    vramctl.optimize: OPTIMIZE,
     vramctl.server: SERVER,
 }
 

@@ -47,6 +47,7 @@ from vramctl.guard import (
     is_oom,
 )
 from vramctl.monitor import Monitor
+from vramctl.optimize import doctor
 
 __all__ = [
     "NA",
@@ -82,6 +83,7 @@ __all__ = [
     "catalog",
     "current_device",
     "devices",
+    "doctor",
     "estimate",
     "fit_batch_size",
     "format_bytes",

@@ -20,6 +20,7 @@ from vramctl.cli import (  # noqa: F401
     _batch,
     _calibrate,
     _dashboard,
+    _doctor,
     _jobs,
     _monitor,
     _ray,

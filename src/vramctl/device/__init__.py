@@ -21,6 +21,7 @@ from vramctl.device._select import (
     sort_devices,
     use_device,
 )
+from vramctl.device._settings import DriverInfo, GpuSettings, driver_info, gpu_settings
 from vramctl.device._simulate import (
     SimulatedDevice,
     SimulatedOutOfMemoryError,
@@ -34,6 +35,8 @@ __all__ = [
     "CudaDevice",
     "Device",
     "DeviceHealth",
+    "DriverInfo",
+    "GpuSettings",
     "GpuSpec",
     "HealthPolicy",
     "HealthState",
@@ -49,7 +52,9 @@ __all__ = [
     "catalog",
     "current_device",
     "devices",
+    "driver_info",
     "get_device",
+    "gpu_settings",
     "gpu_spec",
     "gpus",
     "match_gpu_name",

@@ -18,7 +18,15 @@ import pynvml
 
 from vramctl._na import NA, NotAvailable
 
-__all__ = ["NvmlGpu", "nvml_available", "nvml_gpus", "nvml_reason", "optional", "reset_nvml"]
+__all__ = [
+    "NvmlGpu",
+    "nvml_available",
+    "nvml_error",
+    "nvml_gpus",
+    "nvml_reason",
+    "optional",
+    "reset_nvml",
+]
 
 T = TypeVar("T")
 log = logging.getLogger("vramctl.device")
@@ -40,7 +48,7 @@ _NO_LIBRARY = (
 )
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"ok": None, "reason": ""}
+_state: dict[str, Any] = {"ok": None, "reason": "", "error": None}
 
 
 def nvml_available() -> bool:
@@ -49,11 +57,13 @@ def nvml_available() -> bool:
         if _state["ok"] is None:
             try:
                 pynvml.nvmlInit()
-                _state["ok"], _state["reason"] = True, ""
+                _state["ok"], _state["reason"], _state["error"] = True, "", None
             except _NO_LIBRARY as exc:
                 _state["ok"], _state["reason"] = False, f"NVML unavailable: {exc}"
+                _state["error"] = exc
             except pynvml.NVMLError as exc:
                 _state["ok"], _state["reason"] = False, f"NVML failed to initialise: {exc}"
+                _state["error"] = exc
         return bool(_state["ok"])
 
 
@@ -62,13 +72,19 @@ def nvml_reason() -> str:
     return str(_state["reason"])
 
 
+def nvml_error() -> BaseException | None:
+    """The error that kept NVML from initialising (None when it runs or was not tried)."""
+    error = _state["error"]
+    return error if isinstance(error, BaseException) else None
+
+
 def reset_nvml() -> None:
     """Forget the NVML session so the next call initialises again (tests, recovery)."""
     with _lock:
         if _state["ok"]:
             with contextlib.suppress(pynvml.NVMLError):
                 pynvml.nvmlShutdown()
-        _state["ok"], _state["reason"] = None, ""
+        _state["ok"], _state["reason"], _state["error"] = None, "", None
 
 
 def optional(fn: Callable[..., T], *args: Any) -> T | NotAvailable:

@@ -8,4 +8,6 @@ above the estimator (which prices memory and time) and the guard.
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from vramctl.optimize._doctor import DoctorReport, Finding, doctor
+
+__all__ = ["DoctorReport", "Finding", "doctor"]
