@@ -18,6 +18,7 @@ import vramctl.fit
 import vramctl.guard
 import vramctl.jobs
 import vramctl.monitor
+import vramctl.optimize
 import vramctl.server
 
 EXPECTED = {
@@ -46,6 +47,7 @@ EXPECTED = {
     "MemoryState",
     "Monitor",
     "NotAvailable",
+    "OptimizationReport",
     "Policy",
     "ProcessMemory",
     "Selection",
@@ -63,6 +65,7 @@ EXPECTED = {
     "gpu_spec",
     "gpus",
     "max_batch_size",
+    "optimize",
     "parse_size",
     "rank_devices",
     "select_device",
@@ -290,6 +293,16 @@ GUARD = {
     "total_bytes",
 }
 FIT = {"FitError", "FitResult", "cache_root", "fit_batch_size"}
+OPTIMIZE = {
+    "Optimization",
+    "OptimizationReport",
+    "OptimizeError",
+    "Optimized",
+    "StepHelper",
+    "apply_checkpointing",
+    "find_blocks",
+    "optimize",
+}
 CLI = {"main"}
 
 JOBS = {
@@ -357,6 +370,8 @@ PACKAGES = {
     vramctl.guard: GUARD,
     vramctl.jobs: JOBS,
     vramctl.monitor: MONITOR,
+    # ``vramctl.optimize`` is the function: the package is the module of that name.
+    importlib.import_module("vramctl.optimize"): OPTIMIZE,
     vramctl.server: SERVER,
 }
 

@@ -47,6 +47,7 @@ from vramctl.guard import (
     is_oom,
 )
 from vramctl.monitor import Monitor
+from vramctl.optimize import OptimizationReport, optimize
 
 __all__ = [
     "NA",
@@ -68,6 +69,7 @@ __all__ = [
     "MemoryState",
     "Monitor",
     "NotAvailable",
+    "OptimizationReport",
     "Policy",
     "ProcessMemory",
     "Selection",
@@ -91,6 +93,7 @@ __all__ = [
     "guarded",
     "is_oom",
     "max_batch_size",
+    "optimize",
     "parse_size",
     "rank_devices",
     "select_device",
