@@ -491,6 +491,15 @@ def test_the_checkpointing_variable_beats_the_argument(monkeypatch: pytest.Monke
     assert report["checkpointing"].reason.endswith("(VRAMCTL_CHECKPOINTING=full)")
 
 
+def test_a_second_call_does_not_checkpoint_twice() -> None:
+    model = encoder()
+    optimize(model, device="cpu", checkpointing="full")
+    wrapper = model.layers[0].forward
+    _, _, report = optimize(model, device="cpu", checkpointing="selective")
+    assert report["checkpointing"].reason == "the model checkpoints its activations already"
+    assert model.layers[0].forward is wrapper
+
+
 # -- compile ------------------------------------------------------------------------
 
 
@@ -534,6 +543,18 @@ def test_the_models_own_error_is_not_blamed_on_compile() -> None:
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         model(torch.randn(4, 3))
     assert model(torch.randn(4, 16)).shape == (4, 4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_model_is_not_compiled_again() -> None:
+    model = mlp()
+    optimize(model, device="cpu", compile=True, compile_options={"backend": "eager"})
+    wrapper = model.forward
+    _, _, report = optimize(model, device="cpu", compile=True)
+    assert report["compile"].reason == "the model is compiled already"
+    assert model.forward is wrapper
+    _, _, report = optimize(torch.compile(mlp(), backend="eager"), device="cpu", compile=True)
+    assert report["compile"].reason == "the model is compiled already"
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

@@ -19,9 +19,9 @@ from vramctl._na import NA
 from vramctl._units import format_bytes
 from vramctl.device import Device, resolve
 from vramctl.estimator import Estimate, estimate
-from vramctl.optimize._checkpoint import KINDS, apply_checkpointing, find_blocks
+from vramctl.optimize._checkpoint import KINDS, apply_checkpointing, find_blocks, is_checkpointed
 from vramctl.optimize._checkpoint import has_transformers_checkpointing as _hf_checkpointing
-from vramctl.optimize._compile import compile_forward, short_error
+from vramctl.optimize._compile import CompiledForward, compile_forward, short_error
 from vramctl.optimize._errors import OptimizeError
 from vramctl.optimize._helper import DTYPES, StepHelper
 from vramctl.optimize._optimizer import fast_kernel, rebuild_optimizer
@@ -595,6 +595,11 @@ def _decide_compile(run: _Run, want: bool | None) -> str | None:
     """What asks for ``torch.compile`` (None: it is not to apply, and its entry says why;
     :func:`_compile` writes the entry of one that applies)."""
     env = run.env
+    if isinstance(run.model.__dict__.get("forward"), CompiledForward) or hasattr(
+        run.model, "_orig_mod"
+    ):
+        run.skipped("compile", "the model is compiled already")
+        return None
     if env.compile is not None:
         if not env.compile:
             run.skipped("compile", env.source("compile"))
@@ -641,6 +646,9 @@ def _checkpointing(run: _Run, asked: str, precision: str, compiling: str | None)
         kind, source = "auto", "level='aggressive'"
     if kind == "none":
         run.skipped(name, f"none ({source})")
+        return None
+    if is_checkpointed(run.model):
+        run.skipped(name, "the model checkpoints its activations already")
         return None
     if kind == "auto" and compiling is not None:
         run.applied(

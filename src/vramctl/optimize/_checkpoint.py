@@ -33,7 +33,13 @@ from torch.utils.checkpoint import (
 
 from vramctl.optimize._errors import OptimizeError
 
-__all__ = ["KINDS", "apply_checkpointing", "find_blocks", "has_transformers_checkpointing"]
+__all__ = [
+    "KINDS",
+    "apply_checkpointing",
+    "find_blocks",
+    "has_transformers_checkpointing",
+    "is_checkpointed",
+]
 
 KINDS = ("none", "selective", "full")
 
@@ -183,6 +189,16 @@ def _transformers_enable(model: nn.Module) -> Callable[..., Any] | None:
         if callable(enable):
             return enable  # type: ignore[no-any-return]
     return None
+
+
+def is_checkpointed(model: nn.Module) -> bool:
+    """Whether ``model`` checkpoints already: blocks wrapped by :func:`apply_checkpointing`,
+    or transformers' checkpointing switched on."""
+    return any(
+        isinstance(m.__dict__.get("forward"), _CheckpointedForward)
+        or m.__dict__.get("gradient_checkpointing") is True
+        for m in model.modules()
+    )
 
 
 def has_transformers_checkpointing(model: nn.Module) -> bool:
