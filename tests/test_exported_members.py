@@ -22,6 +22,9 @@ import vramctl.optimize
 import vramctl.server
 
 EXPECTED = {
+    "Plan",
+    "PlanResult",
+    "plan",
     "FitError",
     "FitResult",
     "fit_batch_size",
@@ -47,6 +50,7 @@ EXPECTED = {
     "MemoryState",
     "Monitor",
     "NotAvailable",
+    "OptimizationReport",
     "Policy",
     "ProcessMemory",
     "Selection",
@@ -65,6 +69,7 @@ EXPECTED = {
     "gpu_spec",
     "gpus",
     "max_batch_size",
+    "optimize",
     "parse_size",
     "rank_devices",
     "select_device",
@@ -304,7 +309,24 @@ GUARD = {
     "total_bytes",
 }
 FIT = {"FitError", "FitResult", "cache_root", "fit_batch_size"}
-OPTIMIZE = {"DoctorReport", "Finding", "doctor"}
+OPTIMIZE = {
+    "AppliedPlan",
+    "DoctorReport",
+    "Finding",
+    "Optimization",
+    "OptimizationReport",
+    "OptimizeError",
+    "Optimized",
+    "Plan",
+    "PlanResult",
+    "StepHelper",
+    "apply_checkpointing",
+    "apply_plan",
+    "doctor",
+    "find_blocks",
+    "optimize",
+    "plan",
+}
 CLI = {"main"}
 
 JOBS = {
@@ -372,7 +394,8 @@ PACKAGES = {
     vramctl.guard: GUARD,
     vramctl.jobs: JOBS,
     vramctl.monitor: MONITOR,
-    vramctl.optimize: OPTIMIZE,
+    # ``vramctl.optimize`` is the function: the package is the module of that name.
+    importlib.import_module("vramctl.optimize"): OPTIMIZE,
     vramctl.server: SERVER,
 }
 

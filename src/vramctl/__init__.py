@@ -47,7 +47,7 @@ from vramctl.guard import (
     is_oom,
 )
 from vramctl.monitor import Monitor
-from vramctl.optimize import doctor
+from vramctl.optimize import OptimizationReport, Plan, PlanResult, doctor, optimize, plan
 
 __all__ = [
     "NA",
@@ -69,6 +69,9 @@ __all__ = [
     "MemoryState",
     "Monitor",
     "NotAvailable",
+    "OptimizationReport",
+    "Plan",
+    "PlanResult",
     "Policy",
     "ProcessMemory",
     "Selection",
@@ -93,7 +96,9 @@ __all__ = [
     "guarded",
     "is_oom",
     "max_batch_size",
+    "optimize",
     "parse_size",
+    "plan",
     "rank_devices",
     "select_device",
     "simulate",

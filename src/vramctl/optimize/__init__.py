@@ -4,10 +4,37 @@
 ``plan`` searches precision, checkpointing, micro-batch, optimizer and offload
 for the fastest step that fits, and ``doctor`` checks the environment. It sits
 above the estimator (which prices memory and time) and the guard.
+
+The function ``vramctl.optimize`` shadows this package as an attribute of ``vramctl``;
+import the package's names from it (``from vramctl.optimize import OptimizationReport``).
 """
 
 from __future__ import annotations
 
+from vramctl.optimize._apply import Optimized, optimize
+from vramctl.optimize._apply_plan import AppliedPlan, apply_plan
+from vramctl.optimize._checkpoint import apply_checkpointing, find_blocks
 from vramctl.optimize._doctor import DoctorReport, Finding, doctor
+from vramctl.optimize._errors import OptimizeError
+from vramctl.optimize._helper import StepHelper
+from vramctl.optimize._plan import Plan, PlanResult, plan
+from vramctl.optimize._report import Optimization, OptimizationReport
 
-__all__ = ["DoctorReport", "Finding", "doctor"]
+__all__ = [
+    "AppliedPlan",
+    "DoctorReport",
+    "Finding",
+    "Optimization",
+    "OptimizationReport",
+    "OptimizeError",
+    "Optimized",
+    "Plan",
+    "PlanResult",
+    "StepHelper",
+    "apply_checkpointing",
+    "apply_plan",
+    "doctor",
+    "find_blocks",
+    "optimize",
+    "plan",
+]
