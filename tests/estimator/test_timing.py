@@ -143,7 +143,7 @@ def test_the_cpu_profile_is_measured_once_and_kept() -> None:
     tp = cpu_throughput(remeasure=True)
     assert path.exists()
     doc = json.loads(path.read_text())
-    assert doc["schema"] == "vramctl.throughput/1"
+    assert doc["schema"] == "vramctl.throughput/2"
     assert Throughput.from_dict(doc) == tp
     assert tp.rates["matmul"]["fp32"] > 1e8  # any CPU does 0.1 GFLOP/s
     assert tp.bandwidth > 1e8

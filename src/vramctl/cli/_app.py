@@ -23,6 +23,7 @@ from vramctl.cli import (  # noqa: F401
     _doctor,
     _jobs,
     _monitor,
+    _plan,
     _ray,
     _serve,
     _top,

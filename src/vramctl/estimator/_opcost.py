@@ -68,6 +68,8 @@ class OpCost:
     bytes: int
     #: Whether it launches a kernel (False: a view or metadata operator).
     kernel: bool
+    #: Whether it writes into an input (``add_``, ``_foreach_mul_``): no new output memory.
+    inplace: bool = False
 
 
 def _dtype_key(dtype: torch.dtype | None) -> str:
@@ -124,6 +126,22 @@ def _rnn_flops(name: str, args: tuple[Any, ...]) -> int:
     return 2 * forward if "backward" in name else forward
 
 
+def _conv_backward_flops(args: tuple[Any, ...]) -> int:
+    """A convolution's backward: each gradient asked for (input, weight) costs what the
+    forward does, ``2 * output elements * (input channels / groups) * kernel``. (The
+    registry's formula counts a grouped convolution, depthwise ones too, as a dense one.)"""
+    if len(args) < 11:
+        return 0
+    grad_out, weight, mask = args[0], args[2], args[10]
+    if not isinstance(grad_out, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return 0
+    kernel = 1
+    for k in weight.shape[1:]:
+        kernel *= int(k)
+    forward = 2 * grad_out.numel() * kernel
+    return forward * sum(1 for m in list(mask)[:2] if m)
+
+
 def op_cost(
     func: Any, name: str, phase: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
 ) -> OpCost:
@@ -154,6 +172,8 @@ def op_cost(
         group = "matmul"
     elif name in _CONV:
         group = "convolution"
+        if name == "convolution_backward":
+            flops = _conv_backward_flops(args) or flops
     elif name.startswith(_ATTENTION_PREFIX):
         group = "attention"
         if not flops:
@@ -162,4 +182,4 @@ def op_cost(
         group = "optimizer"
     else:
         group = "memory"
-    return OpCost(group, phase, dtype, flops, moved, True)
+    return OpCost(group, phase, dtype, flops, moved, True, name.endswith("_"))

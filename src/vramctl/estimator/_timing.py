@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vramctl._errors import UnknownDeviceError
 from vramctl.device import GpuSpec, gpu_spec
@@ -55,7 +58,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "vramctl.throughput/1"
+SCHEMA = "vramctl.throughput/2"
 #: The share of a GPU's data-sheet peak a typical training step's kernels reach, per
 #: group, where no measured profile exists; ``vramctl calibrate`` replaces them.
 GPU_EFFICIENCY = {"matmul": 0.70, "convolution": 0.50, "attention": 0.45, "memory": 0.75}
@@ -87,6 +90,24 @@ class Throughput:
     #: Where the figures come from ("measured ...", "data sheet ...").
     source: str = ""
     measured: bool = False
+    #: Measured bandwidth by operator size where it varies with it (a CPU's caches, and
+    #: the page faults of a new large output): ``(bytes moved, new output B/s, in-place
+    #: B/s)`` rows, smallest first; empty: ``bandwidth`` at every size.
+    bandwidth_curve: list[tuple[int, float, float]] = field(default_factory=list)
+
+    def memory_bandwidth(self, nbytes: int, inplace: bool) -> float:
+        """Bytes per second of a memory-bound kernel moving ``nbytes``."""
+        curve = self.bandwidth_curve
+        if not curve:
+            return self.bandwidth
+        col = 2 if inplace else 1
+        if nbytes <= curve[0][0]:
+            return curve[0][col]
+        for lo, hi in itertools.pairwise(curve):
+            if nbytes <= hi[0]:
+                w = (math.log(nbytes) - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
+                return float(lo[col] + w * (hi[col] - lo[col]))
+        return curve[-1][col]
 
     def rate(self, group: str, dtype: str) -> float:
         table = self.rates.get(group) or self.rates["matmul"]
@@ -100,6 +121,7 @@ class Throughput:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Throughput:
         fields = {k: v for k, v in data.items() if k != "schema"}
+        fields["bandwidth_curve"] = [tuple(r) for r in fields.get("bandwidth_curve", [])]
         return cls(**fields)
 
 
@@ -135,7 +157,8 @@ def predict(costs: Iterable[OpCost], tp: Throughput, *, tf32: bool = False) -> S
             dtype = "tf32" if tf32 and op.dtype == "fp32" and op.group == "matmul" else op.dtype
             compute = op.flops / tp.rate(op.group, dtype) if op.flops else 0.0
             link = tp.host_bandwidth or tp.bandwidth / 2  # the host: a copy reads and writes
-            memory = op.bytes / (link if op.group == "transfer" else tp.bandwidth)
+            bandwidth = tp.memory_bandwidth(op.bytes, op.inplace)
+            memory = op.bytes / (link if op.group == "transfer" else bandwidth)
             kernel = max(compute, memory)
             if compute > memory:
                 compute_bound += compute
@@ -270,19 +293,26 @@ def measure_throughput(device: str | torch.device = "cpu", *, scale: float = 1.0
             sdpa = torch.nn.functional.scaled_dot_product_attention
             t = _best(partial(sdpa, q, q, q), sync)
             rates["attention"][key] = 4 * q.shape[0] * 8 * 512 * 512 * 64 / t
-        big = torch.empty(int(2**24 * scale), device=dev)
-        big.fill_(1.0)
-        t = _best(lambda: big * 2.0, sync)
-        bandwidth = 2 * big.nbytes / t
+        curve: list[tuple[int, float, float]] = []
+        for n in (2**16, 2**18, 2**20, 2**22, 2**24):
+            x = torch.ones(int(n * scale), device=dev)
+            moved = 2 * x.nbytes
+            new = moved / _best(partial(torch.mul, x, 2.0), sync)
+            inplace = moved / _best(partial(x.mul_, 1.0), sync)
+            curve.append((moved, new, inplace))
+        bandwidth = curve[-1][1]
         small = torch.ones(8, device=dev)
         ops = 2000
-        op_overhead = _best(lambda: [small * 2.0 for _ in range(ops)], sync) / ops
         view_overhead = _best(lambda: [small.view(2, 4) for _ in range(ops)], sync) / ops
-        host = 0.0
-        if cuda:
-            pinned = torch.empty(int(2**26 * scale), dtype=torch.uint8, pin_memory=True)
-            gpu = torch.empty_like(pinned, device=dev)
-            host = pinned.nbytes / _best(lambda: gpu.copy_(pinned, non_blocking=True), sync)
+    # An operator's overhead in a real step (Python, modules, autograd's bookkeeping, the
+    # optimizer's loop), not a bare call's: a training step of many tiny layers, timed,
+    # over the operators it runs.
+    op_overhead = _step_overhead(dev, sync)
+    host = 0.0
+    if cuda:
+        pinned = torch.empty(int(2**26 * scale), dtype=torch.uint8, pin_memory=True)
+        gpu = torch.empty_like(pinned, device=dev)
+        host = pinned.nbytes / _best(lambda: gpu.copy_(pinned, non_blocking=True), sync)
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
     return Throughput(
         device=name,
@@ -292,9 +322,40 @@ def measure_throughput(device: str | torch.device = "cpu", *, scale: float = 1.0
         view_overhead=view_overhead,
         asynchronous=cuda,
         host_bandwidth=host,
+        bandwidth_curve=curve if not cuda else [],
         source=f"measured on {_host_description() if not cuda else name}",
         measured=True,
     )
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_overhead(dev: torch.device, sync: Callable[[], None]) -> float:
+    layers: list[nn.Module] = []
+    for _ in range(24):
+        layers += [nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16)]
+    model = nn.Sequential(*layers).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(4, 16, device=dev)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    counter = _Count()
+    with counter:
+        step()
+    return _best(step, sync) / max(1, counter.ops)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,145 @@
+"""Applying a :class:`~vramctl.optimize.Plan` to a model: checkpointing, TF32, offloading the
+saved activations, the optimizer's kernel, and a step helper in the plan's precision."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from vramctl.device import Device, current_device, resolve
+from vramctl.optimize._checkpoint import apply_checkpointing
+from vramctl.optimize._errors import OptimizeError
+from vramctl.optimize._helper import StepHelper
+from vramctl.optimize._optimizer import fast_kernel, rebuild_optimizer
+
+if TYPE_CHECKING:
+    from vramctl.optimize._plan import Plan
+
+__all__ = ["AppliedPlan", "apply_plan"]
+
+_AMP = {"fp32": "fp32", "amp-bf16": "bf16", "amp-fp16": "fp16", "bf16": "bf16", "fp16": "fp16"}
+
+
+@dataclass
+class AppliedPlan:
+    """A plan applied to a model: run ``accumulation`` micro-batches of ``micro_batch``
+    samples through ``step`` per optimizer step.
+
+    ``undo()`` puts the model's checkpointing and offloading back as they were.
+    """
+
+    plan: Plan
+    model: nn.Module
+    step: StepHelper
+    notes: list[str] = field(default_factory=list)
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    @property
+    def micro_batch(self) -> int:
+        return self.plan.micro_batch
+
+    @property
+    def accumulation(self) -> int:
+        return self.plan.accumulation
+
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def __iter__(self) -> Any:
+        return iter((self.model, self.step))
+
+
+def _offload_forward(model: nn.Module, device: Device) -> Callable[[], None]:
+    """Enter the device's activation offloading around every forward of ``model``."""
+    stacks: list[contextlib.ExitStack] = []
+
+    def pre(_mod: nn.Module, _args: Any) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(device.offload_activations())
+        stacks.append(stack)
+
+    def post(_mod: nn.Module, _args: Any, _out: Any) -> None:
+        if stacks:
+            stacks.pop().close()
+
+    h1 = model.register_forward_pre_hook(pre)
+    h2 = model.register_forward_hook(post, always_call=True)
+
+    def undo() -> None:
+        h1.remove()
+        h2.remove()
+
+    return undo
+
+
+def _eight_bit(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    groups = optimizer.param_groups
+    try:
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(groups)  # type: ignore[no-any-return]
+    except ImportError:
+        pass
+    try:
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups)  # type: ignore[no-any-return]
+    except ImportError as exc:
+        raise OptimizeError("adamw-8bit needs torchao or bitsandbytes installed") from exc
+
+
+def apply_plan(
+    plan: Plan,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    device: Device | str | int | None = None,
+) -> AppliedPlan:
+    """Apply ``plan`` to ``model`` (in place) and return the step helper that runs it.
+
+    ``optimizer`` is the user's; for ``adamw-fused`` it is rebuilt with ``fused=True``
+    (same groups, hyper-parameters and state) where PyTorch has the kernel for its
+    parameters, and for ``adamw-8bit`` rebuilt as torchao's (or bitsandbytes')
+    ``AdamW8bit``. Without one, an ``AdamW`` of the plan's kind is made (``lr=1e-3``).
+    """
+    dev = resolve(device) if device is not None else current_device()
+    applied_notes: list[str] = []
+    undo: list[Callable[[], None]] = []
+    if plan.checkpointing != "none":
+        undo.append(apply_checkpointing(model, plan.checkpointing))
+    if plan.tf32 and dev.is_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        applied_notes.append("TF32 on for matrix multiplies and convolutions")
+    if plan.offload == "activations":
+        if dev.can_offload:
+            undo.append(_offload_forward(model, dev))
+        else:
+            applied_notes.append(f"activations not offloaded: {dev.id}'s memory is the host's")
+    if plan.optimizer != "none":
+        if optimizer is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+            fused = plan.optimizer == "adamw-fused"
+            optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True if fused else None)
+            if plan.optimizer == "adamw-8bit":
+                optimizer = _eight_bit(optimizer)
+        elif plan.optimizer == "adamw-fused":
+            kernel, why = fast_kernel(optimizer)
+            if kernel is not None:
+                optimizer = rebuild_optimizer(optimizer, kernel)
+            applied_notes.append(why)
+        elif plan.optimizer == "adamw-8bit":
+            optimizer = _eight_bit(optimizer)
+    precision = _AMP[plan.precision]
+    device_type = dev.torch_device.type if dev.is_cuda else "cpu"
+    scaler = None
+    if precision == "fp16" and plan.optimizer != "none":
+        scaler = torch.amp.GradScaler(device_type)
+    step = StepHelper(precision, device_type, optimizer, scaler=scaler)
+    return AppliedPlan(plan, model, step, applied_notes, undo)

@@ -1,0 +1,637 @@
+"""``vramctl.plan``: the fastest way to train a model at an effective batch on a device.
+
+The planner enumerates precision × activation checkpointing (none, selective, full) ×
+offloading the saved activations × optimizer (AdamW, fused AdamW, 8-bit AdamW where
+torchao or bitsandbytes is installed) × micro-batch with gradient accumulation. Each
+combination's largest micro-batch that fits comes from
+:func:`vramctl.estimator.max_batch_size` (traces on fake tensors; the micro-batch must
+divide the effective batch), and its time from the estimate's step time: ``accumulation``
+forward and backward passes and one optimizer step. Nothing runs on the device.
+
+The result keeps every combination: the fastest that fits, the runner-up, and why each
+other was rejected (does not fit, or slower than the best by so much).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramctl._errors import VramctlError
+from vramctl._units import format_bytes
+from vramctl.device import ComputeCapability, Device
+from vramctl.estimator import (
+    Estimate,
+    EstimateError,
+    Target,
+    max_batch_size,
+    resolve_source,
+    resolve_target,
+    run_target,
+)
+from vramctl.optimize._checkpoint import apply_checkpointing, find_blocks
+from vramctl.optimize._errors import OptimizeError
+
+__all__ = ["Plan", "PlanResult", "plan", "precisions_for"]
+
+CHECKPOINTING = ("none", "selective", "full")
+OFFLOAD = ("none", "activations")
+#: 8-bit AdamW keeps two 1-byte states per parameter plus a scale per block of 256
+#: (torchao's and bitsandbytes' layout), where AdamW keeps two fp32 states.
+_EIGHT_BIT_STATE = (2 + 2 * 4 / 256) / 8
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to run the step: its settings, memory and predicted time."""
+
+    precision: str
+    checkpointing: str
+    offload: str
+    optimizer: str
+    micro_batch: int
+    accumulation: int
+    #: TF32 for fp32 matrix multiplies (GPUs of compute capability 8.0 and later).
+    tf32: bool = False
+    #: The peak the fit is judged at (the safe end of the device range for a GPU).
+    peak_bytes: int = 0
+    budget_bytes: int = 0
+    fits: bool = False
+    #: Predicted seconds of one effective batch: ``accumulation`` forward and backward
+    #: passes and one optimizer step (None where no time model applies).
+    seconds: float | None = None
+    #: Why the plan was not chosen (empty for the best).
+    rejected: str = ""
+    #: How the plan was priced ("traced", or "formula" for one derived from a trace).
+    priced: str = "traced"
+    estimate: Estimate | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch * self.accumulation
+
+    @property
+    def samples_per_second(self) -> float | None:
+        if not self.seconds:
+            return None
+        return self.effective_batch / self.seconds
+
+    @property
+    def label(self) -> str:
+        """A short description: ``amp-bf16, selective, micro 16 x 16, adamw-fused``."""
+        parts = [self.precision + ("+tf32" if self.tf32 else "")]
+        parts.append(f"ckpt {self.checkpointing}")
+        if self.offload != "none":
+            parts.append(f"offload {self.offload}")
+        parts.append(self.optimizer)
+        parts.append(f"micro {self.micro_batch} x {self.accumulation}")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "precision": self.precision,
+            "tf32": self.tf32,
+            "checkpointing": self.checkpointing,
+            "offload": self.offload,
+            "optimizer": self.optimizer,
+            "micro_batch": self.micro_batch,
+            "accumulation": self.accumulation,
+            "effective_batch": self.effective_batch,
+            "peak_bytes": self.peak_bytes,
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "seconds": self.seconds,
+            "samples_per_second": self.samples_per_second,
+            "priced": self.priced,
+            "rejected": self.rejected,
+        }
+
+    def apply(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        device: Device | str | int | None = None,
+    ) -> Any:
+        """Apply this plan to ``model``: see :func:`vramctl.optimize.apply_plan`."""
+        from vramctl.optimize._apply_plan import apply_plan
+
+        return apply_plan(self, model, optimizer, device=device)
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Every plan priced, the fastest that fits first."""
+
+    model: str
+    device: str
+    effective_batch: int
+    mode: str
+    best: Plan | None
+    runner_up: Plan | None
+    #: Every plan, fitting ones first (fastest first), then those that do not fit.
+    plans: tuple[Plan, ...]
+    #: Axes left out, with the reason (an optimizer not installed, no blocks to wrap).
+    skipped: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    elapsed: float = 0.0
+
+    @property
+    def rejected(self) -> list[Plan]:
+        return [p for p in self.plans if p is not self.best]
+
+    def apply(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        device: Device | str | int | None = None,
+    ) -> Any:
+        """Apply the best plan (see :meth:`Plan.apply`)."""
+        if self.best is None:
+            raise OptimizeError(
+                f"no plan fits {self.device} at effective batch {self.effective_batch}: "
+                + (self.plans[0].rejected if self.plans else "nothing was priced")
+            )
+        return self.best.apply(model, optimizer, device=device)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "device": self.device,
+            "effective_batch": self.effective_batch,
+            "mode": self.mode,
+            "best": self.best.to_dict() if self.best else None,
+            "runner_up": self.runner_up.to_dict() if self.runner_up else None,
+            "plans": [p.to_dict() for p in self.plans],
+            "skipped": list(self.skipped),
+            "notes": list(self.notes),
+            "elapsed_s": round(self.elapsed, 3),
+        }
+
+    def __str__(self) -> str:
+        lines = [f"{self.model} on {self.device}, effective batch {self.effective_batch}:"]
+        if self.best is None:
+            lines.append("  no plan fits")
+        for tag, p in (("best", self.best), ("runner-up", self.runner_up)):
+            if p is not None:
+                lines.append(f"  {tag}: {p.label}: {_describe(p)}")
+        for p in self.plans:
+            if p is not self.best and p is not self.runner_up:
+                lines.append(f"  rejected: {p.label}: {p.rejected}")
+        lines += [f"  skipped: {s}" for s in self.skipped]
+        return "\n".join(lines)
+
+
+def _describe(p: Plan) -> str:
+    peak = f"peak {format_bytes(p.peak_bytes)} of {format_bytes(p.budget_bytes)}"
+    if p.seconds is None:
+        return peak
+    return f"{peak}, {p.seconds:.3f} s per effective batch ({p.samples_per_second:.1f} samples/s)"
+
+
+def precisions_for(capability: ComputeCapability | None) -> list[str]:
+    """The precisions worth pricing on a device: bf16 autocast from compute capability 8.0,
+    fp16 autocast (with a GradScaler) on 7.x, fp32 always; a device without a capability
+    (the CPU) gets fp32 and bf16 autocast (CPU autocast runs bf16)."""
+    if capability is None:
+        return ["fp32", "amp-bf16"]
+    if capability.major >= 8:
+        return ["fp32", "amp-bf16"]
+    if capability.major == 7:
+        return ["fp32", "amp-fp16"]
+    return ["fp32"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def eight_bit_available() -> str | None:
+    """The package an 8-bit AdamW would come from (torchao, bitsandbytes), or None."""
+    for name in ("torchao", "bitsandbytes"):
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def _tf32(on: bool) -> Iterator[None]:
+    """TF32 for fp32 matrix multiplies while pricing (the time model reads the setting)."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if on else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+def _step_seconds(est: Estimate, accumulation: int) -> float | None:
+    if est.step_seconds is None:
+        return None
+    opt = est.phase_seconds.get("optimizer", 0.0)
+    return accumulation * (est.step_seconds - opt) + opt
+
+
+def plan(
+    model: nn.Module | str | Callable[[], nn.Module],
+    make_batch: Callable[[int], Any] | None = None,
+    *,
+    device: Target | Device | str | int | None = None,
+    effective_batch: int,
+    mode: str = "train",
+    seq_len: int | None = None,
+    seconds: float | None = None,
+    precisions: list[str] | None = None,
+    checkpointing: list[str] | None = None,
+    offload: list[str] | None = None,
+    optimizers: list[str] | None = None,
+    target_utilization: float = 0.9,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """The fastest plan that fits ``device`` at ``effective_batch`` samples per step.
+
+    ``model`` is an ``nn.Module`` (with ``make_batch``: ``batch_size -> batch``), or what
+    :func:`vramctl.estimate` takes by name (a built-in model, a Hugging Face config),
+    whose batches are made from ``seq_len`` or ``seconds``. ``device`` is a catalog GPU
+    (``"A10G-24GB"``), a size, ``"cpu"``, a local or simulated device. The axes default
+    to everything that applies to the device and the model; pass lists to narrow them
+    (``precisions=["amp-bf16"]``). ``progress`` is called with a line per priced
+    combination.
+
+    ``mode="infer"`` prices precision and micro-batch only (no optimizer, no
+    checkpointing).
+    """
+    t0 = time.perf_counter()
+    if effective_batch < 1:
+        raise OptimizeError(f"effective_batch must be at least 1, got {effective_batch}")
+    if mode not in ("train", "infer"):
+        raise OptimizeError(f"mode must be 'train' or 'infer', got {mode!r}")
+    # a Device runs the step: a simulated GPU's kernels run on the CPU (timed as the CPU's)
+    target = resolve_target(run_target(device) if isinstance(device, Device) else device)
+    module, batch_fn, name = _materialize(model, make_batch, seq_len, seconds)
+    skipped: list[str] = []
+    notes: list[str] = []
+
+    precs = precisions or precisions_for(target.capability if target.cuda else None)
+    if mode == "infer":
+        kinds = ["none"]
+        offloads = ["none"]
+        opts = ["none"]
+    else:
+        kinds = list(checkpointing or CHECKPOINTING)
+        if "selective" in kinds or "full" in kinds:
+            try:
+                find_blocks(module)
+            except OptimizeError as exc:
+                skipped.append(f"checkpointing: {exc}")
+                kinds = ["none"]
+        offloads = list(offload or OFFLOAD)
+        if "activations" in offloads and not target.cuda and target.name == "cpu":
+            skipped.append("offload activations: the CPU's memory is the host's")
+            offloads = [o for o in offloads if o != "activations"]
+        opts = list(optimizers or ["adamw", "adamw-fused", "adamw-8bit"])
+        if "adamw-8bit" in opts and eight_bit_available() is None:
+            skipped.append("adamw-8bit: needs torchao or bitsandbytes (pip install torchao)")
+            opts.remove("adamw-8bit")
+    tf32 = target.cuda and target.capability is not None and target.capability.major >= 8
+
+    plans: list[Plan] = []
+    first_opts = [o for o in opts if o != "adamw-fused"] if len(opts) > 1 else opts
+    for prec in precs:
+        # Checkpointing and offloading only buy a larger micro-batch, at a cost in time:
+        # once a cheaper combination runs the whole effective batch in one micro-batch,
+        # the dearer ones cannot be faster and are not priced.
+        whole: str | None = None
+        for kind in kinds:
+            for off in offloads:
+                if whole is not None:
+                    plans.append(
+                        Plan(
+                            precision=prec,
+                            checkpointing=kind,
+                            offload=off,
+                            optimizer=first_opts[0],
+                            micro_batch=effective_batch,
+                            accumulation=1,
+                            tf32=tf32 and prec == "fp32",
+                            budget_bytes=int(target.capacity * target_utilization),
+                            rejected=f"not priced: {whole} already runs the whole effective "
+                            "batch at once, and this adds recomputation or copies",
+                            priced="pruned",
+                        )
+                    )
+                    continue
+                if progress is not None:
+                    progress(f"{prec}, checkpointing {kind}, offload {off}")
+                priced = _price(
+                    module,
+                    batch_fn,
+                    target,
+                    mode=mode,
+                    precision=prec,
+                    kind=kind,
+                    offload=off,
+                    optimizers=first_opts,
+                    effective_batch=effective_batch,
+                    tf32=tf32 and prec == "fp32",
+                    target_utilization=target_utilization,
+                    loss_fn=loss_fn,
+                )
+                plans += priced
+                if any(p.fits and p.accumulation == 1 for p in priced):
+                    whole = f"checkpointing {kind}, offload {off}"
+    if "adamw-fused" in opts and len(opts) > 1:
+        # the fused kernel changes the optimizer step alone: priced for the fastest three
+        top = sorted(
+            (p for p in plans if p.fits and p.seconds is not None),
+            key=lambda p: p.seconds or 0.0,
+        )[:3]
+        for p in top:
+            if progress is not None:
+                progress(f"{p.label} with adamw-fused")
+            plans.append(
+                _refused_optimizer(
+                    module, batch_fn, target, p, "adamw-fused", mode, target_utilization, loss_fn
+                )
+            )
+        notes.append(
+            "adamw-fused priced for the three fastest combinations (it changes the "
+            "optimizer step alone)"
+        )
+    fitting = sorted(
+        (p for p in plans if p.fits),
+        key=lambda p: (p.seconds if p.seconds is not None else float("inf"), p.peak_bytes),
+    )
+    best = fitting[0] if fitting else None
+    runner = fitting[1] if len(fitting) > 1 else None
+    ranked: list[Plan] = []
+    for p in fitting:
+        if p is best:
+            ranked.append(p)
+            continue
+        why = "slower"
+        if best is not None and best.seconds and p.seconds:
+            why = f"{p.seconds / best.seconds - 1:.0%} slower than the best"
+        elif best is not None:
+            why = "uses more memory than the best (no time prediction)"
+        ranked.append(replace(p, rejected=why))
+    ranked += [p for p in plans if not p.fits]
+    best = ranked[0] if fitting else None
+    runner = ranked[1] if len(fitting) > 1 else None
+    if best is not None and best.seconds is None:
+        notes.append("no step-time prediction for this device: the plan with the least memory")
+    return PlanResult(
+        model=name,
+        device=target.name,
+        effective_batch=effective_batch,
+        mode=mode,
+        best=best,
+        runner_up=runner,
+        plans=tuple(ranked),
+        skipped=tuple(skipped),
+        notes=tuple(notes),
+        elapsed=time.perf_counter() - t0,
+    )
+
+
+def _materialize(
+    model: nn.Module | str | Callable[[], nn.Module],
+    make_batch: Callable[[int], Any] | None,
+    seq_len: int | None,
+    seconds: float | None,
+) -> tuple[nn.Module, Callable[[int], Any], str]:
+    """The module to price (a named model built on the meta device: no memory) and its
+    batches."""
+    if isinstance(model, nn.Module):
+        if make_batch is None:
+            raise OptimizeError("plan() of an nn.Module needs make_batch: batch_size -> batch")
+        return model, make_batch, type(model).__name__
+    try:
+        resolved = resolve_source(model)
+    except EstimateError as exc:
+        raise OptimizeError(str(exc)) from exc
+    with torch.device("meta"):
+        built = resolved.model if isinstance(resolved.model, nn.Module) else resolved.model()
+    if not isinstance(built, nn.Module):
+        raise OptimizeError(f"{resolved.name}'s factory returned a {type(built).__name__}")
+    if make_batch is None:
+        entry = resolved.entry
+        if entry is None:
+            raise OptimizeError(f"plan() of {resolved.name} needs make_batch: batch_size -> batch")
+
+        def make_batch(n: int) -> Any:
+            return entry.make_batch(n, seq_len=seq_len, seconds=seconds)
+
+    return built, make_batch, resolved.name
+
+
+def _price(
+    module: nn.Module,
+    batch_fn: Callable[[int], Any],
+    target: Target,
+    *,
+    mode: str,
+    precision: str,
+    kind: str,
+    offload: str,
+    optimizers: list[str],
+    effective_batch: int,
+    tf32: bool,
+    target_utilization: float,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+) -> list[Plan]:
+    """The plans of one (precision, checkpointing, offload): the largest micro-batch that
+    fits with AdamW, then each other optimizer at that micro-batch."""
+    base = Plan(
+        precision=precision,
+        checkpointing=kind,
+        offload=offload,
+        optimizer="adamw" if mode == "train" else "none",
+        micro_batch=0,
+        accumulation=0,
+        tf32=tf32,
+        budget_bytes=int(target.capacity * target_utilization),
+    )
+    undo = apply_checkpointing(module, kind) if kind != "none" else (lambda: None)
+    try:
+        with _tf32(tf32):
+
+            def search(optimizer: str) -> Any:
+                return max_batch_size(
+                    module,
+                    batch_fn,
+                    device=target,
+                    mode=mode,
+                    precision=precision,
+                    optimizer=optimizer if mode == "train" else None,
+                    target_utilization=target_utilization,
+                    loss_fn=loss_fn,
+                    limit=effective_batch,
+                    offload_activations=offload == "activations",
+                )
+
+            try:
+                found = search(base.optimizer)
+            except VramctlError as exc:
+                return [replace(base, rejected=f"could not be priced: {exc}")]
+            micro = max((d for d in _divisors(effective_batch) if d <= found.batch_size), default=0)
+            if micro == 0:
+                one = next((peak for b, peak, _ in found.curve if b == 1), None)
+                why = "not even a micro-batch of 1 fits"
+                if one is not None:
+                    why += f" (peak {format_bytes(one)} > {format_bytes(base.budget_bytes)})"
+                return [
+                    replace(
+                        base,
+                        micro_batch=1,
+                        accumulation=effective_batch,
+                        rejected=why,
+                        peak_bytes=one or 0,
+                    )
+                ]
+            out: list[Plan] = []
+            for opt in [base.optimizer] + [o for o in optimizers if o != "adamw"]:
+                plan_ = _at(
+                    module,
+                    batch_fn,
+                    target,
+                    base,
+                    opt,
+                    micro,
+                    effective_batch,
+                    found.estimate if found.batch_size == micro and opt == "adamw" else None,
+                    mode=mode,
+                    precision=precision,
+                    offload=offload,
+                    target_utilization=target_utilization,
+                    loss_fn=loss_fn,
+                )
+                out.append(plan_)
+            larger = [d for d in _divisors(effective_batch) if d > micro]
+            if larger:
+                nxt = larger[0]
+                traced = {b: peak for b, peak, _ in found.curve}
+                peak = traced.get(nxt)
+                why = f"micro-batch {nxt} does not fit"
+                if peak is not None:
+                    why += f" (peak {format_bytes(peak)} > {format_bytes(base.budget_bytes)})"
+                out.append(
+                    replace(
+                        base,
+                        micro_batch=nxt,
+                        accumulation=effective_batch // nxt,
+                        rejected=why,
+                        peak_bytes=peak or 0,
+                        priced="search",
+                    )
+                )
+            return out
+    finally:
+        undo()
+
+
+def _refused_optimizer(
+    module: nn.Module,
+    batch_fn: Callable[[int], Any],
+    target: Target,
+    p: Plan,
+    optimizer: str,
+    mode: str,
+    target_utilization: float,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+) -> Plan:
+    """``p`` again with another optimizer (its checkpointing applied for the trace)."""
+    undo = apply_checkpointing(module, p.checkpointing) if p.checkpointing != "none" else None
+    try:
+        with _tf32(p.tf32):
+            return _at(
+                module,
+                batch_fn,
+                target,
+                replace(p, estimate=None),
+                optimizer,
+                p.micro_batch,
+                p.effective_batch,
+                None,
+                mode=mode,
+                precision=p.precision,
+                offload=p.offload,
+                target_utilization=target_utilization,
+                loss_fn=loss_fn,
+            )
+    finally:
+        if undo is not None:
+            undo()
+
+
+def _at(
+    module: nn.Module,
+    batch_fn: Callable[[int], Any],
+    target: Target,
+    base: Plan,
+    optimizer: str,
+    micro: int,
+    effective_batch: int,
+    known: Estimate | None,
+    *,
+    mode: str,
+    precision: str,
+    offload: str,
+    target_utilization: float,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+) -> Plan:
+    from vramctl.estimator import estimate
+
+    priced = "traced"
+    traced_opt = "adamw" if optimizer == "adamw-8bit" else optimizer
+    est = known
+    if est is None:
+        try:
+            est = estimate(
+                module,
+                batch_fn(micro),
+                device=target,
+                mode=mode,
+                precision=precision,
+                optimizer=traced_opt if mode == "train" else None,
+                target_utilization=target_utilization,
+                loss_fn=loss_fn,
+                offload_activations=offload == "activations",
+            )
+        except VramctlError as exc:
+            return replace(
+                base,
+                optimizer=optimizer,
+                micro_batch=micro,
+                accumulation=effective_batch // micro,
+                rejected=f"could not be priced: {exc}",
+            )
+    peak = est.judged_peak
+    if optimizer == "adamw-8bit":
+        # the states at the peak shrink to 8 bits (with a scale per block)
+        peak -= int(est.breakdown.get("optimizer", 0) * (1 - _EIGHT_BIT_STATE))
+        priced = "formula"
+    fits = peak <= base.budget_bytes
+    return replace(
+        base,
+        optimizer=optimizer,
+        micro_batch=micro,
+        accumulation=effective_batch // micro,
+        peak_bytes=peak,
+        fits=fits,
+        seconds=_step_seconds(est, effective_batch // micro),
+        rejected=""
+        if fits
+        else f"does not fit (peak {format_bytes(peak)} > {format_bytes(base.budget_bytes)})",
+        priced=priced,
+        estimate=est,
+    )
