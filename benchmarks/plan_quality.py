@@ -200,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     models = _models()
     if args.quick:
         chosen = {"gpt2-small4": ["tight"]}
-        axes: dict[str, Any] = {"offload": ["none"], "optimizers": ["adamw"]}
+        axes: dict[str, Any] = {
+            "offload": ["none"],
+            "optimizers": ["adamw"],
+            "checkpointing": ["none", "full"],
+        }
     else:
         chosen = {name: ["tight", "medium", "roomy"] for name in models}
         axes = {"offload": ["none", "activations"], "optimizers": ["adamw", "adamw-fused"]}

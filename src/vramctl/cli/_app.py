@@ -444,6 +444,13 @@ def estimate_cmd(
     for k, v in last.breakdown.items():
         if v:
             console.print(f"  {k:<12} {format_bytes(v):>12}", highlight=False)
+    if last.step_seconds is not None:
+        console.print(
+            f"step time at batch {last.batch_size}: {last.step_seconds:.4g} s predicted "
+            f"({last.flops / 1e9:,.1f} GFLOP; {last.throughput})",
+            highlight=False,
+            soft_wrap=True,
+        )
     for a in last.assumptions:
         console.print(f"[yellow]assumed:[/] {a}", highlight=False, soft_wrap=True)
     for n in last.notes:

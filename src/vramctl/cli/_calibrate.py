@@ -121,6 +121,11 @@ def _calibrate_cpu(save: bool, as_json: bool) -> None:
         f"{tp.view_overhead * 1e6:.1f} us per view",
         highlight=False,
     )
+    console.print(
+        f"  {'step factor':<12} {tp.step_factor:.2f} (measured over predicted time of a "
+        "reference step)",
+        highlight=False,
+    )
     if path is not None:
         console.print(f"saved to {path}", highlight=False)
 

@@ -182,6 +182,12 @@ class Estimate:
             "exact": self.exact,
             "assumptions": list(self.assumptions),
             "notes": list(self.notes),
+            "flops": self.flops,
+            "bytes_moved": self.bytes_moved,
+            "step_seconds": self.step_seconds,
+            "time_breakdown_s": dict(self.time_breakdown),
+            "phase_seconds": dict(self.phase_seconds),
+            "throughput": self.throughput,
             "alloc_retries": self.alloc_retries,
             "ops": self.ops,
             "elapsed_s": round(self.elapsed, 4),
@@ -212,6 +218,11 @@ class Estimate:
             f"  peak at {self.peak_op} in {self.peak_module or '(top level)'} ({self.peak_phase})"
         )
         lines += [f"  {k:<12} {format_bytes(v):>12}" for k, v in self.breakdown.items() if v]
+        if self.step_seconds is not None:
+            lines.append(
+                f"  step time    {self.step_seconds:.4g} s predicted ({self.flops / 1e9:,.1f} "
+                f"GFLOP; rates: {self.throughput})"
+            )
         lines += [f"  assumed: {a}" for a in self.assumptions]
         lines += [f"  {n}" for n in self.notes if n.startswith(_UNCALIBRATED)]
         return "\n".join(lines)

@@ -28,7 +28,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -95,6 +95,28 @@ class Throughput:
     #: B/s)`` rows, smallest first; empty: ``bandwidth`` at every size.
     bandwidth_curve: list[tuple[int, float, float]] = field(default_factory=list)
 
+    #: Measured over predicted time of a reference training step (a small transformer
+    #: and a small CNN) on this device: what the micro-benchmarks' best cases leave out
+    #: (frequency under sustained load, caches shared with the rest of the step). Kernel
+    #: times are multiplied by it.
+    step_factor: float = 1.0
+    #: Measured matrix-multiply rates by size where they vary with it: per dtype,
+    #: ``(FLOPs of one multiply, FLOP/s)`` rows, smallest first.
+    matmul_curve: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def matmul_rate(self, dtype: str, flops: int) -> float:
+        """FLOP/s of a matrix multiply of ``flops`` (small ones run below the peak)."""
+        rows = self.matmul_curve.get(dtype)
+        if not rows:
+            return self.rate("matmul", dtype)
+        if flops <= rows[0][0]:
+            return rows[0][1]
+        for lo, hi in itertools.pairwise(rows):
+            if flops <= hi[0]:
+                w = (math.log(flops) - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
+                return float(lo[1] + w * (hi[1] - lo[1]))
+        return rows[-1][1]
+
     def memory_bandwidth(self, nbytes: int, inplace: bool) -> float:
         """Bytes per second of a memory-bound kernel moving ``nbytes``."""
         curve = self.bandwidth_curve
@@ -122,6 +144,9 @@ class Throughput:
     def from_dict(cls, data: dict[str, Any]) -> Throughput:
         fields = {k: v for k, v in data.items() if k != "schema"}
         fields["bandwidth_curve"] = [tuple(r) for r in fields.get("bandwidth_curve", [])]
+        fields["matmul_curve"] = {
+            k: [tuple(r) for r in rows] for k, rows in fields.get("matmul_curve", {}).items()
+        }
         return cls(**fields)
 
 
@@ -155,11 +180,16 @@ def predict(costs: Iterable[OpCost], tp: Throughput, *, tf32: bool = False) -> S
         if op.kernel:
             overhead = tp.op_overhead
             dtype = "tf32" if tf32 and op.dtype == "fp32" and op.group == "matmul" else op.dtype
-            compute = op.flops / tp.rate(op.group, dtype) if op.flops else 0.0
+            rate = (
+                tp.matmul_rate(dtype, op.flops)
+                if op.group == "matmul"
+                else tp.rate(op.group, dtype)
+            )
+            compute = op.flops / rate if op.flops else 0.0
             link = tp.host_bandwidth or tp.bandwidth / 2  # the host: a copy reads and writes
             bandwidth = tp.memory_bandwidth(op.bytes, op.inplace)
             memory = op.bytes / (link if op.group == "transfer" else bandwidth)
-            kernel = max(compute, memory)
+            kernel = max(compute, memory) * tp.step_factor
             if compute > memory:
                 compute_bound += compute
             by_group[op.group] += kernel
@@ -190,6 +220,8 @@ def target_throughput(target: Target) -> Throughput | None:
     """The throughput a target's steps are timed with: the CPU's (measured here) for a
     target without CUDA (the CPU, a simulated GPU, whose kernels run on the CPU); a GPU's
     calibrated profile or data sheet; None for a GPU known only by its size."""
+    if _measuring:
+        return _measuring[-1]
     if not target.cuda:
         return cpu_throughput()
     try:
@@ -279,6 +311,18 @@ def measure_throughput(device: str | torch.device = "cpu", *, scale: float = 1.0
             reps = max(1, min(8, int(0.03 / max(probe, 1e-6))))
             t = _best(partial(_repeat, partial(torch.matmul, a, a), reps), sync) / reps
             rates["matmul"][key] = 2 * a.shape[0] ** 3 / t
+        curves: dict[str, list[tuple[int, float]]] = {}
+        for key in ("fp32", "bf16"):
+            rows = []
+            for side in (64, 128, 256, 512):
+                a = torch.randn(int(side * scale), int(side * scale), device=dev, dtype=dtypes[key])
+                flops = 2 * a.shape[0] ** 3
+                reps = max(1, int(2e8 * scale**3 / flops))
+                t = _best(partial(_repeat, partial(torch.matmul, a, a), reps), sync) / reps
+                rows.append((flops, flops / t))
+            big_flops = 2 * n**3
+            rows.append((big_flops, rates["matmul"][key]))
+            curves[key] = rows
         if cuda:
             with _tf32(True):
                 a = torch.randn(n, n, device=dev)
@@ -314,7 +358,7 @@ def measure_throughput(device: str | torch.device = "cpu", *, scale: float = 1.0
         gpu = torch.empty_like(pinned, device=dev)
         host = pinned.nbytes / _best(lambda: gpu.copy_(pinned, non_blocking=True), sync)
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
-    return Throughput(
+    tp = Throughput(
         device=name,
         rates=rates,
         bandwidth=bandwidth,
@@ -323,9 +367,64 @@ def measure_throughput(device: str | torch.device = "cpu", *, scale: float = 1.0
         asynchronous=cuda,
         host_bandwidth=host,
         bandwidth_curve=curve if not cuda else [],
+        matmul_curve=curves,
         source=f"measured on {_host_description() if not cuda else name}",
         measured=True,
     )
+    return replace(tp, step_factor=_step_factor(tp, dev, sync))
+
+
+def _reference_models() -> list[tuple[nn.Module, torch.Tensor]]:
+    layer = nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, dropout=0.0)
+    text = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    cnn = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.Flatten(),
+        nn.Linear(64 * 32 * 32, 10),
+    )
+    return [(text, torch.randn(8, 128, 256)), (cnn, torch.randn(8, 3, 64, 64))]
+
+
+def _step_factor(tp: Throughput, dev: torch.device, sync: Callable[[], None]) -> float:
+    """Measured over predicted time of the reference steps (1.0 where one cannot run)."""
+    from vramctl.estimator._estimate import estimate
+    from vramctl.estimator._target import Target
+
+    target = Target(tp.device, 2**40, None, cuda=False)
+    measured = predicted = 0.0
+    _measuring.append(tp)
+    try:
+        for model, x in _reference_models():
+            measured += _measure_step(model, x, dev, sync)
+            est = estimate(model.cpu(), x.cpu(), device=target, calibration=False)
+            if est.step_seconds is None:
+                return 1.0
+            predicted += est.step_seconds
+    finally:
+        _measuring.pop()
+    return measured / predicted if predicted > 0 else 1.0
+
+
+#: The throughput being measured: the reference steps are predicted with it.
+_measuring: list[Throughput] = []
+
+
+def _measure_step(
+    model: nn.Module, x: torch.Tensor, dev: torch.device, sync: Callable[[], None]
+) -> float:
+    model, x = model.to(dev), x.to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _best(step, sync)
 
 
 class _Count(TorchDispatchMode):

@@ -288,12 +288,9 @@ def plan(
         opts = ["none"]
     else:
         kinds = list(checkpointing or CHECKPOINTING)
-        if "selective" in kinds or "full" in kinds:
-            try:
-                find_blocks(module)
-            except OptimizeError as exc:
-                skipped.append(f"checkpointing: {exc}")
-                kinds = ["none"]
+        if ("selective" in kinds or "full" in kinds) and not find_blocks(module):
+            skipped.append(f"checkpointing: {type(module).__name__} has no repeated blocks to wrap")
+            kinds = ["none"]
         offloads = list(offload or OFFLOAD)
         if "activations" in offloads and not target.cuda and target.name == "cpu":
             skipped.append("offload activations: the CPU's memory is the host's")

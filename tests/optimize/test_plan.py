@@ -1,0 +1,142 @@
+"""vramctl.plan: priced on fake tensors, applied for real."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+import vramctl
+from vramctl.cli._app import app
+from vramctl.optimize import OptimizeError, plan
+
+
+def _encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0)
+    return nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+
+
+def _batch(n: int) -> torch.Tensor:
+    return torch.randn(n, 32, 64)
+
+
+class Distinct(nn.Module):
+    """No repeated blocks: nothing for checkpointing to wrap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 128)
+        self.b = nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_the_best_plan_fits_and_every_other_says_why() -> None:
+    result = plan(_encoder(), _batch, device="cpu", effective_batch=8, optimizers=["adamw"])
+    assert result.best is not None and result.best.fits
+    assert result.best.micro_batch * result.best.accumulation == 8
+    assert result.best.seconds is not None and result.best.seconds > 0
+    assert result.runner_up is not None
+    assert result.runner_up.seconds is not None
+    assert result.runner_up.seconds >= result.best.seconds
+    assert all(p.rejected for p in result.rejected)
+    # the CPU's memory is the host's: no activation offloading to price there
+    assert any(s.startswith("offload activations") for s in result.skipped)
+    doc = json.loads(json.dumps(result.to_dict()))
+    assert doc["best"]["effective_batch"] == 8
+    assert {"precision", "checkpointing", "micro_batch", "rejected"} <= set(doc["plans"][0])
+
+
+def test_a_tight_device_needs_accumulation_or_checkpointing() -> None:
+    roomy = plan(
+        _encoder(),
+        _batch,
+        device="cpu",
+        effective_batch=16,
+        optimizers=["adamw"],
+        precisions=["fp32"],
+    )
+    assert roomy.best is not None and roomy.best.accumulation == 1
+    peak = roomy.best.peak_bytes
+    tight = vramctl.simulate(int(peak * 0.5 / 0.9))
+    result = plan(
+        _encoder(),
+        _batch,
+        device=tight,
+        effective_batch=16,
+        optimizers=["adamw"],
+        precisions=["fp32"],
+    )
+    best = result.best
+    assert best is not None and best.peak_bytes <= best.budget_bytes
+    assert best.accumulation > 1 or best.checkpointing != "none"
+    assert any("does not fit" in p.rejected for p in result.plans)
+    # and the plan really runs on that device: real steps, no out-of-memory error
+    with tight:
+        model = tight.adopt(_encoder())
+        applied = result.apply(model, device=tight)
+        for _ in range(best.accumulation):
+            with applied.step.autocast():
+                loss = applied.model(_batch(best.micro_batch)).square().mean()
+            applied.step.backward(loss / best.accumulation)
+        applied.step.step()
+        applied.undo()
+
+
+def test_checkpointing_is_skipped_with_a_reason_without_repeated_blocks() -> None:
+    result = plan(
+        Distinct(),
+        _batch,
+        device="cpu",
+        effective_batch=4,
+        optimizers=["adamw"],
+        precisions=["fp32"],
+    )
+    assert {p.checkpointing for p in result.plans} == {"none"}
+    assert any(s.startswith("checkpointing:") for s in result.skipped)
+
+
+def test_eight_bit_adamw_is_skipped_without_its_package() -> None:
+    pytest.importorskip("torch")
+    from vramctl.optimize._plan import eight_bit_available
+
+    if eight_bit_available() is not None:
+        pytest.skip("an 8-bit optimizer package is installed here")
+    result = plan(Distinct(), _batch, device="cpu", effective_batch=2, precisions=["fp32"])
+    assert any(s.startswith("adamw-8bit") for s in result.skipped)
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    with pytest.raises(OptimizeError, match="make_batch"):
+        plan(_encoder(), device="cpu", effective_batch=4)
+    with pytest.raises(OptimizeError, match="effective_batch"):
+        plan(_encoder(), _batch, device="cpu", effective_batch=0)
+
+
+def test_the_plan_command_prints_json() -> None:
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            "lstm",
+            "--device",
+            "cpu",
+            "--effective-batch",
+            "4",
+            "--seq-len",
+            "16",
+            "--precision",
+            "fp32",
+            "--optimizer",
+            "adamw",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["model"] == "lstm" and doc["best"]["fits"] is True
+    assert doc["best"]["micro_batch"] * doc["best"]["accumulation"] == 4
