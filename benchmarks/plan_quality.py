@@ -21,6 +21,7 @@ runs in seconds on a CPU; the devices are scaled to them.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import sys
@@ -146,21 +147,18 @@ def _run_plan(
     torch.manual_seed(0)
     model = build()
     applied = plan.apply(model, device="cpu")
-    hooks = (
-        torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t.clone())
-        if plan.offload == "activations"
-        else None
-    )
+    offload = plan.offload == "activations"
     times = []
     try:
         for _ in range(steps + 1):
             t0 = time.perf_counter()
-            if hooks is not None:
-                with torch.autograd.graph.saved_tensors_hooks(
-                    lambda t: t.detach().clone(), lambda t: t.clone()
-                ):
-                    effective_step(applied.model, applied.step)
-            else:
+            with contextlib.ExitStack() as stack:
+                if offload:
+                    stack.enter_context(
+                        torch.autograd.graph.saved_tensors_hooks(
+                            lambda t: t.detach().clone(), lambda t: t.clone()
+                        )
+                    )
                 effective_step(applied.model, applied.step)
             times.append(time.perf_counter() - t0)
     finally:
@@ -298,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _savings(memory: list[dict[str, Any]]) -> float | None:
-    """The median error of the predicted peaks of the plans run (the memory each optimization
-    saves is the difference of two such peaks)."""
+    """The median error of the predicted peaks of the plans run (per-optimization savings
+    are not reported apart)."""
     errs = [
         abs(m["predicted_bytes"] - m["measured_bytes"]) / m["measured_bytes"]
         for m in memory

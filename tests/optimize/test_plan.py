@@ -101,7 +101,6 @@ def test_checkpointing_is_skipped_with_a_reason_without_repeated_blocks() -> Non
 
 
 def test_eight_bit_adamw_is_skipped_without_its_package() -> None:
-    pytest.importorskip("torch")
     from vramctl.optimize._plan import eight_bit_available
 
     if eight_bit_available() is not None:

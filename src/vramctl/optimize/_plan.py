@@ -190,6 +190,13 @@ class PlanResult:
         return "\n".join(lines)
 
 
+def _slower(p: Plan, best: Plan) -> str:
+    """Why a fitting plan lost to ``best``."""
+    if best.seconds and p.seconds:
+        return f"{p.seconds / best.seconds - 1:.0%} slower than the best"
+    return "uses more memory than the best (no time prediction)"
+
+
 def _describe(p: Plan) -> str:
     peak = f"peak {format_bytes(p.peak_bytes)} of {format_bytes(p.budget_bytes)}"
     if p.seconds is None:
@@ -368,19 +375,7 @@ def plan(
         (p for p in plans if p.fits),
         key=lambda p: (p.seconds if p.seconds is not None else float("inf"), p.peak_bytes),
     )
-    best = fitting[0] if fitting else None
-    runner = fitting[1] if len(fitting) > 1 else None
-    ranked: list[Plan] = []
-    for p in fitting:
-        if p is best:
-            ranked.append(p)
-            continue
-        why = "slower"
-        if best is not None and best.seconds and p.seconds:
-            why = f"{p.seconds / best.seconds - 1:.0%} slower than the best"
-        elif best is not None:
-            why = "uses more memory than the best (no time prediction)"
-        ranked.append(replace(p, rejected=why))
+    ranked = fitting[:1] + [replace(p, rejected=_slower(p, fitting[0])) for p in fitting[1:]]
     ranked += [p for p in plans if not p.fits]
     best = ranked[0] if fitting else None
     runner = ranked[1] if len(fitting) > 1 else None
