@@ -15,8 +15,10 @@ Figures: ``worst_throughput_gap_pct`` (the chosen plan's measured throughput aga
 fastest feasible plan's, worst case; goal <= 10), ``plans_that_did_not_fit`` (chosen plans
 that ran out of memory; goal 0), ``step_time_mape_pct`` (predicted against measured time
 per effective batch over every plan run; goal <= 15 on the CPU), and the memory each
-optimization saves, predicted against measured. The models are small so that every plan
-runs in seconds on a CPU; the devices are scaled to them.
+optimization saves (amp-bf16, selective and full checkpointing, offloading the activations
+or the optimizer's state, each alone against plain fp32 at one micro-batch), predicted
+against measured on a simulated device. The models are small so that every plan runs in
+seconds on a CPU; the devices are scaled to them.
 """
 
 from __future__ import annotations
@@ -104,19 +106,12 @@ def _models() -> dict[str, tuple[Callable[[], Any], Callable[[int], Any]]]:
     }
 
 
-def _run_plan(
-    plan: Any, build: Callable[[], Any], make_batch: Callable[[int], Any], device: Any, steps: int
-) -> tuple[bool, int, float | None]:
-    """Run ``plan``: (fits on the simulated device, its measured peak, seconds per effective
-    batch on the CPU)."""
-    import torch
-
+def _effective_step(plan: Any, micro: list[Any]) -> Callable[[Any, Any], None]:
     from vramctl.estimator import StepSpec
 
     spec = StepSpec(precision=plan.precision)
-    micro = [make_batch(plan.micro_batch) for _ in range(plan.accumulation)]
 
-    def effective_step(model: Any, step: Any) -> None:
+    def run(model: Any, step: Any) -> None:
         for batch in micro:
             with step.autocast():
                 out = model(**batch)
@@ -124,7 +119,17 @@ def _run_plan(
             step.backward(loss)
         step.step()
 
-    # fit: on the simulated device
+    return run
+
+
+def _measure_peak(
+    plan: Any, build: Callable[[], Any], make_batch: Callable[[int], Any], device: Any
+) -> tuple[bool, int]:
+    """Run ``plan`` for two effective batches on the simulated device: (it fits, the peak
+    of its live tensors, parameters included)."""
+    import torch
+
+    run = _effective_step(plan, [make_batch(plan.micro_batch) for _ in range(plan.accumulation)])
     fits, peak = True, 0
     with device:
         torch.manual_seed(0)
@@ -132,38 +137,110 @@ def _run_plan(
         applied = plan.apply(model, device=device)
         try:
             with device.peak_meter() as meter:
-                effective_step(applied.model, applied.step)
-                effective_step(applied.model, applied.step)
-            peak = meter.peak_allocated
+                run(applied.model, applied.step)
+                run(applied.model, applied.step)
+            peak = meter.peak_used - device.reserve
         except torch.OutOfMemoryError:
             fits = False
         finally:
             applied.undo()
             del model, applied
             gc.collect()
-    if not fits:
-        return False, peak, None
-    # time: on the CPU, with the same settings (offloading as copies to host memory)
+    return fits, peak
+
+
+def _time_plan(
+    plan: Any, build: Callable[[], Any], make_batch: Callable[[int], Any], steps: int
+) -> float:
+    """Seconds per effective batch of ``plan`` on the CPU, outside the simulation (whose
+    bookkeeping slows each operator), offloading as copies to host memory."""
+    import torch
+
+    run = _effective_step(plan, [make_batch(plan.micro_batch) for _ in range(plan.accumulation)])
     torch.manual_seed(0)
     model = build()
     applied = plan.apply(model, device="cpu")
-    offload = plan.offload == "activations"
+    step = applied.step
+    if "optimizer" in plan.offload and step.optimizer is not None:
+        # the CPU has no host to offload to: the same copies and a step on host copies
+        from vramctl.optimize import OffloadedOptimizer
+
+        step.optimizer = OffloadedOptimizer(step.optimizer, "cpu")
     times = []
     try:
         for _ in range(steps + 1):
             t0 = time.perf_counter()
             with contextlib.ExitStack() as stack:
-                if offload:
+                if "activations" in plan.offload:
                     stack.enter_context(
                         torch.autograd.graph.saved_tensors_hooks(
                             lambda t: t.detach().clone(), lambda t: t.clone()
                         )
                     )
-                effective_step(applied.model, applied.step)
+                run(applied.model, step)
             times.append(time.perf_counter() - t0)
     finally:
         applied.undo()
-    return True, peak, statistics.median(times[1:])
+    return statistics.median(times[1:])
+
+
+#: One optimization at a time, against fp32 with no checkpointing or offloading.
+_SINGLE = {
+    "amp-bf16": {"precision": "amp-bf16"},
+    "checkpointing selective": {"checkpointing": "selective"},
+    "checkpointing full": {"checkpointing": "full"},
+    "offload activations": {"offload": "activations"},
+    "offload optimizer": {"offload": "optimizer"},
+}
+
+
+def _savings(
+    build: Callable[[], Any], make_batch: Callable[[int], Any], micro: int
+) -> dict[str, dict[str, Any]]:
+    """The memory each optimization saves at micro-batch ``micro``: predicted (the
+    estimate's peak against the baseline's) and measured (on a simulated device)."""
+    import torch
+
+    import vramctl
+    from vramctl.estimator import run_target
+    from vramctl.optimize import Plan, apply_checkpointing, find_blocks
+
+    device = vramctl.simulate("64GiB")
+    base = Plan("fp32", "none", "none", "adamw", micro, 1, fits=True)
+
+    def both(p: Any) -> tuple[int, int]:
+        with torch.device("meta"):
+            meta = build()
+        undo = apply_checkpointing(meta, p.checkpointing) if p.checkpointing != "none" else None
+        try:
+            est = vramctl.estimate(
+                meta,
+                make_batch(micro),
+                device=run_target(device),
+                precision=p.precision,
+                offload_activations="activations" in p.offload,
+                offload_optimizer="optimizer" in p.offload,
+            )
+        finally:
+            if undo is not None:
+                undo()
+        return est.peak_device, _measure_peak(p, build, make_batch, device)[1]
+
+    with torch.device("meta"):
+        blocks = bool(find_blocks(build()))
+    pred0, meas0 = both(base)
+    out: dict[str, dict[str, Any]] = {}
+    for name, change in _SINGLE.items():
+        if "checkpointing" in change and not blocks:
+            continue
+        pred, meas = both(Plan(**{**base.__dict__, **change, "estimate": None}))
+        saved_p, saved_m = pred0 - pred, meas0 - meas
+        out[name] = {
+            "predicted_saved_bytes": saved_p,
+            "measured_saved_bytes": saved_m,
+            "error_pct_of_peak": round(100 * (saved_p - saved_m) / meas0, 1),
+        }
+    return out
 
 
 def _targets(
@@ -185,10 +262,18 @@ def _targets(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = _common.parser(__doc__, quick="two models, one device each; under a minute", threads=False)
-    ap.add_argument("--effective-batch", type=int, default=32)
+    ap = _common.parser(
+        __doc__,
+        quick="one model on its tight device, no checkpointing; under a minute",
+        threads=False,
+    )
+    ap.add_argument(
+        "--effective-batch", type=int, default=None, help="samples per step (32; 16 with --quick)"
+    )
     ap.add_argument("--steps", type=int, default=2, help="timed effective batches per plan")
     args = _common.parse(ap, argv)
+    if args.effective_batch is None:
+        args.effective_batch = 16 if args.quick else 32
     import torch
 
     import vramctl
@@ -199,17 +284,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         chosen = {"gpt2-small4": ["tight"]}
         axes: dict[str, Any] = {
-            "offload": ["none"],
+            "offload": ["none", "optimizer"],
             "optimizers": ["adamw"],
-            "checkpointing": ["none", "full"],
+            "checkpointing": ["none"],
         }
     else:
         chosen = {name: ["tight", "medium", "roomy"] for name in models}
-        axes = {"offload": ["none", "activations"], "optimizers": ["adamw", "adamw-fused"]}
+        axes = {"optimizers": ["adamw", "adamw-fused"]}
     rows: list[dict[str, Any]] = []
     gaps: list[float] = []
     errors: list[float] = []
-    memory: list[dict[str, Any]] = []
+    by_precision: dict[str, list[float]] = {}
+    peaks: list[float] = []
+    savings: dict[str, dict[str, Any]] = {}
     did_not_fit = 0
     for name, targets in chosen.items():
         build, make_batch = models[name]
@@ -228,26 +315,22 @@ def main(argv: list[str] | None = None) -> int:
                 **axes,
             )
             planned = time.perf_counter() - t0
-            measured: list[tuple[Any, bool, int, float | None]] = []
+            measured: list[tuple[Any, bool, float | None]] = []
             for p in result.plans:
                 if not p.fits:
                     continue
-                fits, peak, seconds = _run_plan(p, build, make_batch, device, args.steps)
-                measured.append((p, fits, peak, seconds))
+                fits, peak = _measure_peak(p, build, make_batch, device)
+                seconds = _time_plan(p, build, make_batch, args.steps) if fits else None
+                measured.append((p, fits, seconds))
                 if seconds is not None and p.seconds is not None:
-                    errors.append(abs(p.seconds - seconds) / seconds)
-                if p.estimate is not None and fits:
-                    memory.append(
-                        {
-                            "model": name,
-                            "plan": p.label,
-                            "predicted_bytes": p.peak_bytes,
-                            "measured_bytes": peak,
-                        }
-                    )
+                    err = abs(p.seconds - seconds) / seconds
+                    errors.append(err)
+                    by_precision.setdefault(p.precision, []).append(err)
+                if fits and peak:
+                    peaks.append(abs(p.peak_bytes - peak) / peak)
             best = result.best
-            feasible = [(p, s) for p, f, _, s in measured if f and s]
-            chosen_run = next(((f, s) for p, f, _, s in measured if p is best), (False, None))
+            feasible = [(p, s) for p, f, s in measured if f and s]
+            chosen_run = next(((f, s) for p, f, s in measured if p is best), (False, None))
             if best is not None and not chosen_run[0]:
                 did_not_fit += 1
             fastest = min((s for _, s in feasible), default=None)
@@ -273,7 +356,12 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             print(rows[-1], file=sys.stderr, flush=True)
-    saved = _savings(memory)
+        if not args.quick or name == "gpt2-small4":
+            # at the tight device's micro-batch (at least 2)
+            micro = max(2, int(0.15 * args.effective_batch))
+            savings[name] = _savings(build, make_batch, micro)
+            print({"model": name, "savings": savings[name]}, file=sys.stderr, flush=True)
+    saving_errors = [abs(v["error_pct_of_peak"]) for m in savings.values() for v in m.values()]
     summary = {
         "benchmark": "plan_quality",
         "quick": args.quick,
@@ -282,7 +370,13 @@ def main(argv: list[str] | None = None) -> int:
         "worst_throughput_gap_pct": round(max(gaps), 1) if gaps else None,
         "plans_that_did_not_fit": did_not_fit,
         "step_time_mape_pct": round(100 * statistics.mean(errors), 1) if errors else None,
-        "memory_error_pct_median": saved,
+        "step_time_mape_pct_by_precision": {
+            k: round(100 * statistics.mean(v), 1) for k, v in by_precision.items()
+        },
+        "plans_timed": len(errors),
+        "peak_error_pct_median": round(100 * statistics.median(peaks), 1) if peaks else None,
+        "saving_error_pct_of_peak_max": round(max(saving_errors), 1) if saving_errors else None,
+        "savings": savings,
         "rows": rows,
     }
     ok = (
@@ -293,17 +387,6 @@ def main(argv: list[str] | None = None) -> int:
         and 100 * statistics.mean(errors) <= 15
     )
     return _common.finish(summary, ok)
-
-
-def _savings(memory: list[dict[str, Any]]) -> float | None:
-    """The median error of the predicted peaks of the plans run (per-optimization savings
-    are not reported apart)."""
-    errs = [
-        abs(m["predicted_bytes"] - m["measured_bytes"]) / m["measured_bytes"]
-        for m in memory
-        if m["measured_bytes"]
-    ]
-    return round(100 * statistics.median(errs), 1) if errs else None
 
 
 if __name__ == "__main__":

@@ -315,6 +315,7 @@ OPTIMIZE = {
     "Finding",
     "Optimization",
     "OptimizationReport",
+    "OffloadedOptimizer",
     "OptimizeError",
     "Optimized",
     "Plan",

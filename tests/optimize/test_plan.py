@@ -44,14 +44,15 @@ def test_the_best_plan_fits_and_every_other_says_why() -> None:
     assert result.runner_up.seconds is not None
     assert result.runner_up.seconds >= result.best.seconds
     assert all(p.rejected for p in result.rejected)
-    # the CPU's memory is the host's: no activation offloading to price there
-    assert any(s.startswith("offload activations") for s in result.skipped)
+    # the CPU's memory is the host's: no offloading to price there
+    assert any(s.startswith("offload:") for s in result.skipped)
+    assert {p.offload for p in result.plans} == {"none"}
     doc = json.loads(json.dumps(result.to_dict()))
     assert doc["best"]["effective_batch"] == 8
     assert {"precision", "checkpointing", "micro_batch", "rejected"} <= set(doc["plans"][0])
 
 
-def test_a_tight_device_needs_accumulation_or_checkpointing() -> None:
+def test_a_tight_device_needs_accumulation_checkpointing_or_offloading() -> None:
     roomy = plan(
         _encoder(),
         _batch,
@@ -73,7 +74,7 @@ def test_a_tight_device_needs_accumulation_or_checkpointing() -> None:
     )
     best = result.best
     assert best is not None and best.peak_bytes <= best.budget_bytes
-    assert best.accumulation > 1 or best.checkpointing != "none"
+    assert best.accumulation > 1 or best.checkpointing != "none" or best.offload != "none"
     assert any("does not fit" in p.rejected for p in result.plans)
     # and the plan really runs on that device: real steps, no out-of-memory error
     with tight:
@@ -114,6 +115,8 @@ def test_bad_input_is_a_clear_error() -> None:
         plan(_encoder(), device="cpu", effective_batch=4)
     with pytest.raises(OptimizeError, match="effective_batch"):
         plan(_encoder(), _batch, device="cpu", effective_batch=0)
+    with pytest.raises(OptimizeError, match="offload must be among"):
+        plan(_encoder(), _batch, device="cpu", effective_batch=4, offload=["gradients"])
 
 
 def test_the_plan_command_prints_json() -> None:

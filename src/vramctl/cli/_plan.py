@@ -47,7 +47,11 @@ def plan_cmd(
         typer.Option(help="Checkpointing to price, comma-separated (none,selective,full)."),
     ] = None,
     offload: Annotated[
-        str | None, typer.Option(help="Offloading to price, comma-separated (none,activations).")
+        str | None,
+        typer.Option(
+            help="Offloading to price, comma-separated "
+            "(none,activations,optimizer,activations+optimizer)."
+        ),
     ] = None,
     optimizer: Annotated[
         str | None,

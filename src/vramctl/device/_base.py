@@ -133,6 +133,14 @@ class Device(abc.ABC):
         ``.to("cpu")``); for a real device the block runs as it is."""
         return contextlib.nullcontext()
 
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` in host memory, outside this device's count: pinned where this
+        is a CUDA device (so copies to and from it can be asynchronous)."""
+        with self.uncounted():
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.is_cuda)
+            out.copy_(t.detach())
+        return out
+
     def adopt(self, obj: Any) -> Any:
         """Place ``obj`` on this device, as ``.to(device)`` does: a module or tensor is moved
         (and returned); a simulated GPU counts what it holds instead."""

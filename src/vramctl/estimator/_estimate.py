@@ -48,6 +48,8 @@ def estimate(
     image_size: int | tuple[int, int] | None = None,
     trust_remote_code: bool = False,
     offload_activations: bool = False,
+    offload_optimizer: bool = False,
+    grad_accumulation: bool = False,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
 
@@ -78,7 +80,13 @@ def estimate(
 
     ``offload_activations=True`` prices the step with the tensors saved for backward
     kept in host memory (``torch.autograd.graph.save_on_cpu``): they leave the device
-    after forward and are copied back when backward needs them.
+    after forward and are copied back when backward needs them. ``offload_optimizer=True``
+    prices it with the optimizer's state and step in host memory
+    (:class:`vramctl.optimize.OffloadedOptimizer`): no state on the device, the gradients
+    copied to the host and the parameters back each step, the step at the host CPU's rate.
+    ``grad_accumulation=True`` prices a micro-batch of gradient accumulation after the
+    first: the gradients are already there through forward and backward, which add into
+    them.
 
     The estimate also predicts the step's time (``step_seconds``, from its FLOPs and
     bytes per operator and the target's rates: the CPU's measured here, a GPU's from
@@ -107,6 +115,8 @@ def estimate(
         image_size=image_size,
         trust_remote_code=trust_remote_code,
         offload_activations=offload_activations,
+        offload_optimizer=offload_optimizer,
+        grad_accumulation=grad_accumulation,
     )
     est = session.estimate(batch, batch_size, seq_len, seconds)
     return dataclasses.replace(est, elapsed=time.perf_counter() - t0)

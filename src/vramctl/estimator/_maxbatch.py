@@ -159,6 +159,8 @@ def max_batch_size(
     image_size: int | tuple[int, int] | None = None,
     trust_remote_code: bool = False,
     offload_activations: bool = False,
+    offload_optimizer: bool = False,
+    grad_accumulation: bool = False,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.
 
@@ -198,6 +200,8 @@ def max_batch_size(
         image_size=image_size,
         trust_remote_code=trust_remote_code,
         offload_activations=offload_activations,
+        offload_optimizer=offload_optimizer,
+        grad_accumulation=grad_accumulation,
     )
     cache: dict[tuple[int, float | None], Estimate] = {}
     host: dict[int, int] = {}

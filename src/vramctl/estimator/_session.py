@@ -47,7 +47,7 @@ from vramctl.estimator._spec import (
     warm_optimizer,
 )
 from vramctl.estimator._target import Target, resolve_target
-from vramctl.estimator._timing import predict, target_throughput, tf32_matmul
+from vramctl.estimator._timing import cpu_throughput, predict, target_throughput, tf32_matmul
 from vramctl.estimator._trace import (
     DataDependentError,
     EagerLinear,
@@ -244,7 +244,7 @@ class Session:
                 sid = tracer.register(t)
                 if sid is not None:
                     param_ids.add(sid)
-            if self.optimizer is not None:
+            if self.optimizer is not None and not spec.offload_optimizer:
                 for t in _optimizer_tensors(self.optimizer):
                     sid = tracer.register(t)
                     if sid is not None:
@@ -296,6 +296,13 @@ class Session:
     ) -> None:
         assert self.model is not None
         spec = self.spec
+        if spec.grad_accumulation:
+            # the earlier micro-batches' gradients: backward adds into them in place
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
+                sid = tracer.sid_of(p.grad)
+                if sid is not None:
+                    grads.add(sid)
         phase("forward")
         with spec.forward_context(), _offloaded(tracer, spec.offload_activations):
             out = call_model(self.model, batch)
@@ -310,7 +317,10 @@ class Session:
                 sid = tracer.sid_of(p.grad)
                 if sid is not None:
                     grads.add(sid)
-        if self.optimizer is not None:
+        if self.optimizer is not None and spec.offload_optimizer:
+            phase("optimizer")
+            _host_step(tracer, self.optimizer, self.params)
+        elif self.optimizer is not None:
             phase("optimizer")
             self.optimizer.step()
             for t in _optimizer_tensors(self.optimizer):
@@ -347,6 +357,23 @@ def _offloaded(tracer: Tracer, on: bool) -> Iterator[None]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
+
+
+def _host_step(tracer: Tracer, optimizer: torch.optim.Optimizer, params: list[Any]) -> None:
+    """The optimizer step of an offloaded optimizer: the gradients are copied to the host,
+    the step runs there (its operators priced as the host's, its memory not the
+    device's) and the parameters are copied back in place."""
+    grads = [p.grad for p in params if p.grad is not None]
+    moved = sum(g.numel() * g.element_size() for g in grads)
+    tracer.trace.costs.append(OpCost("transfer", tracer.phase, "other", 0, moved, True))
+    tracer.host = True
+    try:
+        optimizer.step()
+    finally:
+        tracer.host = False
+    moved = sum(p.numel() * p.element_size() for p in params if p.grad is not None)
+    tracer.trace.costs.append(OpCost("transfer", tracer.phase, "other", 0, moved, True))
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _build(factory: Callable[[], Any]) -> Any:
@@ -608,8 +635,12 @@ def build_estimate(
             "name a catalog GPU"
         )
     else:
+        on_host = target.cuda and any(c.phase == "host" for c in trace.costs)
         timed = predict(
-            trace.costs, tp, tf32=target.cuda and _tf32_capable(target) and tf32_matmul()
+            trace.costs,
+            tp,
+            tf32=target.cuda and _tf32_capable(target) and tf32_matmul(),
+            host=cpu_throughput() if on_host else None,
         )
     if spec.autocast_dtype is not None and target.cuda:
         notes.append(
@@ -681,6 +712,8 @@ def open_session(
     image_size: int | tuple[int, int] | None = None,
     trust_remote_code: bool = False,
     offload_activations: bool = False,
+    offload_optimizer: bool = False,
+    grad_accumulation: bool = False,
 ) -> Session:
     """Check the arguments, resolve the device and build the model on fake tensors."""
     check_utilization(target_utilization)
@@ -694,6 +727,8 @@ def open_session(
         autocast_device="cpu",
         foreach=True if target.cuda else None,
         offload_activations=offload_activations,
+        offload_optimizer=offload_optimizer,
+        grad_accumulation=grad_accumulation,
     )
     session = Session.open(
         model,

@@ -77,6 +77,12 @@ class StepSpec:
     #: Keep the tensors saved for backward in host memory between forward and backward
     #: (``torch.autograd.graph.save_on_cpu``), copied back when backward needs them.
     offload_activations: bool = False
+    #: Keep the optimizer's state (and its step) in host memory: the gradients go to the
+    #: host and the updated parameters come back each step (ZeRO-Offload's trade).
+    offload_optimizer: bool = False
+    #: A micro-batch of gradient accumulation: the gradients of the earlier micro-batches
+    #: are held through this one's forward and backward, which add into them.
+    grad_accumulation: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -163,18 +163,24 @@ class StepTime:
     compute_bound: float = 0.0
 
 
-def predict(costs: Iterable[OpCost], tp: Throughput, *, tf32: bool = False) -> StepTime:
+def predict(
+    costs: Iterable[OpCost], tp: Throughput, *, tf32: bool = False, host: Throughput | None = None
+) -> StepTime:
     """The step's time on ``tp``'s device from its operators' costs.
 
-    ``tf32``: fp32 matrix multiplies run on TF32 tensor cores (``allow_tf32``).
+    ``tf32``: fp32 matrix multiplies run on TF32 tensor cores (``allow_tf32``). Operators
+    of the ``"host"`` phase (an offloaded optimizer's step) run at ``host``'s rates (the
+    CPU's; default ``tp``'s).
     """
     by_group = dict.fromkeys(GROUPS, 0.0)
     by_phase: dict[str, float] = {}
     flops = moved = 0
     compute_bound = 0.0
+    device = tp
     for op in costs:
         if op.phase == "setup":
             continue
+        tp = host if host is not None and op.phase == "host" else device
         kernel = 0.0
         overhead = tp.view_overhead
         if op.kernel:

@@ -177,6 +177,9 @@ class Tracer(TorchDispatchMode):
         self.failed_op: str | None = None
         #: False: only handle data-dependent operators (building a model), record nothing.
         self.record = True
+        #: True: the operators run in host memory (an offloaded optimizer's step): their
+        #: storages are not the device's, and their costs are the host's (phase "host").
+        self.host = False
         self._sid: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: fake tensor -> real tensor with its values, for input-derived tensors.
         self.known: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -210,7 +213,7 @@ class Tracer(TorchDispatchMode):
 
         ``nbytes`` overrides the size of a storage whose fake size is not the real one.
         """
-        if not self.record:
+        if not self.record or self.host:
             return None
         st = storage(t)
         if st is None:
@@ -275,7 +278,7 @@ class Tracer(TorchDispatchMode):
             out = layout(out)
         name = _op_name(func)
         outs = list(tensors(out))
-        ws = self.workspace(func, args, kwargs, outs) if self.workspace is not None else 0
+        ws = self.workspace(func, args, kwargs, outs) if self.workspace and not self.host else 0
         if ws > 0:
             sid = len(self.trace.records)
             self.trace.records.append(
@@ -292,7 +295,8 @@ class Tracer(TorchDispatchMode):
             self.trace.events.append(~sid)
             self.trace.records[sid].freed_phase = self.phase
         if self.record:
-            self.trace.costs.append(op_cost(func, name, self.phase, args, kwargs, out))
+            phase = "host" if self.host else self.phase
+            self.trace.costs.append(op_cost(func, name, phase, args, kwargs, out))
         self.failed_op = None
         return out
 

@@ -17,6 +17,7 @@ from vramctl.optimize._checkpoint import apply_checkpointing, find_blocks
 from vramctl.optimize._doctor import DoctorReport, Finding, doctor
 from vramctl.optimize._errors import OptimizeError
 from vramctl.optimize._helper import StepHelper
+from vramctl.optimize._offload import OffloadedOptimizer
 from vramctl.optimize._plan import Plan, PlanResult, plan
 from vramctl.optimize._report import Optimization, OptimizationReport
 
@@ -24,6 +25,7 @@ __all__ = [
     "AppliedPlan",
     "DoctorReport",
     "Finding",
+    "OffloadedOptimizer",
     "Optimization",
     "OptimizationReport",
     "OptimizeError",

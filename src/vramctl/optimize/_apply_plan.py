@@ -15,6 +15,7 @@ from vramctl.device import Device, current_device, resolve
 from vramctl.optimize._checkpoint import apply_checkpointing
 from vramctl.optimize._errors import OptimizeError
 from vramctl.optimize._helper import StepHelper
+from vramctl.optimize._offload import OffloadedOptimizer
 from vramctl.optimize._optimizer import fast_kernel, rebuild_optimizer
 
 if TYPE_CHECKING:
@@ -107,6 +108,9 @@ def apply_plan(
     (same groups, hyper-parameters and state) where PyTorch has the kernel for its
     parameters, and for ``adamw-8bit`` rebuilt as torchao's (or bitsandbytes')
     ``AdamW8bit``. Without one, an ``AdamW`` of the plan's kind is made (``lr=1e-3``).
+    A plan that offloads the optimizer wraps it in an
+    :class:`~vramctl.optimize.OffloadedOptimizer` (its state and step in host memory):
+    step the returned helper's ``step.optimizer``, not the one passed in.
     """
     dev = resolve(device) if device is not None else current_device()
     applied_notes: list[str] = []
@@ -117,7 +121,7 @@ def apply_plan(
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         applied_notes.append("TF32 on for matrix multiplies and convolutions")
-    if plan.offload == "activations":
+    if "activations" in plan.offload:
         if dev.can_offload:
             undo.append(_offload_forward(model, dev))
         else:
@@ -136,6 +140,12 @@ def apply_plan(
             applied_notes.append(why)
         elif plan.optimizer == "adamw-8bit":
             optimizer = _eight_bit(optimizer)
+    if "optimizer" in plan.offload and optimizer is not None:
+        if dev.can_offload:
+            optimizer = OffloadedOptimizer(optimizer, dev)
+            applied_notes.append("optimizer state and step in host memory")
+        else:
+            applied_notes.append(f"optimizer not offloaded: {dev.id}'s memory is the host's")
     precision = _AMP[plan.precision]
     device_type = dev.torch_device.type if dev.is_cuda else "cpu"
     scaler = None

@@ -1,8 +1,9 @@
 """``vramctl.plan``: the fastest way to train a model at an effective batch on a device.
 
 The planner enumerates precision × activation checkpointing (none, selective, full) ×
-offloading the saved activations × optimizer (AdamW, fused AdamW, 8-bit AdamW where
-torchao or bitsandbytes is installed) × micro-batch with gradient accumulation. Each
+offloading (the saved activations, the optimizer's state, both) × optimizer (AdamW,
+fused AdamW, 8-bit AdamW where torchao or bitsandbytes is installed) × micro-batch with
+gradient accumulation (priced holding the earlier micro-batches' gradients). Each
 combination's largest micro-batch that fits comes from
 :func:`vramctl.estimator.max_batch_size` (traces on fake tensors; the micro-batch must
 divide the effective batch), and its time from the estimate's step time: ``accumulation``
@@ -42,7 +43,7 @@ from vramctl.optimize._errors import OptimizeError
 __all__ = ["Plan", "PlanResult", "plan", "precisions_for"]
 
 CHECKPOINTING = ("none", "selective", "full")
-OFFLOAD = ("none", "activations")
+OFFLOAD = ("none", "activations", "optimizer", "activations+optimizer")
 #: 8-bit AdamW keeps two 1-byte states per parameter plus a scale per block of 256
 #: (torchao's and bitsandbytes' layout), where AdamW keeps two fp32 states.
 _EIGHT_BIT_STATE = (2 + 2 * 4 / 256) / 8
@@ -243,7 +244,7 @@ def _tf32(on: bool) -> Iterator[None]:
 def _step_seconds(est: Estimate, accumulation: int) -> float | None:
     if est.step_seconds is None:
         return None
-    opt = est.phase_seconds.get("optimizer", 0.0)
+    opt = est.phase_seconds.get("optimizer", 0.0) + est.phase_seconds.get("host", 0.0)
     return accumulation * (est.step_seconds - opt) + opt
 
 
@@ -299,9 +300,14 @@ def plan(
             skipped.append(f"checkpointing: {type(module).__name__} has no repeated blocks to wrap")
             kinds = ["none"]
         offloads = list(offload or OFFLOAD)
-        if "activations" in offloads and not target.cuda and target.name == "cpu":
-            skipped.append("offload activations: the CPU's memory is the host's")
-            offloads = [o for o in offloads if o != "activations"]
+        unknown = [o for o in offloads if o not in OFFLOAD]
+        if unknown:
+            raise OptimizeError(
+                f"offload must be among {', '.join(OFFLOAD)}, got {', '.join(unknown)}"
+            )
+        if offloads != ["none"] and not target.cuda and target.name == "cpu":
+            skipped.append("offload: the CPU's memory is the host's")
+            offloads = ["none"]
         opts = list(optimizers or ["adamw", "adamw-fused", "adamw-8bit"])
         if "adamw-8bit" in opts and eight_bit_available() is None:
             skipped.append("adamw-8bit: needs torchao or bitsandbytes (pip install torchao)")
@@ -468,7 +474,10 @@ def _price(
                     target_utilization=target_utilization,
                     loss_fn=loss_fn,
                     limit=effective_batch,
-                    offload_activations=offload == "activations",
+                    offload_activations="activations" in offload,
+                    offload_optimizer="optimizer" in offload,
+                    # a micro-batch after the first holds the earlier ones' gradients
+                    grad_accumulation=mode == "train" and effective_batch > 1,
                 )
 
             try:
@@ -476,6 +485,26 @@ def _price(
             except VramctlError as exc:
                 return [replace(base, rejected=f"could not be priced: {exc}")]
             micro = max((d for d in _divisors(effective_batch) if d <= found.batch_size), default=0)
+            whole: Plan | None = None
+            if micro < effective_batch:
+                # one micro-batch of the whole effective batch holds no earlier gradients
+                whole = _at(
+                    module,
+                    batch_fn,
+                    target,
+                    base,
+                    base.optimizer,
+                    effective_batch,
+                    effective_batch,
+                    None,
+                    mode=mode,
+                    precision=precision,
+                    offload=offload,
+                    target_utilization=target_utilization,
+                    loss_fn=loss_fn,
+                )
+                if whole.fits:
+                    micro = effective_batch
             if micro == 0:
                 one = next((peak for b, peak, _ in found.curve if b == 1), None)
                 why = "not even a micro-batch of 1 fits"
@@ -491,7 +520,11 @@ def _price(
                     )
                 ]
             out: list[Plan] = []
-            for opt in [base.optimizer] + [o for o in optimizers if o != "adamw"]:
+            others = [o for o in optimizers if o != "adamw"]
+            if "optimizer" in offload:
+                # 8-bit states in host memory save the device nothing more
+                others = [o for o in others if o != "adamw-8bit"]
+            for opt in [base.optimizer, *others]:
                 plan_ = _at(
                     module,
                     batch_fn,
@@ -500,7 +533,9 @@ def _price(
                     opt,
                     micro,
                     effective_batch,
-                    found.estimate if found.batch_size == micro and opt == "adamw" else None,
+                    found.estimate
+                    if found.batch_size == micro < effective_batch and opt == "adamw"
+                    else None,
                     mode=mode,
                     precision=precision,
                     offload=offload,
@@ -512,6 +547,8 @@ def _price(
             if larger:
                 nxt = larger[0]
                 traced = {b: peak for b, peak, _ in found.curve}
+                if whole is not None:
+                    traced[effective_batch] = whole.peak_bytes
                 peak = traced.get(nxt)
                 why = f"micro-batch {nxt} does not fit"
                 if peak is not None:
@@ -597,7 +634,9 @@ def _at(
                 optimizer=traced_opt if mode == "train" else None,
                 target_utilization=target_utilization,
                 loss_fn=loss_fn,
-                offload_activations=offload == "activations",
+                offload_activations="activations" in offload,
+                offload_optimizer="optimizer" in offload,
+                grad_accumulation=mode == "train" and micro < effective_batch,
             )
         except VramctlError as exc:
             return replace(
