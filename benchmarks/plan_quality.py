@@ -267,13 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         quick="one model on its tight device, no checkpointing; under a minute",
         threads=False,
     )
-    ap.add_argument(
-        "--effective-batch", type=int, default=None, help="samples per step (32; 16 with --quick)"
-    )
+    ap.add_argument("--effective-batch", type=int, default=None, help="samples per step (16)")
     ap.add_argument("--steps", type=int, default=2, help="timed effective batches per plan")
     args = _common.parse(ap, argv)
     if args.effective_batch is None:
-        args.effective_batch = 16 if args.quick else 32
+        args.effective_batch = 16
     import torch
 
     import vramctl
@@ -290,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         }
     else:
         chosen = {name: ["tight", "medium", "roomy"] for name in models}
-        axes = {"optimizers": ["adamw", "adamw-fused"]}
+        # every plan priced as fitting is run: the axes are kept to what a 2-core machine
+        # runs in half an hour (fused AdamW and offloading both are left out)
+        axes = {"offload": ["none", "activations", "optimizer"], "optimizers": ["adamw"]}
     rows: list[dict[str, Any]] = []
     gaps: list[float] = []
     errors: list[float] = []
@@ -328,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
                     by_precision.setdefault(p.precision, []).append(err)
                 if fits and peak:
                     peaks.append(abs(p.peak_bytes - peak) / peak)
+                print(
+                    f"  {p.label}: fits {fits}, peak {peak} (predicted {p.peak_bytes}), "
+                    f"{seconds} s (predicted {p.seconds})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             best = result.best
             feasible = [(p, s) for p, f, s in measured if f and s]
             chosen_run = next(((f, s) for p, f, s in measured if p is best), (False, None))
