@@ -34,6 +34,9 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "plot": ("matplotlib",),
     "server": ("fastapi", "uvicorn", "prometheus_client"),
     "ray": ("ray",),
+    "lightning": ("lightning",),
+    "transformers": ("transformers", "accelerate"),
+    "accelerate": ("accelerate",),
 }
 
 

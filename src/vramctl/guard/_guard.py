@@ -275,6 +275,20 @@ class Guard:
         self._emit("shrink", n, math.ceil(n / self.piece_limit), 0.0, f"from {current}")
         return self.piece_limit
 
+    def recover(self, error: BaseException, batch_size: int, seconds: float = 0.0) -> int:
+        """Take over after an OOM that a framework met running a whole batch itself.
+
+        A framework's loop (Lightning's, the Hugging Face ``Trainer``'s) runs the
+        step; when it runs out of memory on a batch of ``batch_size``, this frees
+        what the failed attempt held (its traceback's frames are cleared: call it
+        after the ``except`` block, as the guard itself does), counts the OOM and
+        ``seconds`` lost, and sets the piece size the batch is then run in with
+        :meth:`train_step`. Returns that piece size. Raises
+        :class:`StepDoesNotFitError` when one sample at a time already failed.
+        """
+        tried = min(self.piece_limit or batch_size, batch_size)
+        return self._recover(_Attempt(True, error, str(error)), batch_size, max(tried, 1), seconds)
+
     def summary(self, events: int = 20) -> dict[str, Any]:
         """Counts and the latest ``events`` events, JSON-ready."""
         return {
