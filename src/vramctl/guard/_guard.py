@@ -231,6 +231,9 @@ class Guard:
         self.split_steps = 0
         self.recovered = 0
         self.time_lost = 0.0
+        # OOMs (and seconds) recover() took over, counted in the step train_step runs next.
+        self._taken_over = 0
+        self._lost = 0.0
 
     # -- public -------------------------------------------------------------------
 
@@ -287,7 +290,10 @@ class Guard:
         :class:`StepDoesNotFitError` when one sample at a time already failed.
         """
         tried = min(self.piece_limit or batch_size, batch_size)
-        return self._recover(_Attempt(True, error, str(error)), batch_size, max(tried, 1), seconds)
+        limit = self._recover(_Attempt(True, error, str(error)), batch_size, max(tried, 1), seconds)
+        self._taken_over += 1
+        self._lost += seconds
+        return limit
 
     def summary(self, events: int = 20) -> dict[str, Any]:
         """Counts and the latest ``events`` events, JSON-ready."""
@@ -373,9 +379,11 @@ class Guard:
                 _restore_grads(params, stash)
                 raise
         else:
-            if self.piece_limit is not None:
+            if self.piece_limit is not None and not self._taken_over:
                 self._maybe_grow(n)
-            ooms_before, lost_before = self.ooms, self.time_lost
+            # An OOM a framework met on this batch (recover()) belongs to this step.
+            ooms_before, lost_before = self.ooms - self._taken_over, self.time_lost - self._lost
+            self._taken_over, self._lost = 0, 0.0
             stash = _stash_grads(params)
         try:
             loss, limit = self._gradients(batch, n, loss_of or self._model_loss)
