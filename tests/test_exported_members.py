@@ -308,7 +308,7 @@ GUARD = {
     "split_batch",
     "total_bytes",
 }
-FIT = {"FitError", "FitResult", "cache_root", "fit_batch_size"}
+FIT = {"FitError", "FitResult", "Probe", "Search", "cache_root", "fit_batch_size"}
 OPTIMIZE = {
     "AppliedPlan",
     "DoctorReport",

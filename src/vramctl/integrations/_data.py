@@ -94,8 +94,10 @@ def loss_of(output: Any) -> torch.Tensor:
     """The loss in a training step's output: the tensor itself, or its ``loss`` key or attribute."""
     if isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
+    if isinstance(output, dict):
+        found = output.get("loss")
+        if isinstance(found, torch.Tensor):
+            return found
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
