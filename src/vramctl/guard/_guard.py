@@ -295,6 +295,14 @@ class Guard:
         self._lost += seconds
         return limit
 
+    def record_step(self, batch_size: int) -> None:
+        """Count a whole step of ``batch_size`` that a framework ran itself without an OOM.
+
+        The guard's counts (steps, samples) and the good-step streak after which pieces
+        grow back then include the steps the guard did not run.
+        """
+        self._done(batch_size, max(batch_size, 1))
+
     def summary(self, events: int = 20) -> dict[str, Any]:
         """Counts and the latest ``events`` events, JSON-ready."""
         return {

@@ -463,6 +463,7 @@ class VramctlGuard(pl.Callback):
             failure = exc
         else:
             _put_grads(params, stash, add=True)
+            guard.record_step(whole.n)
             return
         del loss
         whole.raw = None  # type: ignore[assignment]
