@@ -303,12 +303,24 @@ GUARD = {
     "offload_activations",
     "piece_sizes",
     "release",
+    "drop_grads",
+    "restore_grads",
+    "stash_grads",
     "remove_listener",
     "slice_batch",
     "split_batch",
     "total_bytes",
 }
-FIT = {"FitError", "FitResult", "Probe", "Search", "cache_root", "fit_batch_size"}
+FIT = {
+    "FitError",
+    "FitResult",
+    "Probe",
+    "Search",
+    "cache_root",
+    "fit_batch_size",
+    "requested_bytes",
+    "to_host",
+}
 OPTIMIZE = {
     "AppliedPlan",
     "DoctorReport",

@@ -22,17 +22,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from vramctl._errors import VramctlError
+from vramctl._units import parse_size
 from vramctl.device import Device
 from vramctl.fit._result import FitError
 from vramctl.fit._search import Probe
 from vramctl.guard import OomCounters, is_oom, release
 
-__all__ = ["Prober", "preserved", "rng_kept", "to_host"]
+__all__ = ["Prober", "preserved", "requested_bytes", "rng_kept", "to_host"]
 
 
 _MISSING = object()
@@ -65,15 +68,23 @@ def _settle(device: Device) -> None:
     device.release_cache()
 
 
-def _requested(exc: BaseException) -> int:
-    """The refused request of a simulated OOM (0 when unknown)."""
+def requested_bytes(exc: BaseException) -> int:
+    """The bytes an out-of-memory error says were refused (0 when it does not say): a
+    simulated GPU's ``requested``, else CUDA's "Tried to allocate ..." in the message, on the
+    error or any error it was raised from."""
     cur: BaseException | None = exc
     for _ in range(16):
         if cur is None:
             break
-        req = getattr(cur, "requested", None)
-        if isinstance(req, int):
+        req = getattr(cur, "requested", None)  # a simulated GPU's error
+        if isinstance(req, int) and not isinstance(req, bool):
             return req
+        found = re.search(r"Tried to allocate ([\d.]+ ?[KMGTP]?i?B)", str(cur))
+        if found:
+            try:
+                return parse_size(found.group(1))
+            except VramctlError:
+                return 0
         cur = cur.__cause__ or cur.__context__
     return 0
 
@@ -124,7 +135,7 @@ class Prober:
         oom = failure is not None or counters.rose(dev)  # a step may catch its own OOM
         floor: int | None = None
         if failure is not None:
-            floor = meter.peak_used + _requested(failure)
+            floor = meter.peak_used + requested_bytes(failure)
             release(failure, dev)  # outside the except block, so its frames let go
             failure = None
         for owner in self.owners:

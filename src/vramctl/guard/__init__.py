@@ -10,8 +10,11 @@ from vramctl.guard._guard import (
     SplitBatchNormWarning,
     StepResult,
     add_listener,
+    drop_grads,
     guarded,
     remove_listener,
+    restore_grads,
+    stash_grads,
 )
 from vramctl.guard._offload import can_offload, offload_activations
 from vramctl.guard._oom import OomCounters, is_oom, release
@@ -32,6 +35,7 @@ __all__ = [
     "available_bytes",
     "batch_size_of",
     "can_offload",
+    "drop_grads",
     "guarded",
     "is_oom",
     "memory_report",
@@ -40,7 +44,9 @@ __all__ = [
     "piece_sizes",
     "release",
     "remove_listener",
+    "restore_grads",
     "slice_batch",
     "split_batch",
+    "stash_grads",
     "total_bytes",
 ]

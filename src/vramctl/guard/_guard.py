@@ -62,8 +62,11 @@ __all__ = [
     "SplitBatchNormWarning",
     "StepResult",
     "add_listener",
+    "drop_grads",
     "guarded",
     "remove_listener",
+    "restore_grads",
+    "stash_grads",
 ]
 
 REDUCTIONS = ("mean", "sum")
@@ -295,6 +298,11 @@ class Guard:
         self._lost += seconds
         return limit
 
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients a guarded step handles (the model's, the optimizer's)."""
+        return self._params
+
     def record_step(self, batch_size: int) -> None:
         """Count a whole step of ``batch_size`` that a framework ran itself without an OOM.
 
@@ -343,7 +351,7 @@ class Guard:
             stash = None
             for p in params:  # usually none has a gradient: nothing to set aside
                 if p.grad is not None:
-                    stash = _stash_grads(params)
+                    stash = stash_grads(params)
                     break
             whole: torch.Tensor | None = None
             t0 = perf_counter()
@@ -358,17 +366,17 @@ class Guard:
                 else:
                     self.scaler.scale(whole).backward()
             except BaseException as exc:
-                _drop_grads(params)
+                drop_grads(params)
                 if not isinstance(exc, Exception) or not is_oom(
                     exc, device=self.device, counters=counters
                 ):
-                    _restore_grads(params, stash)
+                    restore_grads(params, stash)
                     raise
                 att = _Attempt(True, exc, str(exc))
             else:
                 loss = whole.detach()
                 if stash is not None:
-                    _restore_grads(params, stash, add=True)
+                    restore_grads(params, stash, add=True)
                 if update:
                     self._optimizer_step(n)
                 self._last_n = n  # as _done(n, n)
@@ -384,7 +392,7 @@ class Guard:
             try:
                 self._recover(att, n, n, perf_counter() - t0)
             except BaseException:
-                _restore_grads(params, stash)
+                restore_grads(params, stash)
                 raise
         else:
             if self.piece_limit is not None and not self._taken_over:
@@ -392,17 +400,17 @@ class Guard:
             # An OOM a framework met on this batch (recover()) belongs to this step.
             ooms_before, lost_before = self.ooms - self._taken_over, self.time_lost - self._lost
             self._taken_over, self._lost = 0, 0.0
-            stash = _stash_grads(params)
+            stash = stash_grads(params)
         try:
             loss, limit = self._gradients(batch, n, loss_of or self._model_loss)
         except BaseException:
             # An error that is not an OOM, or giving up: what this step accumulated goes,
             # the gradients that were there before it are put back as they were.
-            _drop_grads(params)
-            _restore_grads(params, stash)
+            drop_grads(params)
+            restore_grads(params, stash)
             raise
         if stash is not None:
-            _restore_grads(params, stash, add=True)
+            restore_grads(params, stash, add=True)
         if update:
             self._optimizer_step(n)
         ooms = self.ooms - ooms_before
@@ -445,7 +453,7 @@ class Guard:
             if not failed:
                 break
             loss = None
-            _drop_grads(self._params)
+            drop_grads(self._params)
             peer = failure is None
             if failure is None:
                 failure = _Attempt(
@@ -887,7 +895,7 @@ def _ranges(start: int, n: int, limit: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + limit, n)) for lo in range(start, n, limit)]
 
 
-def _stash_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None] | None:
+def stash_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None] | None:
     """Set existing gradients aside (no copy), so a failed attempt cannot touch them."""
     for p in params:  # usually all None: a plain loop is the cheapest look
         if p.grad is not None:
@@ -900,9 +908,10 @@ def _stash_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None] | 
     return stash
 
 
-def _restore_grads(
+def restore_grads(
     params: Sequence[torch.Tensor], stash: list[torch.Tensor | None] | None, add: bool = False
 ) -> None:
+    """Put gradients :func:`stash_grads` set aside back (``add``: onto the ones there now)."""
     if stash is None:
         return
     for p, old in zip(params, stash, strict=True):
@@ -914,6 +923,7 @@ def _restore_grads(
             p.grad = old
 
 
-def _drop_grads(params: Sequence[torch.Tensor]) -> None:
+def drop_grads(params: Sequence[torch.Tensor]) -> None:
+    """Set every gradient to None (what a failed attempt accumulated)."""
     for p in params:
         p.grad = None

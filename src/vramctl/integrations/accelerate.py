@@ -44,12 +44,10 @@ error, naming the next size) and kept in the decorated function's ``trials``.
 
 from __future__ import annotations
 
-import copy
 import functools
 import gc
 import inspect
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -62,9 +60,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from vramctl._errors import VramctlError
 from vramctl._optional import require
-from vramctl._units import format_bytes, parse_size
+from vramctl._units import format_bytes
 from vramctl.device import Device, PeakMeter, resolve
-from vramctl.fit import Probe, Search
+from vramctl.fit import Probe, Search, requested_bytes, to_host
 from vramctl.guard import OomCounters, is_oom, release
 
 require("accelerate", extra="accelerate", what="vramctl.integrations.accelerate")
@@ -174,7 +172,7 @@ class _Held:
         self.cuda_rng: torch.Tensor | None = None
         if restore:
             with dev.uncounted():  # host copies: on a simulated GPU they take none of its budget
-                self.states = [(obj, _to_host(obj.state_dict())) for obj in objects]
+                self.states = [(obj, to_host(obj.state_dict())) for obj in objects]
             self.modes = [
                 (m, m.training)
                 for obj in objects
@@ -196,7 +194,7 @@ class _Held:
                 obj.load_state_dict(state)  # copied into the parameters
                 continue
             with self.dev.uncounted():
-                fresh = _to_host(state)  # an optimizer may keep the tensors it is given
+                fresh = to_host(state)  # an optimizer may keep the tensors it is given
             obj.load_state_dict(fresh)
             if isinstance(obj, torch.optim.Optimizer):
                 self.dev.adopt(obj)  # a simulated GPU counts the state put back
@@ -542,7 +540,7 @@ class SearchingFunction(Generic[P, R]):
                 # A lower bound of what it needed: what was held when an allocation was
                 # refused (the failed frames are still alive), plus the refused bytes.
                 held = dev.capacity() - dev.available()
-                floor = max(att.read(), held + _requested(exc))
+                floor = max(att.read(), held + requested_bytes(exc))
             failure = exc
         finally:
             handle.remove()
@@ -562,44 +560,6 @@ class SearchingFunction(Generic[P, R]):
         if att.steps < self.steps_per_probe:  # returned before its probe's steps: it fitted
             call.record(b, "fit", att.peak, time.perf_counter() - att.t0, "done", att)
         return (result,)
-
-
-def _requested(exc: BaseException) -> int:
-    """The bytes an out-of-memory error says were refused (0 when it does not say)."""
-    cur: BaseException | None = exc
-    for _ in range(16):
-        if cur is None:
-            break
-        req = getattr(cur, "requested", None)  # a simulated GPU's error
-        if isinstance(req, int) and not isinstance(req, bool):
-            return req
-        found = re.search(r"Tried to allocate ([\d.]+ ?[KMGTP]?i?B)", str(cur))
-        if found:
-            try:
-                return parse_size(found.group(1))
-            except VramctlError:
-                return 0
-        cur = cur.__cause__ or cur.__context__
-    return 0
-
-
-def _to_host(obj: Any) -> Any:
-    """A deep copy with every tensor copied to host memory (a state_dict's metadata kept)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        out = {} if type(obj) is dict else type(obj)()
-        for k, v in obj.items():
-            out[k] = _to_host(v)
-        meta = getattr(obj, "_metadata", None)
-        if meta is not None:
-            out._metadata = copy.deepcopy(meta)  # type: ignore[attr-defined]
-        return out
-    if isinstance(obj, list):
-        return [_to_host(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_host(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 @overload

@@ -39,7 +39,16 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 
 from vramctl.device import Device, resolve  # noqa: E402
 from vramctl.fit import FitResult, fit_batch_size  # noqa: E402
-from vramctl.guard import Guard, GuardEvent, OomCounters, batch_size_of, is_oom  # noqa: E402
+from vramctl.guard import (  # noqa: E402
+    Guard,
+    GuardEvent,
+    OomCounters,
+    batch_size_of,
+    drop_grads,
+    is_oom,
+    restore_grads,
+    stash_grads,
+)
 from vramctl.integrations._data import batch_maker, loss_of  # noqa: E402
 from vramctl.monitor import Alert, LeakReport, Monitor  # noqa: E402
 
@@ -449,8 +458,8 @@ class VramctlGuard(pl.Callback):
         except RuntimeError:
             backward(loss, *args, **kwargs)
             return
-        params = guard_params(guard)
-        stash = _take_grads(params)
+        params = guard.params
+        stash = stash_grads(params)
         counters = OomCounters.read(guard.device)
         t0 = time.perf_counter()
         failure: BaseException | None = None
@@ -458,11 +467,11 @@ class VramctlGuard(pl.Callback):
             backward(loss, *args, **kwargs)
         except Exception as exc:
             if not is_oom(exc, device=guard.device, counters=counters):
-                _put_grads(params, stash)
+                restore_grads(params, stash)
                 raise
             failure = exc
         else:
-            _put_grads(params, stash, add=True)
+            restore_grads(params, stash, add=True)
             guard.record_step(whole.n)
             return
         del loss
@@ -470,9 +479,8 @@ class VramctlGuard(pl.Callback):
         for h in whole.held:
             h.tensor = None
         whole.held.clear()
-        for p in params:
-            p.grad = None
-        _put_grads(params, stash)
+        drop_grads(params)
+        restore_grads(params, stash)
         guard.recover(failure, whole.n, time.perf_counter() - t0)
         failure = None
         scale = factor.detach()
@@ -485,29 +493,26 @@ class VramctlGuard(pl.Callback):
         kept aside and added by the stand-in loss's backward, times the factor it brings."""
         guard, trainer = self.guard, self._trainer
         assert guard is not None and trainer is not None
-        params = guard_params(guard)
+        params = guard.params
         batch_idx = args[0] if args else kwargs.get("batch_idx", 0)
         zeroing = int(batch_idx) % max(1, trainer.accumulate_grad_batches) == 0
         if zeroing:  # Lightning clears them before its backward: clear them now, not after
-            for p in params:
-                p.grad = None
-        old = _take_grads(params)
+            drop_grads(params)
+        old = stash_grads(params)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         multiplier = float(scaler.get_scale()) if scaler is not None else 1.0
         result = self._pieces(batch, args, kwargs, torch.tensor(multiplier))
-        new = _take_grads(params)
-        _put_grads(params, old)
+        new = stash_grads(params)
+        restore_grads(params, old)
 
         def add(grad: torch.Tensor) -> None:
+            if new is None:
+                return
             factor = grad.detach() / multiplier
-            for p, g in zip(params, new, strict=True):
-                if g is None:
-                    continue
-                g.mul_(factor.to(g.dtype))
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
+            for g in new:
+                if g is not None:
+                    g.mul_(factor.to(g.dtype))
+            restore_grads(params, new, add=True)
             new.clear()
 
         anchor = torch.zeros((), requires_grad=True)
@@ -529,41 +534,6 @@ class VramctlGuard(pl.Callback):
         with trainer.precision_plugin.train_step_context(), torch.enable_grad():
             result = guard.train_step(batch, piece_loss, update=False)
         return result.loss
-
-
-def guard_params(guard: Guard) -> list[torch.Tensor]:
-    """The parameters whose gradients a guarded step computes (the module's and optimizer's)."""
-    seen: dict[int, torch.Tensor] = {}
-    owners: list[Any] = [guard.model, guard.optimizer]
-    for owner in owners:
-        if isinstance(owner, torch.nn.Module):
-            for p in owner.parameters():
-                seen.setdefault(id(p), p)
-        elif isinstance(owner, torch.optim.Optimizer):
-            for group in owner.param_groups:
-                for p in group["params"]:
-                    seen.setdefault(id(p), p)
-    return [p for p in seen.values() if p.requires_grad]
-
-
-def _take_grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """Each parameter's gradient, taken off it (no copy)."""
-    out = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    return out
-
-
-def _put_grads(
-    params: list[torch.Tensor], grads: list[torch.Tensor | None], add: bool = False
-) -> None:
-    for p, g in zip(params, grads, strict=True):
-        if g is None:
-            continue
-        if add and p.grad is not None:
-            p.grad.add_(g)
-        else:
-            p.grad = g
 
 
 def _trainer_every(trainer: pl.Trainer) -> int:

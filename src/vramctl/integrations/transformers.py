@@ -62,9 +62,12 @@ from vramctl.guard import (  # noqa: E402
     GuardEvent,
     OomCounters,
     batch_size_of,
+    drop_grads,
     is_oom,
     release,
+    restore_grads,
     slice_batch,
+    stash_grads,
 )
 from vramctl.integrations._data import batch_maker, loss_of, split_effective_batch  # noqa: E402
 from vramctl.monitor import Alert, LeakReport, Level, Monitor, Rule  # noqa: E402
@@ -657,7 +660,7 @@ class GuardedTrainingMixin(_TrainerBase):
         if guard.piece_limit is not None:
             return self._vramctl_pieces(model, inputs, num_items_in_batch)
         params = self._vramctl_parameters()
-        stash = _set_aside(params)
+        stash = stash_grads(params)
         dev = guard.device
         counters = OomCounters.read(dev) if OomCounters.kept(dev) else None
         t0 = time.perf_counter()
@@ -665,20 +668,20 @@ class GuardedTrainingMixin(_TrainerBase):
         try:
             loss: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
         except Exception as exc:
-            _drop(params)
+            drop_grads(params)
             if not is_oom(exc, device=dev, counters=counters):
-                _put_back(params, stash)
+                restore_grads(params, stash)
                 raise
             error = exc
         else:
-            _put_back(params, stash, add=True)
+            restore_grads(params, stash, add=True)
             # Counted as the guard counts its own whole steps (the good steps before it
             # grows back, a probe of larger pieces that held).
             n = batch_size_of(inputs)
             guard.record_step(n)
             return loss
         # Out of memory whole: the attempt is freed here, outside the except block.
-        _put_back(params, stash)
+        restore_grads(params, stash)
         stash = None
         guard.recover(error, batch_size_of(inputs), time.perf_counter() - t0)
         error = None
@@ -867,35 +870,6 @@ def _check_supported(args: Any, trainer: Any = None) -> None:
             f"with {', '.join(problems)}: use the plain Trainer there (VramctlCallback and "
             "fit_trainer_batch_size still work), or vramctl.Guard in your own loop"
         )
-
-
-def _set_aside(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None] | None:
-    """Existing gradients set aside (no copy), so a failed attempt cannot touch them."""
-    if all(p.grad is None for p in params):
-        return None
-    stash = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    return stash
-
-
-def _put_back(
-    params: Sequence[torch.Tensor], stash: list[torch.Tensor | None] | None, add: bool = False
-) -> None:
-    if stash is None:
-        return
-    for p, old in zip(params, stash, strict=True):
-        if old is None:
-            continue
-        if add and p.grad is not None:
-            p.grad.add_(old)
-        else:
-            p.grad = old
-
-
-def _drop(params: Sequence[torch.Tensor]) -> None:
-    for p in params:
-        p.grad = None
 
 
 @contextlib.contextmanager
