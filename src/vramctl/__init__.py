@@ -12,6 +12,7 @@ from vramctl._na import NA, NotAvailable
 from vramctl._units import format_bytes, parse_size
 from vramctl._version import __version__
 from vramctl.batching import AdaptiveBatcher, BatchingError
+from vramctl.cache import TensorCache
 from vramctl.device import (
     ComputeCapability,
     Device,
@@ -80,6 +81,7 @@ __all__ = [
     "SplitBatchNormWarning",
     "StepDoesNotFitError",
     "StepResult",
+    "TensorCache",
     "UnknownDeviceError",
     "VramctlError",
     "__version__",

@@ -37,6 +37,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "lightning": ("lightning",),
     "transformers": ("transformers", "accelerate"),
     "accelerate": ("accelerate",),
+    "cache": ("safetensors", "zstandard", "numpy"),
 }
 
 

@@ -22,18 +22,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from vramctl._errors import VramctlError
-from vramctl._units import parse_size
 from vramctl.device import Device
 from vramctl.fit._result import FitError
 from vramctl.fit._search import Probe
-from vramctl.guard import OomCounters, is_oom, release
+from vramctl.guard import OomCounters, is_oom, release, requested_bytes
 
 __all__ = ["Prober", "preserved", "requested_bytes", "rng_kept", "to_host"]
 
@@ -66,27 +63,6 @@ def _settle(device: Device) -> None:
     """
     gc.collect(1)
     device.release_cache()
-
-
-def requested_bytes(exc: BaseException) -> int:
-    """The bytes an out-of-memory error says were refused (0 when it does not say): a
-    simulated GPU's ``requested``, else CUDA's "Tried to allocate ..." in the message, on the
-    error or any error it was raised from."""
-    cur: BaseException | None = exc
-    for _ in range(16):
-        if cur is None:
-            break
-        req = getattr(cur, "requested", None)  # a simulated GPU's error
-        if isinstance(req, int) and not isinstance(req, bool):
-            return req
-        found = re.search(r"Tried to allocate ([\d.]+ ?[KMGTP]?i?B)", str(cur))
-        if found:
-            try:
-                return parse_size(found.group(1))
-            except VramctlError:
-                return 0
-        cur = cur.__cause__ or cur.__context__
-    return 0
 
 
 class Prober:

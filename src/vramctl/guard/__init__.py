@@ -10,14 +10,17 @@ from vramctl.guard._guard import (
     SplitBatchNormWarning,
     StepResult,
     add_listener,
+    add_reliever,
     drop_grads,
     guarded,
+    relieve,
     remove_listener,
+    remove_reliever,
     restore_grads,
     stash_grads,
 )
 from vramctl.guard._offload import can_offload, offload_activations
-from vramctl.guard._oom import OomCounters, is_oom, release
+from vramctl.guard._oom import OomCounters, is_oom, release, requested_bytes
 from vramctl.guard._report import MemoryReport, StepDoesNotFitError, memory_report
 from vramctl.guard._split import batch_size_of, merge_outputs, piece_sizes, slice_batch, split_batch
 
@@ -32,6 +35,7 @@ __all__ = [
     "StepDoesNotFitError",
     "StepResult",
     "add_listener",
+    "add_reliever",
     "available_bytes",
     "batch_size_of",
     "can_offload",
@@ -43,7 +47,10 @@ __all__ = [
     "offload_activations",
     "piece_sizes",
     "release",
+    "relieve",
     "remove_listener",
+    "remove_reliever",
+    "requested_bytes",
     "restore_grads",
     "slice_batch",
     "split_batch",

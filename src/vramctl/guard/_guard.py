@@ -28,6 +28,7 @@ not fit, the activations are offloaded to host memory; when that fails too,
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import warnings
@@ -42,10 +43,11 @@ from torch import nn
 from torch.amp.grad_scaler import GradScaler
 
 from vramctl._step import call_model
+from vramctl._units import format_bytes
 from vramctl.device import Device, resolve
 from vramctl.guard._dist import agree, average_gradients
 from vramctl.guard._offload import can_offload, offload_activations
-from vramctl.guard._oom import OomCounters, is_oom, release
+from vramctl.guard._oom import OomCounters, is_oom, release, requested_bytes
 from vramctl.guard._report import StepDoesNotFitError, memory_report
 from vramctl.guard._split import (
     batch_size_of,
@@ -62,14 +64,19 @@ __all__ = [
     "SplitBatchNormWarning",
     "StepResult",
     "add_listener",
+    "add_reliever",
     "drop_grads",
     "guarded",
+    "relieve",
     "remove_listener",
+    "remove_reliever",
     "restore_grads",
     "stash_grads",
 ]
 
 REDUCTIONS = ("mean", "sum")
+
+log = logging.getLogger("vramctl.guard")
 
 #: Called with every event of every guard (the monitor subscribes here).
 _listeners: list[Callable[[GuardEvent], None]] = []
@@ -85,6 +92,41 @@ def remove_listener(fn: Callable[[GuardEvent], None]) -> None:
         _listeners.remove(fn)
 
 
+#: Asked to free device memory when a guard's attempt runs out of it (a tensor cache).
+_relievers: list[Callable[[Device, int], int]] = []
+
+#: Times a step retries the same piece size after relievers freed memory, at most.
+MAX_RELIEFS = 8
+
+
+def add_reliever(fn: Callable[[Device, int], int]) -> None:
+    """Ask ``fn(device, nbytes)`` to free memory when a guard runs out of it on ``device``.
+
+    The guard's first answer to an out-of-memory error: before it splits the batch,
+    every reliever is asked for ``nbytes`` (what the failed allocation asked for; 0
+    when the error does not say) and returns the bytes it freed. When they freed
+    any, the same piece runs again. :class:`vramctl.TensorCache` registers itself
+    here, moving its device tier's values to host memory.
+    """
+    _relievers.append(fn)
+
+
+def remove_reliever(fn: Callable[[Device, int], int]) -> None:
+    with contextlib.suppress(ValueError):
+        _relievers.remove(fn)
+
+
+def relieve(device: Device, nbytes: int) -> int:
+    """Ask every reliever to free ``nbytes`` on ``device``; returns the bytes they freed."""
+    freed = 0
+    for fn in list(_relievers):
+        try:
+            freed += max(0, int(fn(device, nbytes)))
+        except Exception:
+            log.exception("reliever %r failed", fn)
+    return freed
+
+
 class SplitBatchNormWarning(UserWarning):
     """A model with BatchNorm ran in pieces: its batch statistics were computed per piece."""
 
@@ -95,6 +137,8 @@ class GuardEvent:
 
     ``kind`` is ``"oom"`` (an attempt ran out of memory and was freed),
     ``"peer_oom"`` (another rank ran out of memory, so this one ran again too),
+    ``"relieve"`` (relievers such as a tensor cache freed device memory, so the same
+    piece ran again),
     ``"grow"`` (the piece size was probed back up), ``"offload"`` (activations
     moved to host memory), ``"optimizer_oom"`` (the optimizer step ran out of
     memory: never retried, as it may have updated part of its state), ``"shrink"``
@@ -237,6 +281,7 @@ class Guard:
         # OOMs (and seconds) recover() took over, counted in the step train_step runs next.
         self._taken_over = 0
         self._lost = 0.0
+        self._reliefs = 0  # in this step
 
     # -- public -------------------------------------------------------------------
 
@@ -380,6 +425,7 @@ class Guard:
                 if update:
                     self._optimizer_step(n)
                 self._last_n = n  # as _done(n, n)
+                self._reliefs = 0
                 self.steps += 1
                 self.samples += n
                 self._streak += 1
@@ -648,12 +694,21 @@ class Guard:
 
         ``peer``: this rank's attempt worked, another rank's did not.
         """
+        wanted = requested_bytes(att.error) if att.error is not None else 0
         release(att.error, self.device)
         att.error = None
         self.ooms += 0 if peer else 1
         self.time_lost += lost
         kind = "peer_oom" if peer else "oom"
         self._streak = 0
+        if not peer and not self._sync and _relievers and self._reliefs < MAX_RELIEFS:
+            # Ranks must decide alike, so under DDP the batch is split without this.
+            freed = relieve(self.device, wanted)
+            if freed > 0:
+                self._reliefs += 1
+                self._emit(kind, n, math.ceil(n / tried), lost, att.message)
+                self._emit("relieve", n, math.ceil(n / tried), 0.0, f"{format_bytes(freed)} freed")
+                return tried
         free = _available(self.device)
         self._free_at_oom = free
         if self._grow_from is not None:
@@ -712,6 +767,7 @@ class Guard:
         self._emit("grow", n, pieces, 0.0, f"from {old}", free)
 
     def _done(self, n: int, limit: int) -> None:
+        self._reliefs = 0
         self._last_n = n
         self.steps += 1
         self.samples += n

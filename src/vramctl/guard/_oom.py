@@ -21,14 +21,17 @@ True
 from __future__ import annotations
 
 import gc
+import re
 import traceback
 from dataclasses import dataclass
 
 import torch
 
+from vramctl._errors import VramctlError
+from vramctl._units import parse_size
 from vramctl.device import Device
 
-__all__ = ["OomCounters", "is_oom", "release"]
+__all__ = ["OomCounters", "is_oom", "release", "requested_bytes"]
 
 # Messages of allocation failures that reach Python as plain RuntimeError.
 _MESSAGES = (
@@ -111,3 +114,24 @@ def release(exc: BaseException | None = None, device: Device | None = None) -> N
     gc.collect()
     if device is not None:
         device.release_cache()
+
+
+def requested_bytes(exc: BaseException) -> int:
+    """The bytes an out-of-memory error says were refused (0 when it does not say): a
+    simulated GPU's ``requested``, else CUDA's "Tried to allocate ..." in the message, on the
+    error or any error it was raised from."""
+    cur: BaseException | None = exc
+    for _ in range(16):
+        if cur is None:
+            break
+        req = getattr(cur, "requested", None)  # a simulated GPU's error
+        if isinstance(req, int) and not isinstance(req, bool):
+            return req
+        found = re.search(r"Tried to allocate ([\d.]+ ?[KMGTP]?i?B)", str(cur))
+        if found:
+            try:
+                return parse_size(found.group(1))
+            except VramctlError:
+                return 0
+        cur = cur.__cause__ or cur.__context__
+    return 0

@@ -110,6 +110,8 @@ class Monitor:
         self._lock = threading.Lock()
         self._cpu_procs: tuple[float, tuple[ProcessMemory, ...]] = (0.0, ())
         self._leak: LeakDetector | None = None
+        #: Components that report their own figures here (a tensor cache): see add_source.
+        self.sources: list[Any] = []
         self.started_at: float | None = None
         if on_alert is not None:
             self.on_alert(on_alert)
@@ -235,6 +237,27 @@ class Monitor:
 
         return remove
 
+    def add_source(self, source: Any) -> Callable[[], None]:
+        """Report ``source``'s figures with the monitor's; returns a remover.
+
+        ``source`` has a ``name``, ``stats()`` (a JSON-ready dict, in :meth:`summary`
+        under ``"sources"``) and ``metrics()``: ``(name, "gauge" or "counter", help,
+        labels, value)`` samples, served as ``vramctl_NAME`` with the monitor's own
+        Prometheus metrics. :meth:`vramctl.TensorCache.attach` adds a cache here.
+        """
+        for attr in ("name", "stats", "metrics"):
+            if not hasattr(source, attr):
+                raise MonitorError(
+                    f"{source!r} has no {attr}: a source has name, stats(), metrics()"
+                )
+        self.sources.append(source)
+
+        def remove() -> None:
+            if source in self.sources:
+                self.sources.remove(source)
+
+        return remove
+
     def record(self, kind: str, /, **data: Any) -> Event:
         """Record an event of your own (a batcher's resize, a phase of your job)."""
         event = Event(kind, data)
@@ -322,6 +345,8 @@ class Monitor:
                 for (r, d), lv in self.alerts.active().items()
             ],
         }
+        if self.sources:
+            out["sources"] = {str(src.name): src.stats() for src in list(self.sources)}
         for dev in self.devices:
             latest = self.history.latest(dev.id)
             out["devices"][dev.id] = {

@@ -92,6 +92,13 @@ class _Collector:
             yield GaugeMetricFamily(f"vramctl_{name}", "")
         for name in counters:
             yield CounterMetricFamily(f"vramctl_{name}", "")
+        seen: set[str] = set()
+        for source in list(self.monitor.sources):
+            for name, kind, *_ in source.metrics():
+                if name not in seen:
+                    seen.add(name)
+                    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                    yield cls(f"vramctl_{name}", "")
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -188,6 +195,11 @@ class _Collector:
         family(
             GaugeMetricFamily, "monitor_sample_seconds", "Mean time one sample took.", []
         ).add_metric([], mon.overhead)
+        for source in list(mon.sources):
+            for name, kind, doc, labels, value in source.metrics():
+                cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                keys = sorted(labels)
+                family(cls, name, doc, keys).add_metric([labels[k] for k in keys], float(value))
         yield from families.values()
 
 
@@ -256,7 +268,12 @@ class MetricsServer:
 
 
 def serve_prometheus(
-    monitor: Monitor, host: str = "127.0.0.1", port: int = 9400, *, token: str | None = None
+    monitor: Monitor,
+    host: str = "127.0.0.1",
+    port: int = 9400,
+    *,
+    token: str | None = None,
+    extra: Sequence[Any] = (),
 ) -> MetricsServer:
     """Serve ``monitor``'s metrics at ``http://HOST:PORT/metrics`` on a daemon thread.
 
@@ -264,13 +281,15 @@ def serve_prometheus(
     ``$VRAMCTL_TOKEN``), which scrapers send as ``Authorization: Bearer TOKEN``.
     Without a token it answers only requests addressed to ``localhost`` or a
     loopback address (``Host``), so that no web site can read it through DNS
-    rebinding.
+    rebinding. ``extra`` are more collectors (objects with ``collect()``, as
+    prometheus_client's) served with the monitor's metrics; the monitor's sources
+    (:meth:`Monitor.add_source`) are served anyway.
     """
     _need_client()
     from prometheus_client import make_wsgi_app
 
     required = check_bind(host, port, token)
-    metrics_app = make_wsgi_app(registry(monitor))
+    metrics_app = make_wsgi_app(registry(monitor, extra))
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if required is None and not host_allowed(environ.get("HTTP_HOST"), host):
