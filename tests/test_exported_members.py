@@ -11,6 +11,7 @@ import pytest
 
 import vramctl
 import vramctl.batching
+import vramctl.cache
 import vramctl.cli
 import vramctl.device
 import vramctl.estimator
@@ -38,6 +39,7 @@ EXPECTED = {
     "StepResult",
     "guarded",
     "is_oom",
+    "TensorCache",
     "NA",
     "ComputeCapability",
     "Device",
@@ -293,6 +295,10 @@ GUARD = {
     "StepDoesNotFitError",
     "StepResult",
     "add_listener",
+    "add_reliever",
+    "relieve",
+    "remove_reliever",
+    "requested_bytes",
     "available_bytes",
     "batch_size_of",
     "can_offload",
@@ -398,8 +404,33 @@ JOBS = {
     "vramctl_home",
 }
 
+CACHE = {
+    "ALIGN",
+    "LFU",
+    "LRU",
+    "POLICIES",
+    "SLRU",
+    "TIERS",
+    "Block",
+    "CacheError",
+    "Compressor",
+    "CorruptItemError",
+    "DiskStore",
+    "EvictionPolicy",
+    "HostPool",
+    "Layout",
+    "PartMeta",
+    "TensorCache",
+    "ValueTooLargeError",
+    "checksum",
+    "compressible",
+    "encode_key",
+    "make_policy",
+}
+
 PACKAGES = {
     vramctl.batching: BATCHING,
+    vramctl.cache: CACHE,
     vramctl.cli: CLI,
     vramctl.device: DEVICE,
     vramctl.estimator: ESTIMATOR,
