@@ -8,8 +8,8 @@ Runs, one after another, each in its own process with its own time limit:
 - ``estimate_accuracy``: the zoo on the GPU, each row estimated with that
   profile and with the built-in CUDA constants;
 - ``oom_chaos`` (a second process takes GPU memory in bursts), ``fit_search``,
-  ``audio_batching``, ``monitor_overhead`` and ``leak_detection``: each
-  benchmark's ``--cuda`` side.
+  ``audio_batching``, ``monitor_overhead``, ``leak_detection`` and
+  ``tensor_cache``: each benchmark's ``--cuda`` side.
 
 The output folder gets ``summary.json`` (the GPU, driver, torch and CUDA
 versions, and each step's exit status, time and last JSON line),
@@ -82,6 +82,7 @@ def steps(out: Path) -> list[Step]:
         Step("audio_batching", bench("audio_batching"), (900, 300)),
         Step("monitor_overhead", bench("monitor_overhead"), (600, 300)),
         Step("leak_detection", bench("leak_detection"), (600, 300)),
+        Step("tensor_cache", bench("tensor_cache"), (600, 300)),
     ]
 
 

@@ -43,7 +43,7 @@ from vramctl.cache._disk import CorruptItemError, DiskStore, encode_key
 from vramctl.cache._policy import EvictionPolicy, make_policy
 from vramctl.cache._pool import ALIGN, Block, HostPool
 from vramctl.device import Device, get_device, resolve
-from vramctl.guard import add_reliever, remove_reliever
+from vramctl.guard import add_reliever, is_oom, remove_reliever
 
 __all__ = ["TIERS", "CacheError", "TensorCache", "ValueTooLargeError"]
 
@@ -81,6 +81,7 @@ def _aligned(n: int) -> int:
 
 class _Entry:
     __slots__ = (
+        "below",
         "bf16",
         "charge",
         "dev",
@@ -93,6 +94,7 @@ class _Entry:
         "ready",
         "tier",
         "uses",
+        "views",
     )
 
     def __init__(self, key: Hashable, layout: Layout, bf16: bool) -> None:
@@ -107,6 +109,8 @@ class _Entry:
         self.pinned = False
         self.uses = 0
         self.ready: Any = None  # a CUDA event: the copy into its tier has finished
+        self.views: list[torch.Tensor] | None = None  # the stored parts in its host blocks
+        self.below = 0  # hits since it arrived in the host or disk tier
         self.encoded: str | None = None  # the key's JSON (None: not written reloadably)
 
 
@@ -143,9 +147,18 @@ class TensorCache:
     ``"lru"``, ``"lfu"`` or ``"slru"`` (LRU with frequency), each O(1).
 
     Host memory comes from a bounded pool (:class:`HostPool`), pinned when the
-    device is a CUDA GPU. ``compress`` (``"auto"``, True, False) stores integer
-    and boolean parts zstd-compressed in the host and disk tiers where that makes
-    them at least 20% smaller. ``relieve_oom`` lets a :class:`vramctl.Guard` that
+    device is a CUDA GPU. ``compress="auto"`` stores integer and boolean parts
+    zstd-compressed on disk where that makes them at least 20% smaller;
+    ``compress=True`` compresses them in the host tier too (less memory, but a
+    compression each time a value comes down from the device); False never.
+    ``promote_after`` is how many hits a value found in the host or disk tier
+    takes before it moves up to the device tier (the hits before are served by a
+    copy): 2 by default, so values used once do not push out the hot ones. When
+    the device tier is full, a value moves up only if it has been used more than
+    the value it would push out (use counts halve as time passes).
+    ``durable=True`` flushes each disk write to the disk before it counts (a
+    power cut then loses nothing written; a killed process loses nothing either
+    way). ``relieve_oom`` lets a :class:`vramctl.Guard` that
     meets an out-of-memory error on the device ask this cache to move values off
     it before it splits the batch.
 
@@ -163,13 +176,21 @@ class TensorCache:
         device: Device | str | int | None = None,
         policy: str = "lru",
         compress: bool | str = "auto",
+        promote_after: int = 2,
         verify: bool = True,
+        durable: bool = False,
         pin_memory: bool | None = None,
         relieve_oom: bool = True,
         segment: int | str = "64MiB",
     ) -> None:
         if compress not in (True, False, "auto"):
             raise CacheError(f"compress={compress!r}: use 'auto', True or False")
+        if not isinstance(promote_after, int) or promote_after < 1:
+            raise CacheError(f"promote_after={promote_after!r}: a number of hits, 1 or more")
+        #: A value found below the device tier moves up on this many hits there (1: every one).
+        self.promote_after = promote_after
+        #: zstd in the host tier too (compress=True); "auto" compresses the disk tier's files.
+        self._compress_host = compress is True
         if device is None and torch.cuda.is_available():
             dev = get_device(torch.cuda.current_device())
         else:
@@ -182,7 +203,7 @@ class TensorCache:
         }
         self._store: DiskStore | None = None
         if disk_dir is not None:
-            self._store = DiskStore(disk_dir, verify=verify)
+            self._store = DiskStore(disk_dir, verify=verify, durable=durable)
             if disk is None:
                 self.budget["disk"] = int(shutil.disk_usage(self._store.dir).free * 0.9)
         elif self.budget["disk"]:
@@ -201,6 +222,7 @@ class TensorCache:
         self._lock = threading.RLock()
         self._stats = {t: _TierStats() for t in TIERS}
         self.gets = self.misses = self.puts = self.dropped = 0
+        self._gets_since_aging = 0
         self.bypass = 0  # gets served by a copy that the device tier could not keep
         self.budget_violations = 0
         self.corrupted = 0
@@ -267,7 +289,12 @@ class TensorCache:
                 )
             entry.encoded = encode_key(key)
             self._entries[key] = entry
-            if not self._place_new(entry, parts, t, order[order.index(t) :]):
+            try:
+                placed = self._place_new(entry, parts, t, order[order.index(t) :])
+            except BaseException:
+                self._entries.pop(key, None)
+                raise
+            if not placed:
                 del self._entries[key]
                 raise CacheError(
                     f"no room for {key!r} ({format_bytes(layout.nbytes)}): the values "
@@ -293,8 +320,14 @@ class TensorCache:
             entry.uses += 1
             self._stats[entry.tier].hits += 1
             self._policies[entry.tier].touch(key)
-            if entry.tier != "gpu" and promote and self.budget["gpu"]:
-                self._promote(entry)
+            self._age()
+            if entry.tier != "gpu":
+                entry.below += 1
+                if promote and entry.below >= self.promote_after:
+                    if self._admit(entry, "gpu"):
+                        self._promote(entry, "gpu")
+                    if entry.tier == "disk" and self._admit(entry, "host"):
+                        self._promote(entry, "host")
             if entry.tier == "gpu":
                 assert entry.dev is not None
                 self._wait_ready(entry)
@@ -604,6 +637,13 @@ class TensorCache:
                 if self.device.is_cuda
                 else sum(m.nbytes for m in metas)
             )
+        if tier == "host" and not self._compress_host:  # zstd parts are decoded there
+            return sum(
+                _aligned(
+                    m.numel * m.stored_dtype.itemsize if m.codec == "zstd" else m.stored_nbytes
+                )
+                for m in metas
+            )
         stored = sum(_aligned(m.stored_nbytes or m.nbytes) for m in metas)
         return stored + (64 * 1024 if tier == "disk" else 0)
 
@@ -683,6 +723,7 @@ class TensorCache:
                 else:
                     self.pool.free(block)
             entry.host = None
+            entry.views = None
         elif entry.path is not None and self._store is not None:
             self._store.remove(entry.path)
             entry.path = None
@@ -696,8 +737,14 @@ class TensorCache:
             entry.dev = handle
         elif tier == "host":
             entry.host = handle
+            entry.views = [
+                b.bytes(m.stored_nbytes) if m.codec == "zstd" else b.view(m.stored_dtype, m.shape)
+                for b, m in zip(handle, entry.layout.parts, strict=True)
+            ]
         else:
             entry.path = handle
+        if tier != "gpu":
+            entry.below = 0
         entry.tier = tier
         entry.charge = charge
         if not entry.pinned:
@@ -727,14 +774,42 @@ class TensorCache:
         del self._entries[entry.key]
         self.dropped += 1
 
-    def _promote(self, entry: _Entry) -> bool:
-        """Move ``entry`` into the device tier when it fits there."""
-        if self._charge(entry, "gpu") > self.limit["gpu"]:
+    def _admit(self, entry: _Entry, tier: str) -> bool:
+        """Whether ``entry`` should move up into ``tier`` on this hit: when it fits without
+        moving anything out, or when it has been used more than the value it would push
+        out first (TinyLFU's admission test), so that a hot value is not pushed out by a
+        cooler one and the tier does not churn."""
+        need = self._charge(entry, tier)
+        if not self.budget[tier] or need > self.limit[tier]:
+            return False
+        if self.used[tier] + need <= self.limit[tier]:
+            return True
+        victim = self._policies[tier].victim()
+        return victim is None or entry.uses > self._entries[victim].uses
+
+    def _age(self) -> None:
+        """Halve every value's use count after ten gets per value: counts follow what is hot
+        now, not what was once (amortized O(1) per get)."""
+        self._gets_since_aging += 1
+        if self._gets_since_aging >= 10 * max(16, len(self._entries)):
+            self._gets_since_aging = 0
+            for e in self._entries.values():
+                e.uses //= 2
+
+    def _promote(self, entry: _Entry, tier: str = "gpu") -> bool:
+        """Move ``entry`` up into ``tier`` when it fits there."""
+        if self._charge(entry, tier) > self.limit[tier]:
             return False
         src = entry.tier
         self._policies[src].remove(entry.key)
-        if self._move(entry, "gpu"):
-            return True
+        try:
+            if self._move(entry, tier):
+                return True
+        except Exception as exc:
+            if entry.tier != src or not is_oom(exc, device=self.device):
+                raise
+            # The device itself is full (another tenant): the value stays where it was.
+            log.info("%r stays in the %s tier: the device is out of memory", entry.key, src)
         self._policies[src].add(entry.key)
         return False
 
@@ -760,7 +835,7 @@ class TensorCache:
                 return True
             with self._host():
                 cpu = [p if p.device.type == "cpu" else p.to("cpu") for p in parts]
-                stored, metas = self._encode(entry, cpu)
+                stored, metas = self._encode(entry, cpu, t)
             entry.layout.parts = metas
             placed = self._write_stored(entry, stored, t)
             if placed is not None:
@@ -803,38 +878,41 @@ class TensorCache:
         return path, charge
 
     def _encode(
-        self, entry: _Entry, cpu: list[torch.Tensor]
+        self, entry: _Entry, cpu: list[torch.Tensor], tier: str, *, stored: bool = False
     ) -> tuple[list[torch.Tensor], list[PartMeta]]:
-        """The stored form of CPU parts: bf16 where asked, zstd where it pays."""
-        stored: list[torch.Tensor] = []
+        """The form CPU parts take in the host or disk ``tier``: bf16 where asked, zstd where
+        it pays. ``stored``: the parts are in their host form already (zstd ones kept)."""
+        compress = tier == "disk" or self._compress_host
+        out: list[torch.Tensor] = []
         metas: list[PartMeta] = []
         for t, meta in zip(cpu, entry.layout.parts, strict=True):
+            if stored and meta.codec == "zstd":
+                out.append(t)
+                metas.append(meta)
+                continue
             t = t.contiguous()
             if entry.bf16 and t.dtype.is_floating_point and t.dtype != torch.bfloat16:
                 s = t.to(torch.bfloat16)
                 meta = replace(meta, stored_dtype=s.dtype, codec="raw", stored_nbytes=s.nbytes)
-            elif (packed := self.compressor.compress(t)) is not None:
+            elif compress and (packed := self.compressor.compress(t)) is not None:
                 s = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
                 meta = replace(meta, stored_dtype=t.dtype, codec="zstd", stored_nbytes=s.nbytes)
             else:
                 s = t
                 meta = replace(meta, stored_dtype=t.dtype, codec="raw", stored_nbytes=t.nbytes)
-            stored.append(s)
+            out.append(s)
             metas.append(meta)
-        return stored, metas
+        return out, metas
 
     def _stored_parts(self, entry: _Entry) -> list[torch.Tensor]:
         """``entry``'s stored parts as CPU tensors: views of its host blocks, or read from
         its file (checked against its checksums)."""
         metas = entry.layout.parts
         if entry.tier == "host":
-            assert entry.host is not None
+            assert entry.views is not None
             if entry.ready is not None:  # the copy into these blocks may still run
                 entry.ready.synchronize()
-            return [
-                b.bytes(m.stored_nbytes) if m.codec == "zstd" else b.view(m.stored_dtype, m.shape)
-                for b, m in zip(entry.host, metas, strict=True)
-            ]
+            return list(entry.views)
         assert entry.tier == "disk" and entry.path is not None and self._store is not None
         try:
             parts = self._store.read(entry.path, len(metas))
@@ -918,6 +996,27 @@ class TensorCache:
             return True
         if src == "gpu" and dst == "host" and self._plain(entry):
             return self._d2h_direct(entry)
+        if src == "disk":  # up to the host tier: zstd parts decoded unless it compresses
+            old = entry.layout.parts
+            with self._host():
+                parts = self._stored_parts(entry)
+                decoded: list[torch.Tensor] = []
+                metas: list[PartMeta] = []
+                for p, m in zip(parts, old, strict=True):
+                    if m.codec == "zstd" and not self._compress_host:
+                        p = self.compressor.decompress(p, m)
+                        m = replace(m, codec="raw", stored_nbytes=p.nbytes)
+                    decoded.append(p)
+                    metas.append(m)
+            entry.layout.parts = metas
+            placed = self._write_stored(entry, decoded, dst)
+            if placed is None:
+                entry.layout.parts = old
+                return False
+            del decoded, parts
+            self._leave(entry)
+            self._arrive(entry, dst, *placed)
+            return True
         old = entry.layout.parts
         if src == "gpu":
             assert entry.dev is not None
@@ -925,11 +1024,12 @@ class TensorCache:
                 entry.ready.synchronize()
             with self._host():
                 cpu = [t.to("cpu") for t in entry.dev]
-                stored, metas = self._encode(entry, cpu)
+                stored, metas = self._encode(entry, cpu, dst)
             entry.layout.parts = metas
-        else:  # host -> disk: the stored form as it is
+        else:  # host -> disk: the host form, compressed where it pays on disk
             with self._host():
-                stored = self._stored_parts(entry)
+                stored, metas = self._encode(entry, self._stored_parts(entry), dst, stored=True)
+            entry.layout.parts = metas
         placed = self._write_stored(entry, stored, dst)
         if placed is None:
             entry.layout.parts = old
@@ -943,7 +1043,9 @@ class TensorCache:
         """Whether ``entry`` is stored exactly as it is on the device (no bf16, no zstd)."""
         if entry.bf16 and any(m.dtype.is_floating_point for m in entry.layout.parts):
             return False
-        return not any(self.compressor.worth_trying(m.dtype, m.nbytes) for m in entry.layout.parts)
+        return not self._compress_host or not any(
+            self.compressor.worth_trying(m.dtype, m.nbytes) for m in entry.layout.parts
+        )
 
     def _d2h_direct(self, entry: _Entry) -> bool:
         """Device to host tier with no temporary: straight into pool blocks."""

@@ -3,10 +3,11 @@
 Each file holds a value's stored parts (raw in their stored dtype, or zstd
 bytes as uint8) and, in the safetensors header's metadata, the cache key, the
 value's layout and a CRC-32 of every part. A file is written under a
-temporary name, flushed to the disk (``fsync``) and only then renamed to its
-final name, so a process killed in the middle of a write leaves a temporary
-file (removed when the directory is opened again), never a torn item. Reading
-checks every part's CRC: a file damaged on the disk is reported, not returned.
+temporary name and only then renamed to its final name (after an ``fsync``
+when ``durable``), so a process killed in the middle of a write leaves a
+temporary file (removed when the directory is opened again), never a torn
+item. Reading checks every part's CRC: a file damaged on the disk (or torn by
+a power cut without ``durable``) is reported, not returned.
 """
 
 from __future__ import annotations
@@ -75,11 +76,14 @@ class DiskItem:
 class DiskStore:
     """A directory of cached values (one safetensors file each)."""
 
-    def __init__(self, directory: str | Path, *, verify: bool = True) -> None:
+    def __init__(
+        self, directory: str | Path, *, verify: bool = True, durable: bool = False
+    ) -> None:
         require(["safetensors", "numpy"], extra="cache", what="the tensor cache's disk tier")
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.verify = verify
+        self.durable = durable
         self.corrupted = 0  # files found damaged (on opening or reading)
         self.removed_partial = 0  # temporary files of writes that never finished
         for tmp in self.dir.glob(f"{TMP_MARK}*"):
@@ -137,11 +141,12 @@ class DiskStore:
         tmp = path.with_name(f"{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.name}")
         try:
             save_file(tensors, str(tmp), metadata=meta)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            if self.durable:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
