@@ -23,6 +23,7 @@ drops its coldest values when it is full (a later ``get`` misses).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import shutil
 import threading
@@ -39,6 +40,7 @@ import torch
 from vramctl._errors import VramctlError
 from vramctl._units import format_bytes, parse_size
 from vramctl.cache._codec import Compressor, Layout, PartMeta, checksum
+from vramctl.cache._disk import FORMAT as FORMAT_TAG
 from vramctl.cache._disk import CorruptItemError, DiskStore, encode_key
 from vramctl.cache._policy import EvictionPolicy, make_policy
 from vramctl.cache._pool import ALIGN, Block, HostPool
@@ -76,7 +78,14 @@ def _size(name: str, value: int | str | None) -> int:
 
 
 def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+    """A part's bytes in the host pool (or a CUDA allocation): whole units of ALIGN, at
+    least one."""
+    return max(ALIGN, -(-n // ALIGN) * ALIGN)
+
+
+def _compact(t: torch.Tensor) -> bool:
+    """Whether ``t`` is its whole storage (keeping it keeps nothing more alive)."""
+    return t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes
 
 
 class _Entry:
@@ -269,7 +278,6 @@ class TensorCache:
             raise CacheError(f"tier={tier!r}: use one of {', '.join(TIERS)}")
         entry = _Entry(key, layout, bf16)
         with self._lock:
-            self._discard(key)
             self.puts += 1
             on_device = bool(parts) and all(self._on_device(p) for p in parts)
             want = "gpu" if pin else tier or ("gpu" if on_device else "host")
@@ -288,6 +296,7 @@ class TensorCache:
                     f"device tier's {format_bytes(self.limit['gpu'])}"
                 )
             entry.encoded = encode_key(key)
+            self._discard(key)  # only now: a refused value leaves the one cached as it was
             self._entries[key] = entry
             try:
                 placed = self._place_new(entry, parts, t, order[order.index(t) :])
@@ -301,6 +310,12 @@ class TensorCache:
                     "pinned on the device fill its tier"
                 )
             if pin:
+                if entry.tier != "gpu":
+                    self._discard(key)
+                    raise CacheError(
+                        f"pin=True: no room for {key!r} in the device tier: the values "
+                        "pinned there fill it"
+                    )
                 self._pin(entry)
 
     def get(self, key: Hashable, default: Any = _MISSING, *, promote: bool = True) -> Any:
@@ -377,9 +392,10 @@ class TensorCache:
         todo: list[Hashable] = (
             [keys] if isinstance(keys, (str, int, tuple)) else list(keys)  # type: ignore[arg-type]
         )
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="vramctl-cache")
-        return self._executor.submit(self._prefetch, todo)
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="vramctl-cache")
+            return self._executor.submit(self._prefetch, todo)
 
     def pin(self, key: Hashable) -> None:
         """Keep ``key``'s value in the device tier (moved there now) until :meth:`unpin`."""
@@ -670,29 +686,33 @@ class TensorCache:
             self._demote(self._entries[victim])
         return True
 
-    def _alloc_blocks(self, sizes: list[int]) -> list[Block] | None:
-        """Blocks of the host pool for ``sizes`` (room made first), or None."""
+    def _alloc_blocks(self, sizes: list[int]) -> tuple[list[Block], list[Block]] | None:
+        """One block of the host pool for parts of ``sizes`` (room made first), and a block
+        inside it for each part; or None. One block per value: a value that fits the tier
+        never fails for want of a second segment."""
         total = sum(_aligned(s) for s in sizes)
+        if not sizes:
+            return [], []
         if total > self.limit["host"] or not self._room("host", total):
             return None
-        blocks: list[Block] = []
         policy = self._policies["host"]
-        for s in sizes:
-            while True:
-                block = self.pool.alloc(s)
-                if block is not None:
-                    blocks.append(block)
-                    break
-                if self._reclaim(wait=True):
-                    continue
-                victim = policy.victim()
-                if victim is None:  # fragmented, and nothing left to move: give up
-                    for b in blocks:
-                        self.pool.free(b)
-                    return None
-                self._stats["host"].evictions += 1
-                self._demote(self._entries[victim])
-        return blocks
+        while True:
+            block = self.pool.alloc(total)
+            if block is not None:
+                break
+            if self._reclaim(wait=True):
+                continue
+            victim = policy.victim()
+            if victim is None:  # fragmented, and nothing left to move: give up
+                return None
+            self._stats["host"].evictions += 1
+            self._demote(self._entries[victim])
+        subs: list[Block] = []
+        offset = block.offset
+        for size in sizes:
+            subs.append(Block(block.segment, offset, _aligned(size)))
+            offset += _aligned(size)
+        return [block], subs
 
     def _reclaim(self, wait: bool = False) -> bool:
         """Free the host blocks whose pending copies have finished (all of them: ``wait``)."""
@@ -736,10 +756,10 @@ class TensorCache:
         if tier == "gpu":
             entry.dev = handle
         elif tier == "host":
-            entry.host = handle
+            entry.host, subs = handle
             entry.views = [
                 b.bytes(m.stored_nbytes) if m.codec == "zstd" else b.view(m.stored_dtype, m.shape)
-                for b, m in zip(handle, entry.layout.parts, strict=True)
+                for b, m in zip(subs, entry.layout.parts, strict=True)
             ]
         else:
             entry.path = handle
@@ -827,7 +847,10 @@ class TensorCache:
                 if not self._room("gpu", need):
                     continue
                 t0 = time.perf_counter()
-                dev = [p if self._on_device(p) else self._to_device(p, p.dtype) for p in parts]
+                dev = [
+                    p if self._on_device(p) and _compact(p) else self._to_device(p, p.dtype)
+                    for p in parts
+                ]
                 self._record_ready(entry)
                 self._account("gpu", need)
                 self._stats["gpu"].seconds_in += time.perf_counter() - t0
@@ -851,28 +874,34 @@ class TensorCache:
         t0 = time.perf_counter()
         if tier == "host":
             with self._host():
-                blocks = self._alloc_blocks([s.nbytes for s in stored])
-                if blocks is None:
+                got = self._alloc_blocks([s.nbytes for s in stored])
+                if got is None:
                     return None
-                for block, s in zip(blocks, stored, strict=True):
+                for block, s in zip(got[1], stored, strict=True):
                     block.bytes(s.nbytes).copy_(s.reshape(-1).view(torch.uint8))
-            charge = sum(b.size for b in blocks)
+            charge = sum(b.size for b in got[0])
             self._account("host", charge)
             self._stats["host"].seconds_in += time.perf_counter() - t0
-            return blocks, charge
+            return got, charge
         assert self._store is not None
-        reserve = self._charge(entry, "disk")
-        if not self._room("disk", reserve):
-            return None
-        path = self._store.path_for(entry.key, entry.encoded)
         layout_json = entry.layout.to_json()
         with self._host():
             crcs = [checksum(s) for s in stored]
+        # The file: its header (the metadata as JSON, a line per part) and the parts.
+        meta = [FORMAT_TAG, entry.encoded or "", json.dumps(layout_json), json.dumps(crcs)]
+        header = len(json.dumps(meta)) + 160 * len(stored) + 256
+        reserve = sum(s.nbytes for s in stored) + header
+        if reserve > self.limit["disk"] or not self._room("disk", reserve):
+            return None
+        path = self._store.path_for(entry.key, entry.encoded)
+        with self._host():
             self.used["disk"] += reserve  # held while the file is written
             try:
                 charge = self._store.write(path, entry.encoded, layout_json, stored, crcs)
             finally:
                 self.used["disk"] -= reserve
+        if charge > reserve:  # never expected: the reservation bounds the file
+            log.warning("%s took %d bytes, more than the %d reserved", path.name, charge, reserve)
         self._account("disk", charge)
         self._stats["disk"].seconds_in += time.perf_counter() - t0
         return path, charge
@@ -1055,9 +1084,10 @@ class TensorCache:
             for m in entry.layout.parts
         ]
         with self._host():
-            blocks = self._alloc_blocks([m.nbytes for m in metas])
-            if blocks is None:
+            got = self._alloc_blocks([m.nbytes for m in metas])
+            if got is None:
                 return False
+            blocks = got[1]
             t0 = time.perf_counter()
             if self.device.is_cuda:
                 side = self._side_stream()
@@ -1074,10 +1104,10 @@ class TensorCache:
         entry.layout.parts = metas
         self._leave(entry)
         entry.ready = self._event()
-        charge = sum(b.size for b in blocks)
+        charge = sum(b.size for b in got[0])
         self._account("host", charge)
         self._stats["host"].seconds_in += time.perf_counter() - t0
-        self._arrive(entry, "host", blocks, charge)
+        self._arrive(entry, "host", got, charge)
         return True
 
     # -- background work and the directory -------------------------------------------
@@ -1092,8 +1122,11 @@ class TensorCache:
                     entry = self._entries.get(key)
                     if entry is None or entry.tier == "gpu" or not self.budget["gpu"]:
                         continue
-                    if self._promote(entry):
-                        moved += 1
+                    try:
+                        if self._promote(entry):
+                            moved += 1
+                    except CorruptItemError as exc:  # dropped already: the others go on
+                        log.error("prefetch of %r: %s", key, exc)
         return moved
 
     def _load_directory(self) -> None:

@@ -139,6 +139,7 @@ class Layout:
                         parts[slot.values],
                         slot.size,
                         is_coalesced=slot.coalesced,
+                        check_invariants=False,
                     )
                 )
             else:

@@ -137,7 +137,15 @@ class DiskStore:
             "layout": json.dumps(layout) if layout is not None and key else "",
             "crc": json.dumps(crcs),
         }
-        tensors = {f"p{i}": t.contiguous() for i, t in enumerate(stored)}
+        tensors: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for i, t in enumerate(stored):
+            t = t.contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen or t.untyped_storage().nbytes() != t.nbytes:
+                t = t.clone()  # safetensors writes no two tensors of one storage
+            seen.add(t.untyped_storage().data_ptr())
+            tensors[f"p{i}"] = t
         tmp = path.with_name(f"{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.name}")
         try:
             save_file(tensors, str(tmp), metadata=meta)

@@ -129,7 +129,7 @@ class HostPool:
 
     def _new_segment(self, n: int) -> _Segment | None:
         room = self.capacity - self.held
-        size = max(n, min(self.segment, room))
+        size = max(n, min(self.segment, room // ALIGN * ALIGN))
         if self.pinned:
             size = _pow2(size)
             while size > room and size // 2 >= n:
