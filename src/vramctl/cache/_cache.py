@@ -14,7 +14,8 @@ drops its coldest values when it is full (a later ``get`` misses).
 ...     cache = vramctl.TensorCache(gpu="1MiB", host="4MiB")
 ...     for i, f in enumerate(features):
 ...         cache.put(i, f)  # host memory, where they are
-...     x = cache.get(3)  # copied to the device and kept in its tier
+...     x = cache.get(3)  # copied to the device; it stays in the host tier
+...     x = cache.get(3)  # a second hit: moved up to the device tier
 ...     tiers = cache.stats()["tiers"]
 >>> float(x[0, 0]), tiers["gpu"]["items"], tiers["host"]["items"]
 (3.0, 1, 7)
