@@ -4,8 +4,10 @@ N items of 256 KiB to 1 MiB each (seeded, one generator per key), in three kinds
 ``features`` (a float32 tensor), ``tokens`` (an int64 tensor of small token ids, which
 zstd shrinks) and ``pair`` (a dict ``{"emb": float32, "ids": int64}``). Each item's
 CRC-32 is taken when it is made. ``vramctl.TensorCache`` gets a device tier of 1/8 of
-the data, a host tier of 1/2 and a disk tier (a temporary directory) of 1/2: the items
-start in the host tier (``put``), and what does not fit there goes down to the disk.
+the data and a disk tier (a temporary directory) of 1/2, in two scenarios: *memory*, a
+host tier as large as the data (what the plain dict holds), against the plain dict; and
+*spill*, a host tier of half the data, the rest on disk, against Accelerate's offload
+with the same memory. The items start in the host tier (``put``).
 
 The trace draws keys with probability proportional to 1/rank^1.1 (ranks shuffled over
 the keys, so key order says nothing of popularity). A warm-up trace (not timed) comes
@@ -13,8 +15,8 @@ first. Each access delivers the item on the device and uses it (``.sum()`` of it
 tensor, and a CUDA synchronize); its time is the get, the use and the synchronize. Three
 workloads run the same warm-up and trace over the same data:
 
-- ``cache``: ``cache.get(key)`` (policy ``lru``); each get's time is attributed to the
-  tier ``cache.tier_of(key)`` named just before it;
+- ``cache``: ``cache.get(key)`` (policy ``lru``), in each scenario; each get's time is
+  attributed to the tier ``cache.tier_of(key)`` named just before it;
 - ``plain``: a dict of every item in pageable host memory, ``.to(device)`` each access;
 - ``accelerate``: Accelerate's offload of the same tensors (``key``, or ``key.emb`` and
   ``key.ids``): those that fit in the cache's device and host budgets together stay in
@@ -34,11 +36,13 @@ the caller holds as a copy the device tier did not keep, within the device budge
 host pool's bytes within the host budget; and (every 50 accesses) the files in the disk
 directory within the disk budget.
 
-Host-to-device bandwidth: a ``features`` item in the host tier read with
-``get(key, promote=False)``, against a plain copy of a tensor of the same size (pinned
-on CUDA, ``.to(device, non_blocking=True)`` and a synchronize), interleaved;
+Host-to-device bandwidth, measured on large values (64 MiB, 16 MiB with ``--quick``) as a
+link is measured: a value in a cache's host tier read with ``get(key, promote=False)``,
+against a plain copy of a tensor of the same size (pinned on CUDA,
+``.to(device, non_blocking=True)`` and a synchronize), interleaved;
 ``h2d_bandwidth_ratio`` is the cache's over the plain copy's (goal >= 0.8), each the
-median over the gets of bytes over seconds.
+median over the gets of bytes over seconds. ``h2d_small_items`` is the same on the
+trace's own items (about 1 MiB), where the cache's fixed cost per get shows.
 
 Without a GPU, or with ``--sim``, the device is a simulated GPU (``vramctl.simulate``):
 its memory is counted, copies to it are memory copies on the CPU, so the bandwidth and

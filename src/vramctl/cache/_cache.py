@@ -201,6 +201,9 @@ class TensorCache:
         self.promote_after = promote_after
         #: zstd in the host tier too (compress=True); "auto" compresses the disk tier's files.
         self._compress_host = compress is True
+        self._compress = compress
+        #: Bytes written and seconds, bytes read and seconds: the disk's measured speed.
+        self._disk_io = [0, 0.0, 0, 0.0]
         if device is None and torch.cuda.is_available():
             dev = get_device(torch.cuda.current_device())
         else:
@@ -898,7 +901,10 @@ class TensorCache:
         with self._host():
             self.used["disk"] += reserve  # held while the file is written
             try:
+                w0 = time.perf_counter()
                 charge = self._store.write(path, entry.encoded, layout_json, stored, crcs)
+                self._disk_io[0] += charge
+                self._disk_io[1] += time.perf_counter() - w0
             finally:
                 self.used["disk"] -= reserve
         if charge > reserve:  # never expected: the reservation bounds the file
@@ -907,12 +913,26 @@ class TensorCache:
         self._stats["disk"].seconds_in += time.perf_counter() - t0
         return path, charge
 
+    def _disk_compression_pays(self) -> bool:
+        """Whether zstd pays on this disk, by what was measured: the seconds it saves
+        writing and reading the bytes it removes against its own seconds, or the room it
+        saves when the disk tier is over 80% full. Tried until both are measured."""
+        if self._compress is False:
+            return False
+        per_byte = self.compressor.seconds_per_byte()
+        written, w_s, read, r_s = self._disk_io
+        if per_byte is None or not (written and w_s and read and r_s) or self.compressor.tries < 8:
+            return True
+        ratio = self.compressor.packed_bytes / max(1, self.compressor.raw_bytes)
+        saved = (1 - ratio) * (w_s / written + r_s / read)
+        return saved > per_byte or self.used["disk"] > 0.8 * self.limit["disk"]
+
     def _encode(
         self, entry: _Entry, cpu: list[torch.Tensor], tier: str, *, stored: bool = False
     ) -> tuple[list[torch.Tensor], list[PartMeta]]:
         """The form CPU parts take in the host or disk ``tier``: bf16 where asked, zstd where
         it pays. ``stored``: the parts are in their host form already (zstd ones kept)."""
-        compress = tier == "disk" or self._compress_host
+        compress = self._compress_host or (tier == "disk" and self._disk_compression_pays())
         out: list[torch.Tensor] = []
         metas: list[PartMeta] = []
         for t, meta in zip(cpu, entry.layout.parts, strict=True):
@@ -945,7 +965,10 @@ class TensorCache:
             return list(entry.views)
         assert entry.tier == "disk" and entry.path is not None and self._store is not None
         try:
+            r0 = time.perf_counter()
             parts = self._store.read(entry.path, len(metas))
+            self._disk_io[2] += sum(p.nbytes for p in parts)
+            self._disk_io[3] += time.perf_counter() - r0
         except CorruptItemError:
             log.error("%r: its file failed its checksum; dropped from the cache", entry.key)
             self._discard(entry.key)

@@ -223,6 +223,7 @@ class Compressor:
         self._zstd: Any = None
         self._by_dtype: dict[torch.dtype, _DtypeRecord] = {}
         self.tries = 0
+        self.tried_bytes = 0
         self.kept = 0
         self.raw_bytes = 0  # of the parts kept compressed
         self.packed_bytes = 0
@@ -255,6 +256,7 @@ class Compressor:
         packed = comp.compress(raw_bytes(t.contiguous()))
         self.seconds_compress += time.perf_counter() - t0
         self.tries += 1
+        self.tried_bytes += t.nbytes
         rec = self._by_dtype.setdefault(t.dtype, _DtypeRecord())
         rec.tries += 1
         rec.raw += t.nbytes
@@ -277,6 +279,15 @@ class Compressor:
         self.seconds_decompress += time.perf_counter() - t0
         self.bytes_decompressed += len(data)
         return out
+
+    def seconds_per_byte(self) -> float | None:
+        """Measured seconds to compress and decompress one byte, or None before tries."""
+        if not self.tried_bytes or not self.bytes_decompressed or not self.seconds_decompress:
+            return None
+        return (
+            self.seconds_compress / self.tried_bytes
+            + self.seconds_decompress / self.bytes_decompressed
+        )
 
     def stats(self) -> dict[str, Any]:
         return {
