@@ -44,7 +44,8 @@ from vramctl.cache._codec import Compressor, Layout, PartMeta, checksum
 from vramctl.cache._disk import FORMAT as FORMAT_TAG
 from vramctl.cache._disk import CorruptItemError, DiskStore, encode_key
 from vramctl.cache._policy import EvictionPolicy, make_policy
-from vramctl.cache._pool import ALIGN, Block, HostPool
+from vramctl.cache._pool import Block, HostPool
+from vramctl.cache._pool import aligned as _aligned
 from vramctl.device import Device, get_device, resolve
 from vramctl.guard import add_reliever, is_oom, remove_reliever
 
@@ -76,12 +77,6 @@ def _size(name: str, value: int | str | None) -> int:
     if n < 0:
         raise CacheError(f"{name}={value!r}: a budget is 0 bytes or more")
     return n
-
-
-def _aligned(n: int) -> int:
-    """A part's bytes in the host pool (or a CUDA allocation): whole units of ALIGN, at
-    least one."""
-    return max(ALIGN, -(-n // ALIGN) * ALIGN)
 
 
 def _compact(t: torch.Tensor) -> bool:
@@ -855,7 +850,7 @@ class TensorCache:
                     p if self._on_device(p) and _compact(p) else self._to_device(p, p.dtype)
                     for p in parts
                 ]
-                self._record_ready(entry)
+                entry.ready = self._event()
                 self._account("gpu", need)
                 self._stats["gpu"].seconds_in += time.perf_counter() - t0
                 self._arrive(entry, "gpu", dev, need)
@@ -1006,9 +1001,6 @@ class TensorCache:
         event.record(self._side_stream())
         return event
 
-    def _record_ready(self, entry: _Entry) -> None:
-        entry.ready = self._event()
-
     def _wait_ready(self, entry: _Entry) -> None:
         """Make the caller's stream wait for ``entry``'s copy to the device."""
         if entry.ready is not None:
@@ -1042,7 +1034,7 @@ class TensorCache:
             t0 = time.perf_counter()
             parts = self._device_copy(entry)
             self._leave(entry)
-            self._record_ready(entry)
+            entry.ready = self._event()
             self._account("gpu", need)
             self._stats["gpu"].seconds_in += time.perf_counter() - t0
             self._arrive(entry, "gpu", parts, need)

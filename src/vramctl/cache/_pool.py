@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALIGN", "Block", "HostPool"]
+__all__ = ["ALIGN", "Block", "HostPool", "aligned"]
 
 #: Every block starts on, and is a multiple of, this many bytes (any dtype is aligned).
 ALIGN = 512
@@ -34,7 +34,8 @@ ALIGN = 512
 SEGMENT = 64 * 2**20
 
 
-def _align(n: int) -> int:
+def aligned(n: int) -> int:
+    """The bytes a block for ``n`` bytes takes: whole units of ALIGN, at least one."""
     return max(ALIGN, -(-n // ALIGN) * ALIGN)
 
 
@@ -134,7 +135,7 @@ class HostPool:
             size = _pow2(size)
             while size > room and size // 2 >= n:
                 size //= 2
-        size = _align(size) if not self.pinned else size
+        size = aligned(size) if not self.pinned else size
         if size < n or self._cost(size) > room:
             return None
         seg = _Segment(size, self.pinned)
@@ -156,11 +157,11 @@ class HostPool:
 
     def fits(self, n: int) -> bool:
         """Whether a block of ``n`` bytes could ever be had (the pool empty)."""
-        return self._cost(_align(n)) <= self.capacity
+        return self._cost(aligned(n)) <= self.capacity
 
     def alloc(self, n: int) -> Block | None:
         """A block of at least ``n`` bytes (a multiple of :data:`ALIGN`), or None."""
-        size = _align(n)
+        size = aligned(n)
         with self._lock:
             for seg in self._segments:
                 start = seg.alloc(size)
