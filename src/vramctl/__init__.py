@@ -35,7 +35,14 @@ from vramctl.device import (
     simulate,
     use_device,
 )
-from vramctl.estimator import Estimate, EstimateError, MaxBatch, estimate, max_batch_size
+from vramctl.estimator import (
+    Estimate,
+    EstimateError,
+    MaxBatch,
+    Parallel,
+    estimate,
+    max_batch_size,
+)
 from vramctl.fit import FitError, FitResult, fit_batch_size
 from vramctl.guard import (
     Guard,
@@ -71,6 +78,7 @@ __all__ = [
     "Monitor",
     "NotAvailable",
     "OptimizationReport",
+    "Parallel",
     "Plan",
     "PlanResult",
     "Policy",

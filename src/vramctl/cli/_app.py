@@ -247,6 +247,40 @@ def catalog(
     console.print(table)
 
 
+def _parallel_arg(
+    text: str | None, world: int | None, per_node: int | None, plan: str | None
+) -> Any:
+    """The --parallel options as a Parallel (None without --parallel)."""
+    if text is None:
+        if world is not None or per_node is not None or plan is not None:
+            raise VramctlError("--world-size, --ranks-per-node and --tp-plan need --parallel")
+        return None
+    from vramctl.estimator import Parallel
+
+    overrides: dict[str, Any] = {}
+    if world is not None:
+        overrides["world_size"] = world
+    if per_node is not None:
+        overrides["ranks_per_node"] = per_node
+    if plan is not None:
+        overrides["plan"] = _json_arg(plan, "--tp-plan")
+    return Parallel.parse(text, **overrides)
+
+
+def _json_arg(text: str, option: str) -> Any:
+    import json
+    from pathlib import Path
+
+    source = Path(text).read_text() if not text.lstrip().startswith("{") else text
+    try:
+        value = json.loads(source)
+    except (json.JSONDecodeError, OSError) as exc:
+        raise VramctlError(f"{option}: not JSON or a JSON file: {exc}") from exc
+    if not isinstance(value, dict):
+        raise VramctlError(f"{option}: expected a JSON object of module name -> style")
+    return value
+
+
 @app.command("estimate")
 @user_errors
 def estimate_cmd(
@@ -345,6 +379,33 @@ def estimate_cmd(
             show_default=False,
         ),
     ] = None,
+    parallel: Annotated[
+        str | None,
+        typer.Option(
+            help="Estimate one rank of a distributed step: STRATEGY[:WORLD][,option...] "
+            "with ddp, fsdp, zero1, zero2, zero3 or tp, e.g. fsdp:8, "
+            "ddp:4,bucket_cap_mb=50,gradient_as_bucket_view, "
+            "fsdp:8,no_reshard_after_forward,param_dtype=bf16, zero3:16,offload. "
+            "--batch is then the micro-batch per rank.",
+            show_default=False,
+        ),
+    ] = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option(help="Ranks in all (overrides --parallel's :WORLD).", min=1),
+    ] = None,
+    ranks_per_node: Annotated[
+        int | None,
+        typer.Option(help="Ranks per node (host memory per node). Default: all.", min=1),
+    ] = None,
+    tp_plan: Annotated[
+        str | None,
+        typer.Option(
+            help="With --parallel tp: the plan as JSON (or a JSON file), module name "
+            'pattern -> colwise or rowwise, e.g. \'{"mlp.up": "colwise"}\'.',
+            show_default=False,
+        ),
+    ] = None,
     list_models: Annotated[
         bool, typer.Option("--list", help="List the built-in models and exit.")
     ] = False,
@@ -363,6 +424,8 @@ def estimate_cmd(
         vramctl estimate Qwen/Qwen2.5-0.5B --batch 4 --seq-len 2048 \\
             --device H100-80GB
         vramctl estimate ./my-model/config.json --task seq-classification
+        vramctl estimate llama-1b --parallel fsdp:8 --precision bf16 \\
+            --batch 4 --seq-len 2048 --device H100-80GB --max-batch
     """
     from vramctl.estimator import zoo
 
@@ -391,6 +454,7 @@ def estimate_cmd(
         "task": task,
         "image_size": image_size,
         "trust_remote_code": trust_remote_code,
+        "parallel": _parallel_arg(parallel, world_size, ranks_per_node, tp_plan),
     }
     results = []
     with err.status("tracing", spinner="dots") as spin:
@@ -427,6 +491,9 @@ def estimate_cmd(
                     "safe": first.safe,
                     "max_batch": max_batch,
                     "max_length": max_length,
+                    "parallel": (
+                        common["parallel"].to_dict() if common["parallel"] is not None else None
+                    ),
                 },
                 "estimates": [e.to_dict() for e in results],
                 "max_batch": None if best is None else best.to_dict(),
@@ -436,6 +503,10 @@ def estimate_cmd(
         return
     console.print(estimate_table(results))
     last = results[-1]
+    if last.parallel:
+        console.print(
+            f"per rank: {last.parallel}; --batch is each rank's micro-batch", highlight=False
+        )
     console.print(
         f"breakdown at batch {last.batch_size} (peak at {last.peak_op} in "
         f"{last.peak_module or 'the step'}, {last.peak_phase}):",
@@ -458,6 +529,8 @@ def estimate_cmd(
     if best is not None:
         if max_batch:
             for line in max_batch_lines(best, batch_fn):
+                if last.parallel:
+                    line = line.replace("largest batch", "largest micro-batch per rank")
                 console.print(line, highlight=False, soft_wrap=True)
         if best.max_length is not None:
             ceiling = ""

@@ -33,6 +33,7 @@ from vramctl.estimator._maxbatch import (
     MaxBatch,
     max_batch_size,
 )
+from vramctl.estimator._parallel import STRATEGIES, Parallel, ParallelError, parallelize
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._spec import (
     MODES,
@@ -65,6 +66,7 @@ __all__ = [
     "MODES",
     "PRECISIONS",
     "SEARCH_INPUT_BYTES",
+    "STRATEGIES",
     "TASKS",
     "AllocatorConfig",
     "AllocatorOutOfMemory",
@@ -75,6 +77,8 @@ __all__ = [
     "Estimate",
     "EstimateError",
     "MaxBatch",
+    "Parallel",
+    "ParallelError",
     "ResolvedSource",
     "StepSpec",
     "StepTime",
@@ -95,6 +99,7 @@ __all__ = [
     "load_model_source",
     "max_batch_size",
     "measure_throughput",
+    "parallelize",
     "prepare_model",
     "resolve_source",
     "resolve_target",

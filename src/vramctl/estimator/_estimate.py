@@ -14,6 +14,7 @@ from vramctl.estimator._allocator import (
     AllocatorConfig,
 )
 from vramctl.estimator._calibration import CalibrationSource
+from vramctl.estimator._parallel import Parallel
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._session import (
     open_session,
@@ -50,6 +51,7 @@ def estimate(
     offload_activations: bool = False,
     offload_optimizer: bool = False,
     grad_accumulation: bool = False,
+    parallel: Parallel | str | None = None,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
 
@@ -88,6 +90,14 @@ def estimate(
     first: the gradients are already there through forward and backward, which add into
     them.
 
+    ``parallel`` estimates one rank of a distributed step (a :class:`Parallel`, or its
+    text such as ``"fsdp:8"``): DDP, FSDP2, ZeRO stages 1 to 3 or tensor parallel over
+    ``world_size`` ranks, each with ``batch_size`` samples (the micro-batch per rank). The
+    peaks and breakdown are one rank's (``unsharded``: parameters gathered in flight;
+    ``buckets``: gradient buckets and reduction buffers); ``host_per_rank`` and
+    ``host_per_node`` are what offloading keeps in host memory. It runs in this process
+    on fake tensors; FSDP and tensor parallel need it to have no process group yet.
+
     The estimate also predicts the step's time (``step_seconds``, from its FLOPs and
     bytes per operator and the target's rates: the CPU's measured here, a GPU's from
     ``vramctl calibrate`` or its data sheet).
@@ -117,6 +127,10 @@ def estimate(
         offload_activations=offload_activations,
         offload_optimizer=offload_optimizer,
         grad_accumulation=grad_accumulation,
+        parallel=parallel,
     )
-    est = session.estimate(batch, batch_size, seq_len, seconds)
+    try:
+        est = session.estimate(batch, batch_size, seq_len, seconds)
+    finally:
+        session.close()
     return dataclasses.replace(est, elapsed=time.perf_counter() - t0)

@@ -25,8 +25,9 @@ import torch
 from vramctl.device import Device
 from vramctl.estimator._allocator import AllocatorConfig
 from vramctl.estimator._calibration import CalibrationSource
+from vramctl.estimator._parallel import Parallel
 from vramctl.estimator._result import Estimate
-from vramctl.estimator._session import open_session
+from vramctl.estimator._session import Session, open_session
 from vramctl.estimator._spec import EstimateError, ModelSource
 from vramctl.estimator._target import Target
 
@@ -161,6 +162,7 @@ def max_batch_size(
     offload_activations: bool = False,
     offload_optimizer: bool = False,
     grad_accumulation: bool = False,
+    parallel: Parallel | str | None = None,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.
 
@@ -177,7 +179,8 @@ def max_batch_size(
     largest ``seq_len`` or ``seconds`` at batch 1 is found the same way from a
     quadratic fit. ``calibration`` and ``safe`` are as for
     :func:`~vramctl.estimator.estimate`: by default a size fits when the safe
-    end of its device range does.
+    end of its device range does. With ``parallel`` the answer is the largest micro-batch
+    per rank.
     """
     t0 = time.perf_counter()
     if not probe or any(p < 1 for p in probe) or len(set(probe)) < 2:
@@ -202,7 +205,26 @@ def max_batch_size(
         offload_activations=offload_activations,
         offload_optimizer=offload_optimizer,
         grad_accumulation=grad_accumulation,
+        parallel=parallel,
     )
+    try:
+        return _search(session, t0, model, batch, seq_len, seconds, probe, limit, lengths, safe)
+    finally:
+        session.close()
+
+
+def _search(
+    session: Session,
+    t0: float,
+    model: ModelSource,
+    batch: Callable[[int], Any] | None,
+    seq_len: int | None,
+    seconds: float | None,
+    probe: Sequence[int],
+    limit: int | None,
+    lengths: bool,
+    safe: bool,
+) -> MaxBatch:
     cache: dict[tuple[int, float | None], Estimate] = {}
     host: dict[int, int] = {}
 

@@ -16,6 +16,8 @@ CATEGORIES = (
     "inputs",
     "activations",
     "temporaries",
+    "unsharded",
+    "buckets",
     "workspaces",
     "allocator",
     "context",
@@ -121,6 +123,15 @@ class Estimate:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     #: Where the time model's rates came from (a measured profile, a data sheet).
     throughput: str | None = None
+    #: The distributed layout the step was estimated under (``Parallel.describe()``);
+    #: None for one process. The peaks and breakdown are then one rank's (rank 0, which
+    #: holds the largest shard where shards differ).
+    parallel: str | None = None
+    world_size: int = 1
+    #: Host bytes one rank keeps (offloaded parameters, gradients and optimizer state).
+    host_per_rank: int = 0
+    #: Host bytes a node needs for its ranks' offloaded state.
+    host_per_node: int = 0
 
     @property
     def budget(self) -> int:
@@ -188,6 +199,10 @@ class Estimate:
             "time_breakdown_s": dict(self.time_breakdown),
             "phase_seconds": dict(self.phase_seconds),
             "throughput": self.throughput,
+            "parallel": self.parallel,
+            "world_size": self.world_size,
+            "host_per_rank_bytes": self.host_per_rank,
+            "host_per_node_bytes": self.host_per_node,
             "alloc_retries": self.alloc_retries,
             "ops": self.ops,
             "elapsed_s": round(self.elapsed, 4),
@@ -203,8 +218,10 @@ class Estimate:
         verdict = "fits" if self.fits else "does NOT fit"
         if self.fits_point != self.fits_safe:
             verdict += f" (at the {'safe end' if self.safe else 'point estimate'})"
+        per = f" per rank, {self.parallel}" if self.parallel else ""
         lines = [
-            f"{self.model} {self.mode} {self.precision} batch {self.batch_size} on {self.device}: "
+            f"{self.model} {self.mode} {self.precision} batch {self.batch_size}{per} on "
+            f"{self.device}: "
             f"peak {self.device_range()} of {format_bytes(self.budget)} "
             f"({self.target_utilization:.0%} of {format_bytes(self.capacity)}), {verdict}",
         ]
@@ -218,6 +235,11 @@ class Estimate:
             f"  peak at {self.peak_op} in {self.peak_module or '(top level)'} ({self.peak_phase})"
         )
         lines += [f"  {k:<12} {format_bytes(v):>12}" for k, v in self.breakdown.items() if v]
+        if self.host_per_rank:
+            lines.append(
+                f"  host         {format_bytes(self.host_per_rank):>12} per rank "
+                f"(offloaded), {format_bytes(self.host_per_node)} per node"
+            )
         if self.step_seconds is not None:
             lines.append(
                 f"  step time    {self.step_seconds:.4g} s predicted ({self.flops / 1e9:,.1f} "

@@ -9,6 +9,7 @@ import inspect
 import logging
 import numbers
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +33,18 @@ from vramctl.estimator._allocator import (
 from vramctl.estimator._autocast import cuda_autocast
 from vramctl.estimator._calibration import CalibrationSource, measured_on
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace
+from vramctl.estimator._distributed import (
+    DDPStandIn,
+    FakeWorld,
+    fsdp_categories,
+    local,
+    wrap_fake,
+    zero_model_states,
+    zero_trace,
+)
 from vramctl.estimator._hub import eager_masks
 from vramctl.estimator._opcost import OpCost
+from vramctl.estimator._parallel import Parallel
 from vramctl.estimator._result import CATEGORIES, Estimate, uncalibrated_note
 from vramctl.estimator._spec import (
     BatchSource,
@@ -54,9 +65,13 @@ from vramctl.estimator._trace import (
     Trace,
     Tracer,
     no_op_module_to,
+    storage_resizes,
 )
 
-__all__ = ["Session", "build_estimate", "make_batch_for", "open_session"]
+__all__ = ["NCCL_UNCERTAINTY", "Session", "build_estimate", "make_batch_for", "open_session"]
+
+#: What NCCL's communicator buffers may add on a GPU, outside PyTorch's allocator.
+NCCL_UNCERTAINTY = 1 << 30
 
 
 # -- one session: a fake model, traced at one or more batches ------------------------
@@ -92,13 +107,29 @@ class Session:
     last_batch_bytes: int = 0
     #: How a named model's batches are made (a built-in model, or one from its config).
     entry: Any = None
+    #: The distributed layout one rank of which is estimated (None: one process).
+    parallel: Parallel | None = None
+    #: The fake process group FSDP and tensor parallel run on, while the session lives.
+    world: FakeWorld | None = None
+    ddp: DDPStandIn | None = None
+    #: Parameters of the largest repeated block (what ZeRO-3 gathers at once).
+    largest_block: int = 0
+    #: Host bytes one rank keeps under ZeRO's offload (set by the last trace).
+    zero_host: int = 0
 
     @classmethod
-    def open(cls, source: ModelSource, spec: StepSpec, target: Target, **options: Any) -> Session:
+    def open(
+        cls,
+        source: ModelSource,
+        spec: StepSpec,
+        target: Target,
+        parallel: Parallel | None = None,
+        **options: Any,
+    ) -> Session:
         """Build ``source`` on fake tensors; ``options`` are :func:`resolve_source`'s."""
         resolved = resolve_source(source, **options)
         name, obj = resolved.name, resolved.model
-        s = cls(name, spec, target, entry=resolved.entry)
+        s = cls(name, spec, target, entry=resolved.entry, parallel=parallel)
         t0 = time.perf_counter()
         builder = Tracer(s.fake_mode)
         builder.record = False
@@ -115,6 +146,8 @@ class Session:
                 raise EstimateError(f"model {name}'s factory returned a {type(model).__name__}")
             s.model = model
             s.state = _fake_state(model, spec.param_dtype)
+            if parallel is not None:
+                s._wrap(parallel)
             with (
                 _reparametrize_module(model, s.state, tie_weights=True, strict=False),
                 step_mode(model, spec),
@@ -129,6 +162,36 @@ class Session:
                     warm_optimizer(s.optimizer, s.params)
         s.build_seconds = time.perf_counter() - t0
         return s
+
+    def _wrap(self, parallel: Parallel) -> None:
+        """Give the model its fake state for good, then apply ``parallel`` to it."""
+        from vramctl._blocks import find_blocks
+
+        assert self.model is not None
+        model = self.model
+        blocks = find_blocks(model)
+        self.largest_block = max(
+            (sum(p.numel() for p in b.parameters()) for b in blocks), default=0
+        )
+        if parallel.strategy not in ("ddp", "fsdp", "tp"):
+            return  # ZeRO: the model states are priced after the trace
+        _install_state(model, self.state)
+        self.state = {}
+        if parallel.strategy in ("fsdp", "tp"):
+            self.world = FakeWorld(parallel.world_size)
+        try:
+            self.ddp = wrap_fake(model, parallel)
+        except Exception as exc:
+            self.close()
+            raise EstimateError(
+                f"could not apply {parallel.describe()} to {self.name}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def close(self) -> None:
+        """Release the fake process group, if the session holds one."""
+        if self.world is not None:
+            self.world.close()
+            self.world = None
 
     def estimate(
         self,
@@ -224,10 +287,14 @@ class Session:
             fake_log = logging.getLogger("torch._subclasses.fake_tensor")
             es.callback(fake_log.setLevel, fake_log.level)
             fake_log.setLevel(logging.CRITICAL)
+            # FSDP2 warns of the views a fake forward returns; a real one returns the same.
+            es.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
             es.enter_context(self.fake_mode)
-            es.enter_context(
-                _reparametrize_module(model, self.state, tie_weights=True, strict=False)
-            )
+            if self.state:
+                es.enter_context(
+                    _reparametrize_module(model, self.state, tie_weights=True, strict=False)
+                )
             es.enter_context(step_mode(model, spec))
             fake_batch = _fake_batch(batch, self.fake_mode, tracer, spec)
             es.enter_context(EagerLinear())
@@ -236,14 +303,27 @@ class Session:
             if self.target.cuda and spec.autocast_dtype is not None:
                 es.enter_context(cuda_autocast())
             es.enter_context(tracer)
+            es.enter_context(storage_resizes(tracer))
+            if self.parallel is not None and self.parallel.strategy == "fsdp":
+                es.enter_context(fsdp_categories(tracer))
             if self.target.cuda:
                 handles = consts.train_handles if spec.mode == "train" else 1
                 for _ in range(handles):
                     _pseudo(tracer, consts.cublas_workspace_bytes, "cublas workspace", "workspaces")
-            for t in self.state.values():
+            held = (
+                self.state.values()
+                if self.state
+                else [local(t) for t in (*model.parameters(), *model.buffers())]
+            )
+            for t in held:
                 sid = tracer.register(t)
                 if sid is not None:
                     param_ids.add(sid)
+            if self.ddp is not None:
+                tracer.category = "buckets"
+                for t in self.ddp.buckets:
+                    tracer.register(t)
+                tracer.category = ""
             if self.optimizer is not None and not spec.offload_optimizer:
                 for t in _optimizer_tensors(self.optimizer):
                     sid = tracer.register(t)
@@ -284,7 +364,35 @@ class Session:
                 ) from exc
             del fake_batch
         categories = _categorize(tracer.trace, param_ids, grads, states, inputs)
+        if self.parallel is not None and self.parallel.zero_stage is not None:
+            return self._zero(tracer.trace, categories, batch_size, cudnn.calls > 0)
         return _Traced(tracer.trace, categories, batch_size, cudnn.calls > 0)
+
+    def _zero(
+        self, trace: Trace, categories: dict[int, str], batch_size: int | None, conv: bool
+    ) -> _Traced:
+        """The single-process trace with one rank's model states under a ZeRO stage."""
+        assert self.parallel is not None
+        params = self.parameter_count
+        param_bytes = self.params[0].element_size() if self.params else 4
+        state_elements = 0
+        if self.optimizer is not None and params:
+            state_elements = round(
+                sum(t.numel() for t in _optimizer_tensors(self.optimizer)) / params
+            )
+        half = self.spec.param_dtype is not None
+        states = zero_model_states(
+            self.parallel,
+            parameters=params,
+            param_bytes=param_bytes,
+            state_elements=state_elements,
+            largest_block=self.largest_block,
+            half=half,
+        )
+        self.zero_host = states.host
+        out = zero_trace(trace, categories, states)
+        cats = {sid: rec.category for sid, rec in enumerate(out.records)}
+        return _Traced(out, cats, batch_size, conv)
 
     def _train(
         self,
@@ -304,7 +412,7 @@ class Session:
                 if sid is not None:
                     grads.add(sid)
         phase("forward")
-        with spec.forward_context(), _offloaded(tracer, spec.offload_activations):
+        with spec.forward_context(), _saved_on_host(tracer, spec.offload_activations):
             out = call_model(self.model, batch)
             loss = spec.loss(out, batch)
         phase("backward")
@@ -314,7 +422,7 @@ class Session:
         del out, loss
         for p in self.params:
             if p.grad is not None:
-                sid = tracer.sid_of(p.grad)
+                sid = tracer.sid_of(local(p.grad))
                 if sid is not None:
                     grads.add(sid)
         if self.optimizer is not None and spec.offload_optimizer:
@@ -334,7 +442,7 @@ class Session:
 
 
 @contextlib.contextmanager
-def _offloaded(tracer: Tracer, on: bool) -> Iterator[None]:
+def _saved_on_host(tracer: Tracer, on: bool) -> Iterator[None]:
     """The saved tensors leave device memory in forward and come back in backward, as
     ``torch.autograd.graph.save_on_cpu`` does: packing drops autograd's reference (the
     tensor is freed where nothing else holds it) and unpacking allocates its copy."""
@@ -447,7 +555,7 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         for k, v in st.items():
             # Adam's ``step`` counter stays on the host unless ``capturable``.
             if isinstance(v, torch.Tensor) and not (k == "step" and v.numel() == 1):
-                yield v
+                yield local(v)
 
 
 def _fake_state(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -467,6 +575,40 @@ def _fake_state(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.
             made[id(t)] = f
         state[name] = made[id(t)]
     return state
+
+
+def _install_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Make ``state``'s fake tensors the model's own parameters and buffers (tied ones
+    stay tied), as a wrapper that replaces parameters (FSDP2's shards) needs them."""
+    made: dict[int, nn.Parameter] = {}
+    for name, t in state.items():
+        owner, _, attr = name.rpartition(".")
+        mod = model.get_submodule(owner)
+        if attr in mod._parameters:
+            p = made.get(id(t))
+            if p is None:
+                p = made[id(t)] = nn.Parameter(t, requires_grad=t.requires_grad)
+            mod._parameters[attr] = p
+        elif attr in mod._buffers:
+            mod._buffers[attr] = t
+
+
+def _offloaded(trace: Trace, categories: dict[int, str]) -> tuple[Trace, int]:
+    """One FSDP2 rank with CPU offload: its sharded parameters, gradients and optimizer
+    state (and the optimizer's step) are in host memory; the device keeps the rest."""
+    host = 0
+    records = []
+    for sid, rec in enumerate(trace.records):
+        cat = categories.get(sid, rec.category)
+        if cat in ("parameters", "gradients", "optimizer") or (
+            rec.phase == "optimizer" and cat == "temporaries"
+        ):
+            if cat != "temporaries":
+                host += rec.nbytes
+            rec = dataclasses.replace(rec, nbytes=0)
+        records.append(rec)
+    out = dataclasses.replace(trace, records=records)
+    return out, host
 
 
 def _fake_batch(batch: Any, mode: FakeTensorMode, tracer: Tracer, spec: StepSpec) -> Any:
@@ -510,7 +652,7 @@ def _categorize(
 ) -> dict[int, str]:
     cats: dict[int, str] = {}
     for sid, rec in enumerate(trace.records):
-        if rec.category:
+        if rec.category and sid not in grads and sid not in states:
             cats[sid] = rec.category
         elif sid in params:
             cats[sid] = "parameters"
@@ -561,6 +703,12 @@ def build_estimate(
     allocator_config: AllocatorConfig | None = None,
 ) -> Estimate:
     trace, target, spec = traced.trace, session.target, session.spec
+    par = session.parallel
+    host = 0
+    if par is not None and par.strategy == "fsdp" and par.offload:
+        trace, host = _offloaded(trace, traced.categories)
+    elif par is not None and par.zero_stage is not None:
+        host = session.zero_host
     logical, at = trace.peak()
     by_cat = dict.fromkeys(CATEGORIES, 0)
     for sid in trace.live_at(at):
@@ -585,6 +733,13 @@ def build_estimate(
         calibrated = same_gpu
         profile = cal.describe() if cal is not None else None
         uncertainty = _cuda_model.device_uncertainty(cal, same_gpu, traced.convolutions)
+        if par is not None and par.world_size > 1:
+            uncertainty += NCCL_UNCERTAINTY
+            notes.append(
+                f"NCCL's own buffers are outside PyTorch's allocator and not modelled: "
+                f"nvidia-smi may read up to {format_bytes(NCCL_UNCERTAINTY)} more per rank "
+                "(NVLS and many channels take the most)"
+            )
         for safe in (False, True):
             extra = context + (uncertainty if safe else 0)
             fits[safe] = reserved + extra <= budget
@@ -687,6 +842,10 @@ def build_estimate(
         time_breakdown=dict(timed.by_group) if timed else {},
         phase_seconds=dict(timed.by_phase) if timed else {},
         throughput=tp.source if tp else None,
+        parallel=par.describe() if par is not None else None,
+        world_size=par.world_size if par is not None else 1,
+        host_per_rank=host,
+        host_per_node=host * ((par.ranks_per_node or par.world_size) if par else 1),
     )
 
 
@@ -714,6 +873,7 @@ def open_session(
     offload_activations: bool = False,
     offload_optimizer: bool = False,
     grad_accumulation: bool = False,
+    parallel: Parallel | str | None = None,
 ) -> Session:
     """Check the arguments, resolve the device and build the model on fake tensors."""
     check_utilization(target_utilization)
@@ -730,10 +890,15 @@ def open_session(
         offload_optimizer=offload_optimizer,
         grad_accumulation=grad_accumulation,
     )
+    if isinstance(parallel, str):
+        parallel = Parallel.parse(parallel)
+    if parallel is not None and mode != "train":
+        raise EstimateError("parallel= estimates a training step; pass mode='train'")
     session = Session.open(
         model,
         spec,
         target,
+        parallel,
         task=task,
         image_size=image_size,
         trust_remote_code=trust_remote_code,

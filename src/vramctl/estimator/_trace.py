@@ -51,6 +51,7 @@ __all__ = [
     "Trace",
     "Tracer",
     "no_op_module_to",
+    "storage_resizes",
 ]
 
 #: Outputs up to this many elements get real values when their inputs have them.
@@ -181,6 +182,10 @@ class Tracer(TorchDispatchMode):
         #: storages are not the device's, and their costs are the host's (phase "host").
         self.host = False
         self._sid: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: storage -> [its live record's id, or None while resized to nothing]
+        self._cells: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: The category of the storages made now ("" for one decided after the trace).
+        self.category = ""
         #: fake tensor -> real tensor with its values, for input-derived tensors.
         self.known: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._assumed: set[tuple[str, str]] = set()
@@ -225,13 +230,15 @@ class Tracer(TorchDispatchMode):
         if nbytes == 0:
             return None
         sid = len(self.trace.records)
-        record = StorageRecord(nbytes, op, self.module, self.phase)
+        record = StorageRecord(nbytes, op, self.module, self.phase, category=self.category)
         if self.phase == "backward":
             record.node = self._node
         self.trace.records.append(record)
         self.trace.events.append(sid)
         self._sid[st] = sid
-        weakref.finalize(st, self._freed, sid)
+        cell: list[int | None] = [sid]
+        self._cells[st] = cell
+        weakref.finalize(st, self._freed_cell, cell)
         return sid
 
     def sid_of(self, t: torch.Tensor) -> int | None:
@@ -242,6 +249,37 @@ class Tracer(TorchDispatchMode):
         self.trace.events.append(~sid)
         self.trace.records[sid].freed_phase = self.phase
 
+    def _freed_cell(self, cell: list[int | None]) -> None:
+        if cell[0] is not None:
+            self._freed(cell[0])
+            cell[0] = None
+
+    def resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """A storage resized in place (``UntypedStorage.resize_``, as FSDP2 frees and
+        re-allocates its unsharded parameters): its old bytes are freed and ``nbytes`` are
+        allocated, a new record."""
+        if not self.record or self.host:
+            return
+        cell = self._cells.get(st)
+        if cell is not None and cell[0] is not None:
+            self._freed(cell[0])
+            cell[0] = None
+        if nbytes <= 0:
+            return
+        sid = len(self.trace.records)
+        record = StorageRecord(nbytes, "resize_", self.module, self.phase, category=self.category)
+        if self.phase == "backward":
+            record.node = self._node
+        self.trace.records.append(record)
+        self.trace.events.append(sid)
+        self._sid[st] = sid
+        if cell is None:
+            cell = [sid]
+            self._cells[st] = cell
+            weakref.finalize(st, self._freed_cell, cell)
+        else:
+            cell[0] = sid
+
     # -- dispatch -----------------------------------------------------------------
 
     def __torch_dispatch__(
@@ -251,6 +289,10 @@ class Tracer(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if any(t is not torch.Tensor and not issubclass(t, FakeTensor) for t in types):
+            # A tensor subclass (a DTensor): it runs its own operators on its local
+            # tensors, which come back here.
+            return NotImplemented
         kwargs = _on_host(kwargs or {})
         self.settle()
         self.trace.ops += 1
@@ -702,3 +744,26 @@ def _seeded(func: Any) -> bool:
 def _is_inplace(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
+
+
+@contextlib.contextmanager
+def storage_resizes(tracer: Tracer) -> Iterator[None]:
+    """``UntypedStorage.resize_`` seen by ``tracer``: FSDP2 frees a gathered parameter by
+    resizing its storage to nothing and allocates it again by resizing it back."""
+    cls = torch.UntypedStorage
+    own = "resize_" in cls.__dict__
+    original = cls.resize_
+
+    def resize_(st: torch.UntypedStorage, size: int) -> Any:
+        out = original(st, size)
+        tracer.resized(st, int(size))
+        return out
+
+    cls.resize_ = resize_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if own:
+            cls.resize_ = original  # type: ignore[method-assign]
+        else:
+            del cls.resize_
