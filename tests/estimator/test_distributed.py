@@ -267,3 +267,32 @@ def test_cli_estimates_a_rank() -> None:
     assert text.exit_code == 0 and "per rank: ddp over 2 ranks" in text.output
     bad = runner.invoke(app, ["estimate", "lstm", "--world-size", "4"])
     assert bad.exit_code != 0 and "need --parallel" in bad.output
+
+
+# -- the planner's parallel axis ----------------------------------------------------------
+
+
+def test_plan_prices_each_layout_per_rank() -> None:
+    def batch(b: int) -> torch.Tensor:
+        return torch.randn(b, 16, 1024)
+
+    result = vramctl.plan(
+        Blocks(1024),
+        batch,
+        device="6GiB",
+        effective_batch=16,
+        loss_fn=_loss,
+        precisions=["fp32"],
+        checkpointing=["none"],
+        offload=["none"],
+        optimizers=["adamw"],
+        parallel=["ddp:4", "fsdp:4", "zero2:3"],
+    )
+    assert any("zero2 over 3 ranks" in s and "do not divide" in s for s in result.skipped)
+    layouts = {p.parallel for p in result.plans}
+    assert layouts == {"ddp over 4 ranks", "fsdp over 4 ranks"}
+    for p in result.plans:
+        if p.fits:
+            assert p.effective_batch == 16 and p.data_parallel == 4
+            assert p.estimate is not None and p.estimate.parallel == p.parallel
+    assert result.best is not None and result.best.label.startswith(result.best.parallel or "")

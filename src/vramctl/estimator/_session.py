@@ -4,6 +4,7 @@ each trace replayed through the CUDA caching-allocator model into an :class:`Est
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import logging
@@ -148,6 +149,7 @@ class Session:
             s.state = _fake_state(model, spec.param_dtype)
             if parallel is not None:
                 s._wrap(parallel)
+                model = s.model
             with (
                 _reparametrize_module(model, s.state, tie_weights=True, strict=False),
                 step_mode(model, spec),
@@ -175,7 +177,7 @@ class Session:
         )
         if parallel.strategy not in ("ddp", "fsdp", "tp"):
             return  # ZeRO: the model states are priced after the trace
-        _install_state(model, self.state)
+        model = self.model = _private_copy(model, self.state)
         self.state = {}
         if parallel.strategy in ("fsdp", "tp"):
             self.world = FakeWorld(parallel.world_size)
@@ -577,20 +579,30 @@ def _fake_state(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.
     return state
 
 
-def _install_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Make ``state``'s fake tensors the model's own parameters and buffers (tied ones
-    stay tied), as a wrapper that replaces parameters (FSDP2's shards) needs them."""
-    made: dict[int, nn.Parameter] = {}
-    for name, t in state.items():
-        owner, _, attr = name.rpartition(".")
-        mod = model.get_submodule(owner)
-        if attr in mod._parameters:
-            p = made.get(id(t))
-            if p is None:
-                p = made[id(t)] = nn.Parameter(t, requires_grad=t.requires_grad)
-            mod._parameters[attr] = p
-        elif attr in mod._buffers:
-            mod._buffers[attr] = t
+def _private_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are ``state``'s fake tensors (tied
+    ones stay tied), for a wrapper that changes the model it wraps (FSDP2 swaps in its
+    shards, DDP's stand-in adds hooks): the model given is left as it was, and no weight is
+    copied."""
+    memo: dict[int, Any] = {}
+    named: list[tuple[str, torch.Tensor]] = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, t in named:
+        if id(t) not in memo and name in state:
+            fake = state[name]
+            memo[id(t)] = (
+                nn.Parameter(fake, requires_grad=t.requires_grad)
+                if isinstance(t, nn.Parameter)
+                else fake
+            )
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:
+        raise EstimateError(
+            f"could not copy {type(model).__name__} to wrap it: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _offloaded(trace: Trace, categories: dict[int, str]) -> tuple[Trace, int]:

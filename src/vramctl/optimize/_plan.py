@@ -9,6 +9,13 @@ combination's largest micro-batch that fits comes from
 divide the effective batch), and its time from the estimate's step time: ``accumulation``
 forward and backward passes and one optimizer step. Nothing runs on the device.
 
+With ``parallel`` (a list of layouts, e.g. ``["ddp:8", "fsdp:8", "zero2:8"]``) each layout
+is one more axis value: the step is priced per rank (:func:`vramctl.estimate`'s
+``parallel=``), and the effective batch is split over the data-parallel ranks first (each
+rank's share is ``effective_batch / world_size``; tensor parallel ranks share one batch).
+Communication time is not priced: layouts compare by their ranks' compute and by the
+accumulation their memory forces.
+
 The result keeps every combination: the fastest that fits, the runner-up, and why each
 other was rejected (does not fit, or slower than the best by so much).
 """
@@ -31,6 +38,7 @@ from vramctl.device import ComputeCapability, Device
 from vramctl.estimator import (
     Estimate,
     EstimateError,
+    Parallel,
     Target,
     max_batch_size,
     resolve_source,
@@ -73,10 +81,15 @@ class Plan:
     #: How the plan was priced ("traced", or "formula" for one derived from a trace).
     priced: str = "traced"
     estimate: Estimate | None = field(default=None, compare=False, repr=False)
+    #: The distributed layout (``Parallel.describe()``); None for one process.
+    parallel: str | None = None
+    #: Ranks the effective batch is split over (the data-parallel ranks).
+    data_parallel: int = 1
+    layout: Parallel | None = field(default=None, compare=False, repr=False)
 
     @property
     def effective_batch(self) -> int:
-        return self.micro_batch * self.accumulation
+        return self.micro_batch * self.accumulation * self.data_parallel
 
     @property
     def samples_per_second(self) -> float | None:
@@ -87,7 +100,8 @@ class Plan:
     @property
     def label(self) -> str:
         """A short description: ``amp-bf16, selective, micro 16 x 16, adamw-fused``."""
-        parts = [self.precision + ("+tf32" if self.tf32 else "")]
+        parts = [self.parallel] if self.parallel else []
+        parts.append(self.precision + ("+tf32" if self.tf32 else ""))
         parts.append(f"ckpt {self.checkpointing}")
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
@@ -112,6 +126,8 @@ class Plan:
             "samples_per_second": self.samples_per_second,
             "priced": self.priced,
             "rejected": self.rejected,
+            "parallel": self.parallel,
+            "data_parallel": self.data_parallel,
         }
 
     def apply(
@@ -264,6 +280,7 @@ def plan(
     target_utilization: float = 0.9,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     progress: Callable[[str], None] | None = None,
+    parallel: list[Parallel | str] | Parallel | str | None = None,
 ) -> PlanResult:
     """The fastest plan that fits ``device`` at ``effective_batch`` samples per step.
 
@@ -277,6 +294,9 @@ def plan(
 
     ``mode="infer"`` prices precision and micro-batch only (no optimizer, no
     checkpointing).
+
+    ``parallel`` adds distributed layouts as an axis (see the module's description); the
+    micro-batch and peak of such a plan are one rank's.
     """
     t0 = time.perf_counter()
     if effective_batch < 1:
@@ -316,49 +336,13 @@ def plan(
 
     plans: list[Plan] = []
     first_opts = [o for o in opts if o != "adamw-fused"] if len(opts) > 1 else opts
-    for prec in precs:
-        # Checkpointing and offloading only buy a larger micro-batch, at a cost in time:
-        # once a cheaper combination runs the whole effective batch in one micro-batch,
-        # the dearer ones cannot be faster and are not priced.
-        whole: str | None = None
-        for kind in kinds:
-            for off in offloads:
-                if whole is not None:
-                    plans.append(
-                        Plan(
-                            precision=prec,
-                            checkpointing=kind,
-                            offload=off,
-                            optimizer=first_opts[0],
-                            micro_batch=effective_batch,
-                            accumulation=1,
-                            tf32=tf32 and prec == "fp32",
-                            budget_bytes=int(target.capacity * target_utilization),
-                            rejected=f"not priced: {whole} already runs the whole effective "
-                            "batch at once, and this adds recomputation or copies",
-                            priced="pruned",
-                        )
-                    )
-                    continue
-                if progress is not None:
-                    progress(f"{prec}, checkpointing {kind}, offload {off}")
-                priced = _price(
-                    module,
-                    batch_fn,
-                    target,
-                    mode=mode,
-                    precision=prec,
-                    kind=kind,
-                    offload=off,
-                    optimizers=first_opts,
-                    effective_batch=effective_batch,
-                    tf32=tf32 and prec == "fp32",
-                    target_utilization=target_utilization,
-                    loss_fn=loss_fn,
-                )
-                plans += priced
-                if any(p.fits and p.accumulation == 1 for p in priced):
-                    whole = f"checkpointing {kind}, offload {off}"
+    layouts = _layouts(parallel, mode, effective_batch, skipped)
+    for layout in layouts:
+        plans += _price_layout(
+            layout, module, batch_fn, target, precs, kinds, offloads, first_opts,
+            mode=mode, effective_batch=effective_batch, tf32=tf32,
+            target_utilization=target_utilization, loss_fn=loss_fn, progress=progress,
+        )  # fmt: skip
     if "adamw-fused" in opts and len(opts) > 1:
         # the fused kernel changes the optimizer step alone: priced for the fastest three
         top = sorted(
@@ -399,6 +383,115 @@ def plan(
         notes=tuple(notes),
         elapsed=time.perf_counter() - t0,
     )
+
+
+def _layouts(
+    parallel: list[Parallel | str] | Parallel | str | None,
+    mode: str,
+    effective_batch: int,
+    skipped: list[str],
+) -> list[Parallel | None]:
+    """The layouts to price: one process, or each given one whose data-parallel ranks
+    divide the effective batch."""
+    if parallel is None:
+        return [None]
+    if mode != "train":
+        raise OptimizeError("parallel layouts are priced for training (mode='train')")
+    given = parallel if isinstance(parallel, list) else [parallel]
+    out: list[Parallel | None] = []
+    for p in given:
+        try:
+            layout = Parallel.parse(p) if isinstance(p, str) else p
+        except EstimateError as exc:
+            raise OptimizeError(str(exc)) from exc
+        dp = _data_parallel(layout)
+        if effective_batch % dp:
+            skipped.append(
+                f"{layout.describe()}: {dp} data-parallel ranks do not divide the effective "
+                f"batch {effective_batch}"
+            )
+            continue
+        out.append(layout)
+    if not out:
+        raise OptimizeError("no parallel layout divides the effective batch: " + skipped[-1])
+    return out
+
+
+def _data_parallel(layout: Parallel | None) -> int:
+    return 1 if layout is None or layout.strategy == "tp" else layout.world_size
+
+
+def _price_layout(
+    layout: Parallel | None,
+    module: nn.Module,
+    batch_fn: Callable[[int], Any],
+    target: Target,
+    precs: list[str],
+    kinds: list[str],
+    offloads: list[str],
+    first_opts: list[str],
+    *,
+    mode: str,
+    effective_batch: int,
+    tf32: bool,
+    target_utilization: float,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    progress: Callable[[str], None] | None,
+) -> list[Plan]:
+    """Every (precision, checkpointing, offload) of one layout, at each rank's share of the
+    effective batch."""
+    dp = _data_parallel(layout)
+    share = effective_batch // dp
+    plans: list[Plan] = []
+    where = f"{layout.describe()}, " if layout is not None else ""
+    label = layout.describe() if layout is not None else None
+    for prec in precs:
+        # Checkpointing and offloading only buy a larger micro-batch, at a cost in time:
+        # once a cheaper combination runs the whole effective batch in one micro-batch,
+        # the dearer ones cannot be faster and are not priced.
+        whole: str | None = None
+        for kind in kinds:
+            for off in offloads:
+                if whole is not None:
+                    plans.append(
+                        Plan(
+                            precision=prec,
+                            checkpointing=kind,
+                            offload=off,
+                            optimizer=first_opts[0],
+                            micro_batch=share,
+                            accumulation=1,
+                            tf32=tf32 and prec == "fp32",
+                            budget_bytes=int(target.capacity * target_utilization),
+                            rejected=f"not priced: {whole} already runs the whole effective "
+                            "batch at once, and this adds recomputation or copies",
+                            priced="pruned",
+                            parallel=label,
+                            data_parallel=dp,
+                        )
+                    )
+                    continue
+                if progress is not None:
+                    progress(f"{where}{prec}, checkpointing {kind}, offload {off}")
+                priced = _price(
+                    module,
+                    batch_fn,
+                    target,
+                    mode=mode,
+                    precision=prec,
+                    kind=kind,
+                    offload=off,
+                    optimizers=first_opts,
+                    effective_batch=share,
+                    tf32=tf32 and prec == "fp32",
+                    target_utilization=target_utilization,
+                    loss_fn=loss_fn,
+                    layout=layout,
+                )
+                plans += priced
+                if any(p.fits and p.accumulation == 1 for p in priced):
+                    whole = f"checkpointing {kind}, offload {off}"
+    return plans
 
 
 def _materialize(
@@ -446,6 +539,7 @@ def _price(
     tf32: bool,
     target_utilization: float,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    layout: Parallel | None = None,
 ) -> list[Plan]:
     """The plans of one (precision, checkpointing, offload): the largest micro-batch that
     fits with AdamW, then each other optimizer at that micro-batch."""
@@ -458,6 +552,9 @@ def _price(
         accumulation=0,
         tf32=tf32,
         budget_bytes=int(target.capacity * target_utilization),
+        parallel=layout.describe() if layout is not None else None,
+        data_parallel=_data_parallel(layout),
+        layout=layout,
     )
     undo = apply_checkpointing(module, kind) if kind != "none" else (lambda: None)
     try:
@@ -478,6 +575,7 @@ def _price(
                     offload_optimizer="optimizer" in offload,
                     # a micro-batch after the first holds the earlier ones' gradients
                     grad_accumulation=mode == "train" and effective_batch > 1,
+                    parallel=layout,
                 )
 
             try:
@@ -637,6 +735,7 @@ def _at(
                 offload_activations="activations" in offload,
                 offload_optimizer="optimizer" in offload,
                 grad_accumulation=mode == "train" and micro < effective_batch,
+                parallel=base.layout,
             )
         except VramctlError as exc:
             return replace(
