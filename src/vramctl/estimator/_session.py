@@ -897,7 +897,9 @@ def open_session(
         checkpointing=checkpointing,
         loss_fn=loss_fn,
         autocast_device="cpu",
-        foreach=True if target.cuda else None,
+        # Tensor parallel mixes sharded and whole parameters, which the multi-tensor
+        # (foreach) kernels refuse: its optimizer steps one parameter at a time.
+        foreach=True if target.cuda and not _is_tp(parallel) else None,
         offload_activations=offload_activations,
         offload_optimizer=offload_optimizer,
         grad_accumulation=grad_accumulation,
@@ -919,6 +921,12 @@ def open_session(
     session.allocator_config = allocator_config
     session.safe = safe
     return session
+
+
+def _is_tp(parallel: Parallel | str | None) -> bool:
+    if isinstance(parallel, str):
+        return parallel.strip().lower().startswith("tp")
+    return parallel is not None and parallel.strategy == "tp"
 
 
 def make_batch_for(
