@@ -76,6 +76,10 @@ __all__ = ["NCCL_UNCERTAINTY", "Session", "build_estimate", "make_batch_for", "o
 NCCL_UNCERTAINTY = 1 << 30
 
 
+def _nothing() -> None:
+    return None
+
+
 # -- one session: a fake model, traced at one or more batches ------------------------
 
 
@@ -407,7 +411,7 @@ class Session:
         phase: Callable[[str], None],
         grads: set[int],
         states: set[int],
-        release: Callable[[], None] = lambda: None,  # noqa: E731
+        release: Callable[[], None] = _nothing,
     ) -> None:
         assert self.model is not None
         spec = self.spec
@@ -927,10 +931,6 @@ def open_session(
     session.allocator_config = allocator_config
     session.safe = safe
     return session
-
-
-def _nothing() -> None:
-    return None
 
 
 def _is_tp(parallel: Parallel | str | None) -> bool:
