@@ -76,10 +76,6 @@ __all__ = ["NCCL_UNCERTAINTY", "Session", "build_estimate", "make_batch_for", "o
 NCCL_UNCERTAINTY = 1 << 30
 
 
-def _nothing() -> None:
-    return None
-
-
 # -- one session: a fake model, traced at one or more batches ------------------------
 
 
@@ -411,7 +407,7 @@ class Session:
         phase: Callable[[str], None],
         grads: set[int],
         states: set[int],
-        release: Callable[[], None] = _nothing,
+        release: Callable[[], None] = lambda: None,  # noqa: E731
     ) -> None:
         assert self.model is not None
         spec = self.spec
@@ -931,6 +927,10 @@ def open_session(
     session.allocator_config = allocator_config
     session.safe = safe
     return session
+
+
+def _nothing() -> None:
+    return None
 
 
 def _is_tp(parallel: Parallel | str | None) -> bool:
