@@ -32,7 +32,6 @@ __all__ = [
     "DDPStandIn",
     "FakeWorld",
     "fsdp_categories",
-    "gloo_clones",
     "local",
     "zero_model_states",
     "zero_trace",
@@ -40,10 +39,6 @@ __all__ = [
 
 #: DDP's first bucket is capped at 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``).
 FIRST_BUCKET_BYTES = 1024 * 1024
-#: gloo's reduce-scatter clones kept alive at once: its worker thread lets go of a finished
-#: work asynchronously, and one rank was measured holding the previous clone still while
-#: the next reduce-scatter copied its input (the other ranks had let it go).
-GLOO_CLONES_LIVE = 2
 #: DDP broadcasts buffers in flat chunks of up to 250 MiB.
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
@@ -216,33 +211,6 @@ def fsdp_categories(tracer: Tracer) -> Iterator[None]:
     finally:
         for name, fn in originals.items():
             setattr(FSDPParamGroup, name, fn)
-
-
-@contextlib.contextmanager
-def gloo_clones() -> Iterator[Callable[[], None]]:
-    """gloo's reduce-scatter on CPU tensors clones its input in the calling thread, and the
-    clone lives until gloo's worker lets go of the finished work: modelled as freed once
-    :data:`GLOO_CLONES_LIVE` later reduce-scatters have started, or when the returned
-    function is called (backward's end). NCCL copies nothing; a CUDA target has none."""
-    import torch.distributed as dist
-
-    held: list[torch.Tensor] = []
-    original = dist.reduce_scatter_single
-
-    def release() -> None:
-        held.clear()
-
-    def reduce_scatter_single(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
-        del held[: max(0, len(held) - GLOO_CLONES_LIVE + 1)]
-        held.append(torch.empty_like(input))
-        return original(output, input, *args, **kwargs)
-
-    dist.reduce_scatter_single = reduce_scatter_single
-    try:
-        yield release
-    finally:
-        dist.reduce_scatter_single = original
-        release()
 
 
 def wrap_fake(model: nn.Module, parallel: Parallel) -> DDPStandIn | None:

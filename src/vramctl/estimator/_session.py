@@ -38,7 +38,6 @@ from vramctl.estimator._distributed import (
     DDPStandIn,
     FakeWorld,
     fsdp_categories,
-    gloo_clones,
     local,
     wrap_fake,
     zero_model_states,
@@ -307,11 +306,8 @@ class Session:
                 es.enter_context(cuda_autocast())
             es.enter_context(tracer)
             es.enter_context(storage_resizes(tracer))
-            release = _nothing
             if self.parallel is not None and self.parallel.strategy == "fsdp":
                 es.enter_context(fsdp_categories(tracer))
-                if not self.target.cuda:  # gloo, where NCCL would copy nothing
-                    release = es.enter_context(gloo_clones())
             if self.target.cuda:
                 handles = consts.train_handles if spec.mode == "train" else 1
                 for _ in range(handles):
@@ -345,7 +341,7 @@ class Session:
             es.callback(h2.remove)
             try:
                 if spec.mode == "train":
-                    self._train(fake_batch, tracer, phase, grads, states, release)
+                    self._train(fake_batch, tracer, phase, grads, states)
                 else:
                     run_step(model, fake_batch, spec, None, phase)
             except VramctlError:
@@ -407,7 +403,6 @@ class Session:
         phase: Callable[[str], None],
         grads: set[int],
         states: set[int],
-        release: Callable[[], None] = lambda: None,  # noqa: E731
     ) -> None:
         assert self.model is not None
         spec = self.spec
@@ -425,7 +420,6 @@ class Session:
         phase("backward")
         tracer.module = "loss"
         loss.backward()
-        release()
         tracer.settle()
         del out, loss
         for p in self.params:
@@ -927,10 +921,6 @@ def open_session(
     session.allocator_config = allocator_config
     session.safe = safe
     return session
-
-
-def _nothing() -> None:
-    return None
 
 
 def _is_tp(parallel: Parallel | str | None) -> bool:
