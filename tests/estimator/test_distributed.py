@@ -296,3 +296,13 @@ def test_plan_prices_each_layout_per_rank() -> None:
             assert p.effective_batch == 16 and p.data_parallel == 4
             assert p.estimate is not None and p.estimate.parallel == p.parallel
     assert result.best is not None and result.best.label.startswith(result.best.parallel or "")
+
+
+def test_the_model_given_is_left_as_it_was() -> None:
+    model = Blocks()
+    before = {n: (type(p), p.data_ptr()) for n, p in model.named_parameters()}
+    estimate(model, torch.randn(8, 256), device="cpu", loss_fn=_loss, parallel="fsdp:2")
+    estimate(model, torch.randn(8, 256), device="cpu", loss_fn=_loss, parallel="ddp:2")
+    assert type(model) is Blocks
+    assert {n: (type(p), p.data_ptr()) for n, p in model.named_parameters()} == before
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())  # type: ignore[attr-defined]
