@@ -55,6 +55,7 @@ def test_json_reports_every_input_used_defaults_included() -> None:
         "safe": True,
         "max_batch": False,
         "max_length": False,
+        "parallel": None,
     }
     est = doc["estimates"][0]
     assert est["seq_len"] == 256 and est["optimizer"] == "adamw"
