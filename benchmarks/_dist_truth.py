@@ -112,55 +112,18 @@ def measure(
     return [int(r["peak"]) for r in rows]
 
 
-def measure_whole(
-    model: str,
-    parallel: Any,
-    *,
-    batch_size: int,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    lengths: dict[str, Any] | None = None,
-    timeout: float = 300.0,
-) -> list[int]:
-    """The same peaks as :func:`measure`, counted instead from every allocation the profiler
-    saw over the rank's whole life (from before the model is built): a check of
-    :func:`measure`'s baseline."""
-    rows = run_ranks(
-        "whole",
-        model,
-        parallel,
-        batch_size=batch_size,
-        precision=precision,
-        optimizer=optimizer,
-        lengths=lengths,
-        timeout=timeout,
-    )
-    return [int(r["peak"]) for r in rows]
+def measure_whole(model: str, parallel: Any, **kwargs: Any) -> list[int]:
+    """The same peaks as :func:`measure` (and its keywords), counted instead from every
+    allocation the profiler saw over the rank's whole life (from before the model is
+    built): a check of :func:`measure`'s baseline."""
+    return [int(r["peak"]) for r in run_ranks("whole", model, parallel, **kwargs)]
 
 
-def measure_both(
-    model: str,
-    parallel: Any,
-    *,
-    batch_size: int,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    lengths: dict[str, Any] | None = None,
-    timeout: float = 300.0,
-) -> tuple[list[int], list[int]]:
+def measure_both(model: str, parallel: Any, **kwargs: Any) -> tuple[list[int], list[int]]:
     """``(measure, measure_whole)``'s figures from one set of ranks: the whole-life profile
     of :func:`measure_whole`, with :func:`measure`'s baseline taken from Python's view of
     the same rank just before the measured step. The check at half the cost."""
-    rows = run_ranks(
-        "whole",
-        model,
-        parallel,
-        batch_size=batch_size,
-        precision=precision,
-        optimizer=optimizer,
-        lengths=lengths,
-        timeout=timeout,
-    )
+    rows = run_ranks("whole", model, parallel, **kwargs)
     return [int(r["python_peak"]) for r in rows], [int(r["peak"]) for r in rows]
 
 
@@ -374,7 +337,7 @@ def _setup(job: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     parallel = Parallel(**job["parallel"])
     torch.manual_seed(0)
     spec = StepSpec(mode="train", precision=job["precision"], optimizer=job["optimizer"])
-    model = zoo.build(job["model"])
+    model: Any = zoo.build(job["model"])
     if getattr(getattr(model, "config", None), "layerdrop", 0.0):
         model.config.layerdrop = 0.0  # the step that drops no layer, as the estimate
     if spec.param_dtype is not None:
@@ -386,7 +349,7 @@ def _setup(job: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
         if v.is_floating_point():
             v = v.normal_().to(spec.param_dtype or v.dtype)
         data[k] = v
-    params = [p for p in wrapped.parameters() if p.requires_grad]
+    params: list[Any] = [p for p in wrapped.parameters() if p.requires_grad]
     opt = spec.make_optimizer(params)
     if opt is not None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ import _dist_truth  # noqa: E402
 pytestmark = pytest.mark.slow
 
 #: A small LSTM step: starting the ranks and building the model are most of the time.
-KW = {"batch_size": 1, "lengths": {"seq_len": 16}, "timeout": 120.0}
+KW: dict[str, Any] = {"batch_size": 1, "lengths": {"seq_len": 16}, "timeout": 120.0}
 
 
 @pytest.mark.parametrize(
