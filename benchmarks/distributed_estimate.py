@@ -24,6 +24,7 @@ measured rows, and ``rows``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -31,6 +32,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,13 +101,15 @@ def deepspeed_states(stage: int, params: int, largest: int, world: int) -> int |
     return int(gpu)
 
 
-class _quiet_deepspeed:
-    def __enter__(self) -> None:
-        self.level = logging.getLogger("DeepSpeed").level
-        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger("DeepSpeed").setLevel(self.level)
+@contextlib.contextmanager
+def _quiet_deepspeed() -> Iterator[None]:
+    log = logging.getLogger("DeepSpeed")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def largest_block(name: str) -> int:
@@ -206,7 +210,9 @@ def main() -> int:
                 f"{format_bytes(z['model_states']):>14}"
                 f"{format_bytes(ds) if ds else 'not installed':>18}"
             )
-    errors = [r.error_pct for r in rows if r.error_pct is not None]
+    figures = _common.error_stats(
+        [(r.predicted, max(r.measured) if r.measured else None) for r in rows]
+    )
     for r in rows:
         if r.error:
             print(f"# {r.model} {r.layout} x{r.world}: {r.error}", file=sys.stderr)
@@ -214,11 +220,11 @@ def main() -> int:
         "benchmark": "distributed_estimate",
         "quick": args.quick,
         "device": platform.processor() or "cpu",
-        "rows": len(errors),
+        "rows": figures["rows"],
         "failed_rows": sum(1 for r in rows if r.error),
-        "median_error_pct": round(statistics.median(abs(e) for e in errors), 3) if errors else None,
-        "max_error_pct": round(max(abs(e) for e in errors), 3) if errors else None,
-        "worst_underestimate_pct": round(max([0.0] + [-e for e in errors]), 3) if errors else None,
+        "median_error_pct": figures["median_pct"],
+        "max_error_pct": figures["max_pct"],
+        "worst_underestimate_pct": figures["worst_under_pct"],
         "by_row": {
             f"{r.model} {r.layout} x{r.world}": None
             if r.error_pct is None

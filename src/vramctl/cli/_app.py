@@ -528,9 +528,8 @@ def estimate_cmd(
         console.print(f"note: {n}", highlight=False, soft_wrap=True)
     if best is not None:
         if max_batch:
-            for line in max_batch_lines(best, batch_fn):
-                if last.parallel:
-                    line = line.replace("largest batch", "largest micro-batch per rank")
+            what = "micro-batch per rank" if last.parallel else "batch"
+            for line in max_batch_lines(best, batch_fn, what):
                 console.print(line, highlight=False, soft_wrap=True)
         if best.max_length is not None:
             ceiling = ""

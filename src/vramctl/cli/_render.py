@@ -252,17 +252,17 @@ def estimate_table(results: list[Estimate]) -> Table:
     return table
 
 
-def max_batch_lines(best: MaxBatch, batch_fn: str | None = None) -> list[str]:
+def max_batch_lines(best: MaxBatch, batch_fn: str | None = None, what: str = "batch") -> list[str]:
     """What ``estimate --max-batch`` says: the answer and what it rests on, or that there
-    is none up to where the search could go."""
+    is none up to where the search could go (``what``: "batch", or "micro-batch per rank")."""
     lines: list[str] = []
     per = f"{format_bytes(best.per_sample)} per sample"
     if best.limit_found and best.batch_size == 0:
-        lines.append("largest batch that fits: [bold]none[/] (batch 1 does not fit)")
+        lines.append(f"largest {what} that fits: [bold]none[/] (batch 1 does not fit)")
     elif best.limit_found:
         n = best.batch_size
         lines.append(
-            f"largest batch that fits: [bold]{n}[/] ({per}; traced: {n} fits, {n + 1} does not)"
+            f"largest {what} that fits: [bold]{n}[/] ({per}; traced: {n} fits, {n + 1} does not)"
         )
     else:
         why = {
@@ -273,7 +273,7 @@ def max_batch_lines(best: MaxBatch, batch_fn: str | None = None) -> list[str]:
             "traces": "the search used up its traces",
         }.get(best.stopped_by or "", "the search's end")
         lines.append(
-            f"largest batch that fits: [bold]no limit found up to {best.batch_size}[/]: every "
+            f"largest {what} that fits: [bold]no limit found up to {best.batch_size}[/]: every "
             f"batch traced fits ({per}); the search stopped there ({why}), larger batches may "
             "fit too"
         )

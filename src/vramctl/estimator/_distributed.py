@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -221,16 +222,10 @@ def wrap_fake(model: nn.Module, parallel: Parallel) -> DDPStandIn | None:
         if parallel.strategy == "fsdp" and parallel.offload:
             # CPUOffloadPolicy needs a CUDA mesh; the rank's host-side state is priced by
             # moving the sharded parameters, gradients and optimizer state off the device.
-            parallel = _replace(parallel, offload=False)
+            parallel = dataclasses.replace(parallel, offload=False)
         parallelize(model, parallel)
         return None
     return None
-
-
-def _replace(p: Parallel, **changes: Any) -> Parallel:
-    import dataclasses
-
-    return dataclasses.replace(p, **changes)
 
 
 # -- ZeRO ---------------------------------------------------------------------------------

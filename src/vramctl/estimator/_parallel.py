@@ -20,7 +20,6 @@ and the estimator's model on fake tensors, so what is estimated is what runs:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +35,6 @@ __all__ = [
     "Parallel",
     "ParallelError",
     "parallelize",
-    "shard_bytes",
 ]
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "tp")
@@ -204,15 +202,6 @@ def _value(name: str, default: Any, value: str, eq: str, negated: bool) -> Any:
         return float(value) if isinstance(default, float) else int(float(value))
     except ValueError:
         raise ParallelError(f"parallel option {name} takes a number, got {value!r}") from None
-
-
-def shard_bytes(numel: int, element_size: int, world_size: int, dim0: int | None = None) -> int:
-    """Bytes one rank holds of a tensor sharded on dim 0 as FSDP2 pads it: ``ceil(dim0 /
-    world)`` rows of ``numel / dim0`` elements."""
-    if dim0 is None or dim0 == 0:
-        return math.ceil(numel / world_size) * element_size
-    rows = math.ceil(dim0 / world_size)
-    return rows * (numel // dim0) * element_size
 
 
 # -- applying a layout to a model -----------------------------------------------------------

@@ -229,16 +229,21 @@ class Tracer(TorchDispatchMode):
         nbytes = max(st.nbytes(), nbytes or 0)
         if nbytes == 0:
             return None
+        sid = self._allocated(nbytes, op)
+        self._sid[st] = sid
+        cell: list[int | None] = [sid]
+        self._cells[st] = cell
+        weakref.finalize(st, self._freed_cell, cell)
+        return sid
+
+    def _allocated(self, nbytes: int, op: str) -> int:
+        """A new record of ``nbytes`` made now by ``op``, and its allocation event."""
         sid = len(self.trace.records)
         record = StorageRecord(nbytes, op, self.module, self.phase, category=self.category)
         if self.phase == "backward":
             record.node = self._node
         self.trace.records.append(record)
         self.trace.events.append(sid)
-        self._sid[st] = sid
-        cell: list[int | None] = [sid]
-        self._cells[st] = cell
-        weakref.finalize(st, self._freed_cell, cell)
         return sid
 
     def sid_of(self, t: torch.Tensor) -> int | None:
@@ -266,12 +271,7 @@ class Tracer(TorchDispatchMode):
             cell[0] = None
         if nbytes <= 0:
             return
-        sid = len(self.trace.records)
-        record = StorageRecord(nbytes, "resize_", self.module, self.phase, category=self.category)
-        if self.phase == "backward":
-            record.node = self._node
-        self.trace.records.append(record)
-        self.trace.events.append(sid)
+        sid = self._allocated(nbytes, "resize_")
         self._sid[st] = sid
         if cell is None:
             cell = [sid]
