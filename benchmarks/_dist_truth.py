@@ -473,6 +473,7 @@ def _window(prof: Any, job: dict[str, Any]) -> dict[str, Any]:
 
     # (time, size, ptr, thread, running total)
     allocs: list[tuple[int, int, int, int, int]] = []
+    where: dict[tuple[int, int], Any] = {}  # (time, ptr) -> the allocation's event
     window: tuple[int, int, int] | None = None  # (start, end, thread)
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -484,6 +485,7 @@ def _window(prof: Any, job: dict[str, Any]) -> dict[str, Any]:
             allocs.append(
                 (node.start_time_ns, f.alloc_size, f.ptr, node.start_tid, f.total_allocated)
             )
+            where[(node.start_time_ns, f.ptr)] = node
         elif kind == _EventType.TorchOp and _name(node) == MARKER:
             window = (node.start_time_ns, node.end_time_ns, node.start_tid)
     if window is None:
@@ -495,6 +497,7 @@ def _window(prof: Any, job: dict[str, Any]) -> dict[str, Any]:
     live = other = ev_start = ev_peak = other_peak = other_at_peak = 0
     total_start: int | None = None
     total_peak = 0
+    peak_at: tuple[int, int] | None = None
     for t, size, ptr, tid, total in allocs:
         if t > end:
             break
@@ -508,7 +511,8 @@ def _window(prof: Any, job: dict[str, Any]) -> dict[str, Any]:
             continue
         if total_start is None:
             total_start = total - size  # the total just before the step's first event
-        total_peak = max(total_peak, total)
+        if total > total_peak:
+            total_peak, peak_at = total, (t, ptr)
         if live > ev_peak:
             ev_peak, other_at_peak = live, other
         other_peak = max(other_peak, other)
@@ -527,6 +531,7 @@ def _window(prof: Any, job: dict[str, Any]) -> dict[str, Any]:
         "other_threads_at_peak": other_at_peak,
         "counted": counted,
         "step_ns": end - start,
+        "peak_in": _callers(where.get(peak_at)) if peak_at else [],
     }
     if job.get("timeline"):
         out.update(_timeline_step(prof, start, end))
@@ -554,6 +559,17 @@ def _timeline_step(prof: Any, start: int, end: int) -> dict[str, Any]:
         else:
             peak = max(peak, live)
     return {"timeline_step": max(peak, at_start) - at_start}
+
+
+def _callers(node: Any) -> list[str]:
+    """The names of the operators around an allocation, innermost first (the allocator's
+    peak: where in the step it happened)."""
+    names: list[str] = []
+    node = getattr(node, "parent", None)
+    while node is not None and len(names) < 8:
+        names.append(_name(node))
+        node = node.parent
+    return names
 
 
 def _name(node: Any) -> str:

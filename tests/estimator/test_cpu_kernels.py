@@ -144,3 +144,28 @@ class TruncInit(nn.Module):
 def test_loops_on_unknown_values_end_at_build_and_in_the_step() -> None:
     est = vramctl.estimate(TruncInit, torch.randn(4, 64), mode="infer", device="cpu")
     assert any("then false" in a for a in est.assumptions)
+
+
+def test_a_rank_probes_kernels_with_its_own_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model, batch = PosConv(), torch.randn(2, 256, 50)
+        _cpu_kernels.probe_cache_clear()
+        two = vramctl.estimate(model, batch, device="cpu").breakdown["workspaces"]
+        with _cpu_kernels.rank_threads(1) as alone:
+            assert alone == torch.get_num_threads() == 2  # one rank on the host: as it is
+        with _cpu_kernels.rank_threads(4) as shared:
+            # torchrun starts each of several ranks with one intra-op thread
+            assert shared == torch.get_num_threads() == 1
+            one = vramctl.estimate(model, batch, device="cpu").breakdown["workspaces"]
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        with _cpu_kernels.rank_threads(4) as told:
+            assert told == torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+        _cpu_kernels.probe_cache_clear()
+    # oneDNN's weight-gradient reduction keeps a copy per thread
+    assert 0 < one < two

@@ -6,6 +6,7 @@ per-rank peaks of gloo runs are compared in test_distributed_truth.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -153,6 +154,28 @@ def test_fsdp_mixed_precision_gathers_half_parameters() -> None:
     half = _est("fsdp:4,param_dtype=bf16")
     assert half.breakdown["parameters"] == full.breakdown["parameters"]  # fp32 shards
     assert half.breakdown["unsharded"] < full.breakdown["unsharded"]
+
+
+def test_a_gloo_reduce_scatter_holds_a_copy_of_its_input() -> None:
+    from torch.profiler import profile
+
+    from vramctl.estimator._distributed import FakeWorld, _gloo_reduce_scatter_copies
+
+    def allocated(copies: bool) -> list[int]:
+        grads, shard = torch.ones(1 << 16), torch.empty(1 << 15)
+        copying = _gloo_reduce_scatter_copies() if copies else contextlib.nullcontext()
+        with profile(profile_memory=True) as prof, copying:
+            dist.reduce_scatter_single(shard, grads)
+        return [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+
+    original = dist.reduce_scatter_single
+    world = FakeWorld(2)
+    try:
+        assert 4 << 16 not in allocated(False)  # the fake group reduces nothing
+        assert 4 << 16 in allocated(True)  # gloo's copy of the whole input
+    finally:
+        world.close()
+    assert dist.reduce_scatter_single is original
 
 
 def test_a_process_group_already_there_is_not_replaced() -> None:

@@ -35,7 +35,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from vramctl._tensors import tensors
 
-__all__ = ["PROBE_BYTES_LIMIT", "cpu_output_bytes", "cpu_workspace", "probe_cache_clear"]
+__all__ = [
+    "PROBE_BYTES_LIMIT",
+    "cpu_output_bytes",
+    "cpu_workspace",
+    "probe_cache_clear",
+    "rank_thread_count",
+    "rank_threads",
+]
 
 _aten = torch.ops.aten
 
@@ -73,6 +80,34 @@ def probe_cache_clear() -> None:
     _cache.clear()
     _out_cache.clear()
     _rnn_scratch.clear()
+
+
+def rank_thread_count(ranks_on_host: int) -> int:
+    """The intra-op threads of each of ``ranks_on_host`` ranks sharing this host (see
+    :func:`rank_threads`)."""
+    if ranks_on_host <= 1:
+        return torch.get_num_threads()
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
+@contextlib.contextmanager
+def rank_threads(ranks_on_host: int) -> Iterator[int]:
+    """Probe kernels with the intra-op threads of one of ``ranks_on_host`` ranks sharing
+    this host: one, as ``torchrun`` starts them when ``OMP_NUM_THREADS`` is not set (a
+    kernel's scratch can grow with its threads: per-thread reduction buffers), or
+    ``OMP_NUM_THREADS`` where it is. Yields the thread count used."""
+    before = torch.get_num_threads()
+    threads = rank_thread_count(ranks_on_host)
+    if threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        if threads != before:
+            torch.set_num_threads(before)
 
 
 def cpu_output_bytes(

@@ -182,16 +182,57 @@ def _buckets(
 
 
 @contextlib.contextmanager
-def fsdp_categories(tracer: Tracer) -> Iterator[None]:
+def fsdp_categories(tracer: Tracer, *, gloo: bool = False) -> Iterator[None]:
     """Storages FSDP2 makes while gathering parameters are ``unsharded``; those it makes
-    while reducing gradients (other than the sharded gradients) are ``buckets``."""
+    while reducing gradients (other than the sharded gradients) are ``buckets``.
+
+    With ``gloo`` (a CPU rank), each reduce-scatter also holds a copy of its whole input
+    for the call, as gloo's does (NCCL reduces in place)."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     except ImportError:  # pragma: no cover - an older PyTorch
         yield
         return
+    with contextlib.ExitStack() as es:
+        if gloo:
+            es.enter_context(_gloo_reduce_scatter_copies())
+        es.enter_context(_fsdp_phases(tracer, FSDPParamGroup))
+        yield
+
+
+@contextlib.contextmanager
+def _gloo_reduce_scatter_copies() -> Iterator[None]:
+    """``reduce_scatter_single`` / ``reduce_scatter_tensor`` allocate a copy of their input
+    that lives for the call (gloo copies the input before reducing it)."""
+    import torch.distributed as dist
+
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            source = kwargs.get("input", args[1] if len(args) > 1 else None)
+            copy = torch.empty_like(source) if isinstance(source, torch.Tensor) else None
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                del copy
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+@contextlib.contextmanager
+def _fsdp_phases(tracer: Tracer, group_class: Any) -> Iterator[None]:
     patched = {"unshard": "unsharded", "wait_for_unshard": "unsharded", "post_backward": "buckets"}
-    originals: dict[str, Callable[..., Any]] = {n: getattr(FSDPParamGroup, n) for n in patched}
+    originals: dict[str, Callable[..., Any]] = {n: getattr(group_class, n) for n in patched}
 
     def wrap(name: str, category: str) -> Callable[..., Any]:
         fn = originals[name]
@@ -206,12 +247,12 @@ def fsdp_categories(tracer: Tracer) -> Iterator[None]:
         return method
 
     for name, cat in patched.items():
-        setattr(FSDPParamGroup, name, wrap(name, cat))
+        setattr(group_class, name, wrap(name, cat))
     try:
         yield
     finally:
         for name, fn in originals.items():
-            setattr(FSDPParamGroup, name, fn)
+            setattr(group_class, name, fn)
 
 
 def wrap_fake(model: nn.Module, parallel: Parallel) -> DDPStandIn | None:

@@ -33,7 +33,12 @@ from vramctl.estimator._allocator import (
 )
 from vramctl.estimator._autocast import cuda_autocast
 from vramctl.estimator._calibration import CalibrationSource, measured_on
-from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace
+from vramctl.estimator._cpu_kernels import (
+    cpu_output_bytes,
+    cpu_workspace,
+    rank_thread_count,
+    rank_threads,
+)
 from vramctl.estimator._distributed import (
     DDPStandIn,
     FakeWorld,
@@ -307,7 +312,11 @@ class Session:
             es.enter_context(tracer)
             es.enter_context(storage_resizes(tracer))
             if self.parallel is not None and self.parallel.strategy == "fsdp":
-                es.enter_context(fsdp_categories(tracer))
+                es.enter_context(fsdp_categories(tracer, gloo=not self.target.cuda))
+            if self.parallel is not None and not self.target.cuda:
+                es.enter_context(
+                    rank_threads(self.parallel.ranks_per_node or self.parallel.world_size)
+                )
             if self.target.cuda:
                 handles = consts.train_handles if spec.mode == "train" else 1
                 for _ in range(handles):
@@ -794,6 +803,14 @@ def build_estimate(
         allocated = reserved = peak_device = logical
         fits[False] = fits[True] = peak_device <= budget
         notes.append("CPU target: live tensor bytes, no CUDA context or allocator modelled")
+        if par is not None and par.world_size > 1:
+            ranks = par.ranks_per_node or par.world_size
+            threads = rank_thread_count(ranks)
+            notes.append(
+                f"a CPU rank over gloo: its reduce-scatter's copy of the input is counted; "
+                f"kernel scratch measured with {threads} thread(s) a rank, as torchrun starts "
+                f"{ranks} rank(s) on a host"
+            )
     tp = target_throughput(target)
     timed = None
     if tp is None:
