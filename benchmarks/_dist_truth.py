@@ -466,8 +466,10 @@ def _window(prof: Any, job: dict[str, Any]) -> dict[str, Any]:
 
     ``other_threads_peak`` and ``other_threads_at_peak``: live bytes that threads other than
     the step's allocated (gloo's workers: all-gather's flat output), most in the step and
-    at the events' peak. With ``timeline`` in the job, ``timeline_step``: the step's peak
-    from the memory profiler's timeline, as ``_common.profiled_peak`` reads it.
+    at the events' peak. ``peak_in``: the operators around the allocation at the
+    allocator's peak, innermost first (where to look when a row is off). With ``timeline``
+    in the job, ``timeline_step``: the step's peak from the memory profiler's timeline, as
+    ``_common.profiled_peak`` reads it.
     """
     from torch._C._profiler import _EventType
 

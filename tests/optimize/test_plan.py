@@ -142,3 +142,24 @@ def test_the_plan_command_prints_json() -> None:
     doc = json.loads(result.output)
     assert doc["model"] == "lstm" and doc["best"]["fits"] is True
     assert doc["best"]["micro_batch"] * doc["best"]["accumulation"] == 4
+
+
+def test_a_rejection_within_the_estimates_uncertainty_says_so() -> None:
+    one = vramctl.estimate(_encoder(), _batch(1), device="A10G-24GB")
+    assert one.device_uncertainty > 0  # no profile of the GPU: a wide range
+    # a budget above the point estimate, below its safe end
+    util = (one.peak_device + one.device_uncertainty / 2) / one.capacity
+    result = plan(
+        _encoder(),
+        _batch,
+        device="A10G-24GB",
+        effective_batch=4,
+        optimizers=["adamw"],
+        precisions=["fp32"],
+        checkpointing=["none"],
+        target_utilization=util,
+    )
+    assert result.best is None
+    why = result.plans[0].rejected
+    assert "not even a micro-batch of 1 fits with the estimate's uncertainty" in why
+    assert "calibrate" in why

@@ -20,6 +20,7 @@ and the estimator's model on fake tensors, so what is estimated is what runs:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -223,12 +224,18 @@ def parallelize(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Mo
     if parallel.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(
-            model,
-            bucket_cap_mb=parallel.bucket_cap_mb,
-            gradient_as_bucket_view=parallel.gradient_as_bucket_view,
-            broadcast_buffers=parallel.broadcast_buffers,
+        # PyTorch 2.13 renamed broadcast_buffers (deprecated) to forward_sync_buffers.
+        sync = (
+            "forward_sync_buffers"
+            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+            else "broadcast_buffers"
         )
+        options: dict[str, Any] = {
+            "bucket_cap_mb": parallel.bucket_cap_mb,
+            "gradient_as_bucket_view": parallel.gradient_as_bucket_view,
+            sync: parallel.broadcast_buffers,
+        }
+        return DistributedDataParallel(model, **options)
     if mesh is None:
         mesh = default_mesh(model, parallel.world_size)
     if parallel.strategy == "fsdp":

@@ -606,8 +606,14 @@ def _price(
             if micro == 0:
                 one = next((peak for b, peak, _ in found.curve if b == 1), None)
                 why = "not even a micro-batch of 1 fits"
-                if one is not None:
+                if one is not None and one > base.budget_bytes:
                     why += f" (peak {format_bytes(one)} > {format_bytes(base.budget_bytes)})"
+                elif one is not None:
+                    why += (
+                        f" with the estimate's uncertainty (peak {format_bytes(one)} of "
+                        f"{format_bytes(base.budget_bytes)} before it; `vramctl calibrate` "
+                        "on the GPU narrows it)"
+                    )
                 return [
                     replace(
                         base,
