@@ -87,29 +87,12 @@ _BOOT = (
 # -- the parent: launching the ranks ---------------------------------------------------------
 
 
-def measure(
-    model: str,
-    parallel: Any,
-    *,
-    batch_size: int,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    lengths: dict[str, Any] | None = None,
-    timeout: float = 300.0,
-) -> list[int]:
+def measure(model: str, parallel: Any, **kwargs: Any) -> list[int]:
     """Each rank's peak bytes (index: rank) of one steady-state training step of the zoo
-    model ``model`` under ``parallel``: held storages plus the profiled step's peak."""
-    rows = run_ranks(
-        "step",
-        model,
-        parallel,
-        batch_size=batch_size,
-        precision=precision,
-        optimizer=optimizer,
-        lengths=lengths,
-        timeout=timeout,
-    )
-    return [int(r["peak"]) for r in rows]
+    model ``model`` under ``parallel``: held storages plus the profiled step's peak.
+    Keywords as :func:`run_ranks` (``batch_size``, ``precision``, ``optimizer``,
+    ``lengths``, ``timeout``)."""
+    return [int(r["peak"]) for r in run_ranks("step", model, parallel, **kwargs)]
 
 
 def measure_whole(model: str, parallel: Any, **kwargs: Any) -> list[int]:
