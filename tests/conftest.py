@@ -13,6 +13,10 @@ import vramctl.device._discover as discover
 from tests.fake_nvml import FakeGpu, FakeNvml, make_gpus
 from vramctl.device._nvml import reset_nvml
 
+# Fails any test that leaves a stand-in (fake NVML, a patched torch.cuda) or a changed
+# PyTorch setting behind, even when its teardown failed part way, and puts it back.
+pytest_plugins = ["tests._isolation"]
+
 # The dashboard is an optional extra ([server]); where it is not installed its tests are not
 # collected (CI installs it, and with VRAMCTL_REQUIRE_BROWSER=1 it must be there).
 collect_ignore_glob: list[str] = []

@@ -356,7 +356,10 @@ def test_doctor_reads_the_environment(gpus: list[FakeGpu], monkeypatch: pytest.M
 
 
 def test_tf32_off_on_an_ampere_gpu(gpus: list[FakeGpu], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    # Set directly, not with monkeypatch: torch's cuBLAS settings object answers through
+    # __getattr__, and pytest 9.2's undo deletes such an attribute instead of setting it
+    # back (and stops undoing there). The optimize conftest puts the flag back.
+    torch.backends.cuda.matmul.allow_tf32 = False
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
     f = one(doctor(env={}), "torch.tf32")
     assert f.level == "info" and "cuda:0, cuda:1" in f.message and "cuda:2" not in f.message
