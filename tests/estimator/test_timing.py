@@ -172,3 +172,13 @@ def test_autocast_with_checkpointing_on_a_gpu_target_recomputes_in_the_same_dtyp
     plain = vramctl.estimate("gpt2", **kw)
     ckpt = vramctl.estimate("gpt2", checkpointing=True, **kw)
     assert ckpt.flops > plain.flops  # the recomputed forward
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_the_cpu_is_measured_under_any_grad_mode(mode: str) -> None:
+    # An inference estimate (a MemoryBudget's, under no_grad) may be what measures this
+    # machine's CPU first: the measurement's training steps still run backward.
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with context:
+        tp = measure_throughput("cpu", scale=0.25)
+    assert tp.op_overhead > 0

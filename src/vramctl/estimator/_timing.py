@@ -295,8 +295,14 @@ def measure_throughput(device: str | torch.device = "cpu", *, scale: float = 1.0
     a memory-bound kernel and the per-operator overhead (a second or two on the CPU).
 
     ``scale`` grows the problem sizes (a GPU needs larger ones to reach its rates).
+    Its training steps run backward whatever the caller's grad mode: an inference
+    estimate (under ``no_grad`` or ``inference_mode``) may be what measures a machine first.
     """
-    dev = torch.device(device)
+    with torch.inference_mode(False), torch.enable_grad():
+        return _measure_throughput(torch.device(device), scale)
+
+
+def _measure_throughput(dev: torch.device, scale: float) -> Throughput:
     cuda = dev.type == "cuda"
     sync: Callable[[], None] = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
     rates: dict[str, dict[str, float]] = {"matmul": {}, "convolution": {}, "attention": {}}
