@@ -72,7 +72,8 @@ def test_wav_reads_only_the_frames_it_needs(
 
     monkeypatch.setattr(wave.Wave_read, "readframes", readframes)
     out = load_audio(Item("x#3", 0.5, path=str(path), offset=15.0, parent="x", chunk=3))
-    assert out.shape == (8_000,) and asked == [8_000]
+    # The header's last frame (is the file whole?), then the chunk's frames.
+    assert out.shape == (8_000,) and asked == [1, 8_000]
 
 
 def test_wav_stereo_is_averaged_and_other_rates_resampled(tmp_path: Path) -> None:
@@ -293,3 +294,105 @@ def test_chunked_recording_end_to_end_with_workers(tmp_path: Path) -> None:
             done += stitcher.add(item, model(batch["waveforms"][row, : batch["lengths"][row]]))
     assert [rid for rid, _ in done] == ["rec"]
     assert torch.equal(done[0][1], model(load_audio(rec)))
+
+
+# -- truncated files, and audio of another length than the manifest says --------------
+
+
+def test_a_truncated_wav_is_an_error_not_a_short_waveform(tmp_path: Path) -> None:
+    whole = write_wav(tmp_path / "whole.wav", pcm(2.0))
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.wav"
+    cut.write_bytes(data[: len(data) // 2 + 1])  # a copy cut short, mid-frame
+    item = Item("cut", 2.0, path=str(cut))
+    with pytest.raises(AudioError, match=r"'cut'.*cut\.wav.*truncated.*says 2\.000 s.*holds 0\.99"):
+        load_audio(item)
+    # Even where only its intact first part is asked for (a chunk): the file is damaged.
+    with pytest.raises(AudioError, match="truncated"):
+        load_audio(Item("cut#0", 0.5, path=str(cut), parent="cut"))
+    # In a batch it is reported in "errors" with the reason; the other item loads.
+    batch = AudioBatches([]).collate([item, Item("whole", 2.0, path=str(whole))])
+    assert [i.id for i in batch["items"]] == ["whole"] and batch["lengths"].tolist() == [32_000]
+    assert [(i.id, "truncated" in why) for i, why in batch["errors"]] == [("cut", True)]
+
+
+def test_a_truncated_wav_read_by_soundfile_is_an_error(tmp_path: Path) -> None:
+    soundfile = pytest.importorskip("soundfile")
+    path = tmp_path / "float.wav"  # 32-bit float: the wave module does not read it
+    soundfile.write(str(path), np.zeros(SR, dtype=np.float32), SR, subtype="FLOAT")
+    assert load_audio(Item("f", 1.0, path=str(path))).shape == (SR,)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - SR])  # a quarter of the samples gone
+    # libsndfile reads the frames the file holds without a word: the header is checked.
+    assert soundfile.info(str(path)).frames == SR * 3 // 4
+    with pytest.raises(AudioError, match=r"'f'.*truncated.*says 1\.000 s.*holds 0\.750 s"):
+        load_audio(Item("f", 1.0, path=str(path)))
+
+
+def test_audio_of_another_length_than_declared_is_loaded_and_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(write_wav(tmp_path / "a.wav", pcm(1.0)))
+    items = [
+        Item("short", 2.0, path=path),  # the file holds half of what the manifest says
+        Item("long", 0.5, path=path),  # twice
+        Item("close", 1.05, path=path),  # within 0.1 s: a manifest's rounding
+        Item("seg", 0.4, path=path, offset=0.5),  # a part of a longer file: fine
+        Item("late", 0.9, path=path, offset=0.5),  # a part that runs past the file's end
+        Item("mem", 3.0, data=torch.zeros(SR)),
+    ]
+    with caplog.at_level("WARNING", logger="vramctl.batching"):
+        batch = AudioBatches([]).collate(items)
+    assert [i.id for i in batch["items"]] == [i.id for i in items]  # all loaded, as read
+    assert batch["lengths"].tolist() == [SR, SR, SR, 6_400, 8_000, SR]
+    notes = {i.id: why for i, why in batch["warnings"]}
+    assert sorted(notes) == ["late", "long", "mem", "short"]
+    assert notes["short"] == (
+        f"item 'short': the manifest says 2.00 s, {path!r} holds 1.00 s (the whole file is"
+        " processed)"
+    )
+    assert "the manifest says 0.50 s" in notes["long"] and "holds 1.00 s" in notes["long"]
+    assert "from 0.5 s on, 0.50 s (it is read up to the file's end)" in notes["late"]
+    assert "its data holds 1.00 s" in notes["mem"]
+    assert [r.getMessage() for r in caplog.records] == [batch["warnings"][k][1] for k in range(4)]
+
+
+def test_a_chunked_recording_is_checked_once_against_its_whole_file(tmp_path: Path) -> None:
+    path = str(write_wav(tmp_path / "long.wav", pcm(25.0)))
+    longer = list(chunk_items([Item("r", 12.0, path=path, index=0)], max_duration=5.0))
+    shorter = list(chunk_items([Item("s", 40.0, path=path, index=1)], max_duration=5.0))
+    batch = AudioBatches([]).collate(longer + shorter)
+    notes = [(i.id, why) for i, why in batch["warnings"]]
+    assert [i for i, _ in notes] == ["r#0", "s#0"]  # once per recording, by its first chunk
+    assert "item 'r': the manifest says 12.00 s" in notes[0][1]
+    assert "holds 25.00 s (only its first 12.00 s are processed)" in notes[0][1]
+    assert "item 's': the manifest says 40.00 s" in notes[1][1] and "25.00 s" in notes[1][1]
+    # The chunks of "s" past the file's end fail, naming the offset; none is dropped silently.
+    assert {i.id for i, _ in batch["errors"]} == {c.id for c in shorter if c.offset >= 25.0}
+
+
+def test_a_loader_of_your_own_is_checked_by_the_waveform_it_gives() -> None:
+    def half(item: Item, rate: int) -> torch.Tensor:
+        return torch.zeros(round(item.duration * rate / 2))
+
+    batch = AudioBatches([], loader=half).collate([Item("a", 4.0), Item("b", 0.1)])
+    assert [(i.id, why) for i, why in batch["warnings"]] == [
+        ("a", "item 'a': the manifest says 4.00 s, the audio loaded is 2.00 s (the whole file"
+         " is processed)")
+    ]  # fmt: skip
+    synthetic = AudioBatches([], loader=synthesize).collate([Item("a", 4.0), Item("b", 0.1)])
+    assert synthetic["warnings"] == []
+
+
+def test_length_warnings_are_logged_a_few_times_then_only_listed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(write_wav(tmp_path / "a.wav", pcm(0.5)))
+    audio = AudioBatches([])
+    with caplog.at_level("WARNING", logger="vramctl.batching"):
+        batches = [
+            audio.collate([Item(f"i{b}{k}", 3.0, path=path) for k in range(4)]) for b in range(5)
+        ]
+    assert sum(len(b["warnings"]) for b in batches) == 20
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 6 and "not logged one by one" in messages[-1]

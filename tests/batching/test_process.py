@@ -308,15 +308,17 @@ def test_an_error_in_the_model_stops_the_run_and_keeps_what_was_committed(tmp_pa
     assert (resumed.skipped, resumed.done, resumed.lost) == (4, 8, 0)
 
 
-def test_recordings_that_share_an_id_are_each_output_once(tmp_path: Path) -> None:
-    # Long recordings with one id: their chunks, batched together, are stitched per
-    # recording (by manifest index), and one that fails does not take the others with it.
+def test_a_repeated_id_is_processed_once_the_first_record_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A manifest that repeats an id: its first record is run, the later ones are skipped
+    # (not run, not written) with one warning, and the run's result counts them.
     import numpy as np
 
     durations = [14.0, 19.0, 14.0, 2.0] + [1.0 + (i * 0.37) % 5 for i in range(20)]
     paths = {}
     for i, seconds in enumerate(durations):
-        if i != 2:  # recording 2 ("x" as well) has no audio file
+        if i != 2:  # recording 2 ("x" as well) has no audio file: skipped, so never read
             np.save(tmp_path / f"{i}.npy", synthesize(Item(f"r{i}", seconds), RATE).numpy())
         paths[i] = f"{i}.npy"  # relative to the manifest's folder
     manifest = tmp_path / "m.jsonl"
@@ -324,26 +326,71 @@ def test_recordings_that_share_an_id_are_each_output_once(tmp_path: Path) -> Non
         for i, seconds in enumerate(durations):
             rid = "x" if i < 3 else f"r{i}"
             f.write(json.dumps({"id": rid, "path": paths[i], "duration": seconds}) + "\n")
-    result = process(
-        Frames,
-        manifest,
-        tmp_path / "out.jsonl",
-        postprocess=keep,
-        budget=PaddedDuration(60.0),
-        chunk_duration=6.0,
-        devices=["cpu"],
-        num_buckets=4,
-    )
-    assert (result.done, result.failed, result.lost) == (len(durations) - 1, 1, 0)
+    with caplog.at_level("WARNING", logger="vramctl.batching"):
+        result = process(
+            Frames,
+            manifest,
+            tmp_path / "out.jsonl",
+            postprocess=keep,
+            budget=PaddedDuration(60.0),
+            chunk_duration=6.0,
+            devices=["cpu"],
+            num_buckets=4,
+        )
+    assert (result.done, result.failed, result.lost) == (len(durations) - 2, 0, 0)
     lines = read_jsonl(result.output)
-    assert [line["index"] for line in lines] == [i for i in range(len(durations)) if i != 2]
-    for line in lines[:2]:
-        i = line["index"]
-        whole = full_output(Item(f"r{i}", durations[i]))
-        assert line["id"] == "x" and line["output"]["frames"] == whole.shape[0]
-        assert line["output"]["sum"] == pytest.approx(float(whole.double().sum()), abs=0.05)
+    assert [line["index"] for line in lines] == [0, *range(3, len(durations))]
+    assert [line["id"] for line in lines].count("x") == 1
+    whole = full_output(Item("r0", durations[0]))
+    assert lines[0]["output"]["frames"] == whole.shape[0]
+    assert lines[0]["output"]["sum"] == pytest.approx(float(whole.double().sum()), abs=0.05)
+    assert read_jsonl(result.failed_path) == []
+    message = (
+        f"{manifest}: 2 duplicate ids skipped (x at line 2, x at line 3); the first of each is kept"
+    )
+    assert (result.duplicate_ids, result.warnings) == (2, [message])
+    assert result.manifest_problems == 0
+    assert caplog.text.count("duplicate ids skipped") == 1  # once, though read twice
+    assert result.to_dict()["duplicate_ids"] == 2
+
+
+def test_truncated_audio_fails_and_another_length_is_reported_in_the_result(
+    tmp_path: Path,
+) -> None:
+    import wave
+
+    def wav(name: str, seconds: float) -> Path:
+        path = tmp_path / name
+        with wave.open(str(path), "wb") as f:
+            f.setnchannels(1)
+            f.setsampwidth(2)
+            f.setframerate(RATE)
+            f.writeframes(b"\1\0" * round(seconds * RATE))
+        return path
+
+    wav("ok.wav", 1.0)
+    wav("short.wav", 1.0)  # the manifest says 3 s
+    wav("long.wav", 20.0)  # the manifest says 8 s: only 8 s of chunks are read
+    cut = wav("cut.wav", 2.0)
+    cut.write_bytes(cut.read_bytes()[: 44 + RATE])  # half a second of its two: truncated
+    records = [("ok", 1.0), ("short", 3.0), ("long", 8.0), ("cut", 2.0)]
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(
+        "".join(json.dumps({"id": r, "path": f"{r}.wav", "duration": d}) + "\n" for r, d in records)
+    )
+    result = process(Frames, manifest, tmp_path / "out.jsonl", devices=["cpu"], chunk_duration=5.0)
+    assert (result.done, result.failed, result.lost) == (3, 1, 0)
+    assert [line["id"] for line in read_jsonl(result.output)] == ["ok", "short", "long"]
     (failed,) = read_jsonl(result.failed_path)
-    assert (failed["id"], failed["index"]) == ("x", 2) and "2.npy" in failed["reason"]
+    assert failed["id"] == "cut" and "truncated" in failed["reason"]
+    assert "says 2.000 s of audio, the file holds 0.500 s" in failed["reason"]
+    assert result.length_mismatches == 2
+    assert [w.split(":")[0] for w in result.warnings] == ["item 'short'", "item 'long'"]
+    assert "the manifest says 3.00 s" in result.warnings[0] and "holds 1.00 s" in result.warnings[0]
+    assert "only its first 8.00 s are processed" in result.warnings[1]
+    # The run is done: a second one skips everything, the failure included.
+    again = process(Frames, manifest, tmp_path / "out.jsonl", devices=["cpu"], chunk_duration=5.0)
+    assert (again.skipped, again.done, again.failed, again.length_mismatches) == (4, 0, 0, 0)
 
 
 def test_a_duration_too_long_to_be_real_is_recorded_as_failed_not_run(tmp_path: Path) -> None:

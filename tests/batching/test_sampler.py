@@ -186,6 +186,128 @@ def test_a_lhotse_cutset_manifest_is_read(tmp_path: Path) -> None:
     assert [(i.id, i.duration) for i in got] == [("c0", 1.5), ("c1", 2.5), ("c2", 3.5)]
 
 
+def test_a_repeated_id_is_skipped_keeping_the_first_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ids = ["u0", "u1", "u2", "u1", "u3", "u0", "u1"] + [f"v{i}" for i in range(20)]
+    jl, cs = tmp_path / "m.jsonl", tmp_path / "m.csv"
+    jl.write_text(
+        "".join(json.dumps({"id": r, "duration": 1.0 + n}) + "\n" for n, r in enumerate(ids))
+    )
+    cs.write_text("id,duration\n" + "".join(f"{r},{1.0 + n}\n" for n, r in enumerate(ids)))
+    for path, first_line in ((jl, 4), (cs, 5)):  # the CSV's header is line 1
+        m = Manifest(path)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vramctl.batching"):
+            got = list(m)
+        # The first record of each id is kept (its duration, its index); later ones skipped.
+        assert [(i.id, i.index, i.duration) for i in got[:4]] == [
+            ("u0", 0, 1.0), ("u1", 1, 2.0), ("u2", 2, 3.0), ("u3", 4, 5.0)
+        ]  # fmt: skip
+        assert len(got) == 24 and len({i.id for i in got}) == 24
+        assert m.duplicates == 3 and m.skipped == 0 and m.problems == []
+        assert m.duplicate_ids == [("u1", f"line {first_line}"), ("u0", f"line {first_line + 2}"),
+                                   ("u1", f"line {first_line + 3}")]  # fmt: skip
+        (record,) = caplog.records  # one warning for the pass, not one per record
+        assert record.getMessage() == (
+            f"{path}: 3 duplicate ids skipped (u1 at line {first_line}, u0 at line"
+            f" {first_line + 2}, u1 at line {first_line + 3}); the first of each is kept"
+        )
+    # Every consumer sees each id once: a sampler over the manifest, and its budget.
+    sampler = BucketingSampler(Manifest(jl), PaddedDuration(60.0))
+    seen = [i.id for b in sampler for i in b.items]
+    assert sorted(seen) == sorted(set(ids)) and sampler.stats.items == 24
+
+
+def test_a_pass_that_stops_early_warns_of_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"id": "a", "duration": 1.0}) + "\n" for _ in range(3)))
+    m = Manifest(path)
+    with caplog.at_level("WARNING", logger="vramctl.batching"):
+        assert next(iter(m)).id == "a"
+        assert list(m) == [Item("a", 1.0, None, 0)]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 2 duplicate ids skipped (a at line 2, a at line 3); the first of each is kept"
+    ]
+    assert m.duplicates_message() == caplog.records[0].getMessage()
+
+
+def test_many_duplicates_name_the_first_five(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text(
+        "".join(json.dumps({"id": f"d{i % 2}", "duration": 1.0}) + "\n" for i in range(40))
+    )
+    m = Manifest(path)
+    assert [i.id for i in m] == ["d0", "d1"]
+    assert m.duplicates == 38 and len(m.duplicate_ids) == 20
+    message = m.duplicates_message()
+    assert message is not None
+    assert (
+        "38 duplicate ids skipped (d0 at line 3, d1 at line 4, d0 at line 5, d1 at line 6,"
+        in message
+    )
+    assert "d0 at line 7, ...); the first of each is kept" in message
+
+
+def test_a_folder_with_one_name_in_two_formats_keeps_the_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import wave
+
+    for name in ("a.wav", "b.wav", "sub/c.wav"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        with wave.open(str(tmp_path / name), "wb") as f:
+            f.setnchannels(1)
+            f.setsampwidth(2)
+            f.setframerate(8000)
+            f.writeframes(b"\0\0" * 8000)
+    # Another file whose id is "a" (the path without its extension): a.npy is not audio,
+    # a.WAV on a case-sensitive file system is.
+    (tmp_path / "a.WAV").write_bytes((tmp_path / "a.wav").read_bytes())
+    m = Manifest(tmp_path)
+    with caplog.at_level("WARNING", logger="vramctl.batching"):
+        got = [i.id for i in m]
+    assert got == ["a", "b", "sub/c"]
+    assert m.duplicates == 1 and m.duplicate_ids == [("a", "a.wav")]
+    assert "1 duplicate id skipped (a at a.wav)" in caplog.text
+
+
+def test_a_lhotse_cutset_with_a_repeated_cut_id_keeps_the_first(tmp_path: Path) -> None:
+    lhotse = pytest.importorskip("lhotse")
+    cuts = lhotse.CutSet.from_cuts(
+        lhotse.MonoCut(id=cid, start=0.0, duration=d, channel=0, recording=None)
+        for cid, d in [("c0", 1.5), ("c1", 2.5), ("c0", 3.5), ("c2", 4.5)]
+    )
+    path = tmp_path / "cuts.jsonl.gz"
+    cuts.to_file(path)
+    m = Manifest(path, format="lhotse")
+    assert [(i.id, i.duration, i.index) for i in m] == [
+        ("c0", 1.5, 0),
+        ("c1", 2.5, 1),
+        ("c2", 4.5, 3),
+    ]
+    assert m.duplicate_ids == [("c0", "cut 3")]
+
+
+def test_in_memory_records_with_a_repeated_id_keep_the_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from vramctl.batching import items_from
+
+    records: list[Any] = [
+        {"id": "a", "duration": 1.0},
+        Item("b", 2.0),
+        {"id": "a", "duration": 3.0},
+        Item("b", 4.0),
+    ]
+    with caplog.at_level("WARNING", logger="vramctl.batching"):
+        got = [(i.id, i.duration) for i in items_from(records)]
+    assert got == [("a", 1.0), ("b", 2.0)]
+    assert "<records>: 2 duplicate ids skipped (a at record 2, b at record 3)" in caplog.text
+
+
 # -- budgets -------------------------------------------------------------------------
 
 

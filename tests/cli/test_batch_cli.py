@@ -51,6 +51,41 @@ def test_process_writes_outputs_and_resumes(
     assert "must be positive" not in again.stdout
 
 
+def test_process_summary_warns_of_duplicate_ids_and_audio_of_another_length(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import wave
+
+    (tmp_path / "tinymodels.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with wave.open(str(tmp_path / "a.wav"), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(16000)
+        f.writeframes(b"\0\0" * 16000)  # 1 s
+    manifest = tmp_path / "m.jsonl"
+    records = [("[a]", 1.0), ("b", 4.0), ("[a]", 1.0), ("c", 1.0)]  # b: the file holds 1 s
+    manifest.write_text(
+        "".join(json.dumps({"id": r, "path": "a.wav", "duration": d}) + "\n" for r, d in records)
+    )
+    out = tmp_path / "out.jsonl"
+    args = ["process", "tinymodels:frames", str(manifest), str(out), "--device", "cpu"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output  # each id processed once: nothing failed
+    doc = json.loads(result.stdout)
+    assert (doc["done"], doc["duplicate_ids"], doc["length_mismatches"]) == (3, 1, 1)
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["[a]", "b", "c"]
+    stderr = " ".join(result.stderr.split())  # the console wraps long lines
+    # Named as they are found, then counted in the summary.
+    assert "1 duplicate id skipped ([a] at line 3); the first of each is kept" in stderr
+    assert "item 'b': the manifest says 4.00 s" in stderr and "holds 1.00 s" in stderr
+    assert (
+        "warning: 1 manifest records repeat an earlier id and were skipped (the first of each"
+        " was processed); 1 recordings hold audio of another length than the manifest's"
+        " duration; the first are named above"
+    ) in stderr
+
+
 def test_process_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     manifest = tmp_path / "m.jsonl"
     manifest.write_text('{"id": "a", "duration": 1.0}\n')

@@ -10,7 +10,10 @@ Reading never holds the file: records are parsed as they are drawn, so a
 10M-line manifest costs the memory of one line. A bad line (not JSON, a
 missing field, a duration of zero or less) is reported with the file, line and
 field, kept in :attr:`Manifest.problems` (the first thousand) and counted, and
-reading goes on with the next line.
+reading goes on with the next line. A record whose id an earlier record has is skipped
+(the first is kept) and counted in :attr:`Manifest.duplicates`; the end of a pass logs one
+warning naming the first few. Finding them keeps a fingerprint of each id seen (about 10
+bytes a record, :class:`~vramctl.batching._ids.SeenIds`).
 
 >>> import json, tempfile, os
 >>> d = tempfile.mkdtemp()
@@ -40,6 +43,7 @@ from typing import Any, BinaryIO
 
 from vramctl._errors import VramctlError
 from vramctl._optional import available, require
+from vramctl.batching._ids import SeenIds
 
 __all__ = [
     "AUDIO_EXTENSIONS",
@@ -59,6 +63,9 @@ log = logging.getLogger("vramctl.batching")
 DEFAULT_SAMPLE_RATE = 16_000
 #: At most this many problems are kept in :attr:`Manifest.problems` (all are counted).
 MAX_PROBLEMS = 1000
+#: Duplicate ids kept in :attr:`Manifest.duplicate_ids` (all are counted); the warning names 5.
+MAX_DUPLICATES = 20
+_NAMED_DUPLICATES = 5
 
 _ID_FIELDS = ("id", "utterance_id", "utt_id", "cut_id", "key")
 _PATH_FIELDS = ("path", "audio_filepath", "audio_path", "source", "file")
@@ -182,6 +189,10 @@ class Manifest:
         self.problems: list[ManifestProblem] = []
         #: How many records the latest pass skipped.
         self.skipped = 0
+        #: Records the latest pass skipped because an earlier record has their id (the first
+        #: is kept), and the first of them as (id, where: "line 12", a file, "cut 3").
+        self.duplicates = 0
+        self.duplicate_ids: list[tuple[str, str]] = []
         #: Set while a pass only looks (check_has_records): problems are kept, not logged.
         self._quiet = False
 
@@ -191,19 +202,37 @@ class Manifest:
     def __iter__(self) -> Iterator[Item]:
         self.problems = []
         self.skipped = 0
+        self.duplicates = 0
+        self.duplicate_ids = []
         self._schema = None
         if self.format == "lhotse":
-            return self._lhotse()
+            return self._ended(self._lhotse())
         if self.format == "folder":
-            return self._folder()
+            return self._ended(self._folder())
         if self.format == "csv":
-            return self._csv()
-        return self._jsonl()
+            return self._ended(self._csv())
+        return self._ended(self._jsonl())
+
+    def duplicates_message(self) -> str | None:
+        """The latest pass's duplicate ids as one line (None: there were none)."""
+        return _duplicates_message(self.path, self.duplicates, self.duplicate_ids)
+
+    def _ended(self, items: Iterator[Item]) -> Iterator[Item]:
+        """``items``, then the pass's one warning about duplicate ids (when it ran to the end)."""
+        yield from items
+        message = self.duplicates_message()
+        if message is not None and not self._quiet:
+            log.warning("%s", message)
 
     # -- readers ------------------------------------------------------------------
 
     def _problem(self, line: int, fld: str | None, message: str) -> None:
         self._report(ManifestProblem(self.path, line, fld, message))
+
+    def _duplicate(self, rid: str, where: str) -> None:
+        self.duplicates += 1
+        if len(self.duplicate_ids) < MAX_DUPLICATES:
+            self.duplicate_ids.append((rid, where))
 
     def _report(self, p: ManifestProblem) -> None:
         self.skipped += 1
@@ -214,6 +243,7 @@ class Manifest:
 
     def _jsonl(self) -> Iterator[Item]:
         loads, item_of = _loads, self._item
+        seen = SeenIds()
         index = -1
         # Bytes, not text: the JSON parser decodes UTF-8 itself (and reports bad bytes as a
         # bad line), which saves decoding every line twice.
@@ -235,9 +265,13 @@ class Manifest:
                     continue
                 item = item_of(record, lineno, index)
                 if item is not None:
+                    if not seen.add(item.id):
+                        self._duplicate(item.id, f"line {lineno}")
+                        continue
                     yield item
 
     def _csv(self) -> Iterator[Item]:
+        seen = SeenIds()
         index = -1
         with _open_text(self.path) as f:
             reader = csv.reader(f)
@@ -264,10 +298,18 @@ class Manifest:
                     continue
                 item = self._item(dict(zip(names, row, strict=True)), lineno, index)
                 if item is not None:
+                    if not seen.add(item.id):
+                        self._duplicate(item.id, f"line {lineno}")
+                        continue
                     yield item
 
     def _folder(self) -> Iterator[Item]:
+        seen = SeenIds()
         for index, (rel, path) in enumerate(audio_files(self.path)):
+            rid = os.path.splitext(rel)[0]
+            if not seen.add(rid):  # the same name with another extension: a.flac and a.wav
+                self._duplicate(rid, rel)
+                continue
             try:
                 seconds = _audio_seconds(path)
             except Exception as exc:  # any unreadable header: the file is reported, not run
@@ -276,12 +318,16 @@ class Manifest:
             if not seconds > 0:
                 self._report(ManifestProblem(path, index + 1, None, "holds no audio (0 s)"))
                 continue
-            yield Item(os.path.splitext(rel)[0], seconds, path, index)
+            yield Item(rid, seconds, path, index)
 
     def _lhotse(self) -> Iterator[Item]:
         from lhotse import CutSet
 
+        seen = SeenIds()
         for index, cut in enumerate(CutSet.from_file(self.path)):
+            if not seen.add(cut.id):
+                self._duplicate(cut.id, f"cut {index + 1}")
+                continue
             source = None
             if getattr(cut, "recording", None) is not None:
                 sources = cut.recording.sources
@@ -382,7 +428,8 @@ def items_from(
     """:class:`Item` s from in-memory records (dicts with the manifest's fields, or Items).
 
     A dict's ``data`` field is kept as the in-memory source. Bad records raise
-    :class:`ManifestError` naming the record and field.
+    :class:`ManifestError` naming the record and field. A record whose id an earlier one
+    has is skipped (the first is kept), with one warning at the end naming the first few.
 
     >>> [i.duration for i in items_from([{"id": "x", "num_samples": 8000}])]
     [0.5]
@@ -391,8 +438,16 @@ def items_from(
     reader.path, reader.sample_rate, reader.root = "<records>", sample_rate, os.getcwd()
     reader.problems, reader.skipped, reader._schema = [], 0, None
     reader._prefix = reader.root + os.sep
+    seen = SeenIds()
+    duplicates: list[tuple[str, str]] = []
+    count = 0
     for index, record in enumerate(records):
         if isinstance(record, Item):
+            if not seen.add(record.id):
+                count += 1
+                if len(duplicates) < MAX_DUPLICATES:
+                    duplicates.append((record.id, f"record {index}"))
+                continue
             yield record
             continue
         item = reader._item_slow(dict(record), index + 1, index)
@@ -400,6 +455,11 @@ def items_from(
             raise ManifestError(
                 f"record {index}: {reader.problems[-1].field}: {reader.problems[-1].message}"
             )
+        if not seen.add(item.id):
+            count += 1
+            if len(duplicates) < MAX_DUPLICATES:
+                duplicates.append((item.id, f"record {index}"))
+            continue
         data = record.get("data")
         if data is not None:
             item = Item(
@@ -414,6 +474,19 @@ def items_from(
                 item.extra,
             )
         yield item
+    message = _duplicates_message("<records>", count, duplicates)
+    if message is not None:
+        log.warning("%s", message)
+
+
+def _duplicates_message(source: str, count: int, first: list[tuple[str, str]]) -> str | None:
+    """``m.jsonl: 2 duplicate ids skipped (u7 at line 12, ...); the first of each is kept``."""
+    if not count:
+        return None
+    named = ", ".join(f"{rid} at {where}" for rid, where in first[:_NAMED_DUPLICATES])
+    more = ", ..." if count > _NAMED_DUPLICATES else ""
+    ids = "id" if count == 1 else "ids"
+    return f"{source}: {count} duplicate {ids} skipped ({named}{more}); the first of each is kept"
 
 
 def _first(record: Mapping[str, Any], names: tuple[str, ...]) -> Any:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,6 +47,8 @@ __all__ = [
 log = logging.getLogger("vramctl.batching")
 
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], Any]
+#: Length warnings a Collector keeps the text of (all are counted).
+_KEPT_WARNINGS = 20
 Postprocess = Callable[[torch.Tensor, Item], Any]
 
 
@@ -210,6 +212,8 @@ class Done:
     padded_seconds: float
     seconds: float
     frame_rate: float | None = None
+    #: Items whose audio is not as long as the manifest says, with why (loaded as read).
+    warnings: list[tuple[Item, str]] = field(default_factory=list)
 
 
 class Collector:
@@ -234,6 +238,9 @@ class Collector:
         self.failed_parents: set[tuple[str, int]] = set()
         self.done = 0
         self.failed = 0
+        #: Recordings whose audio differs from the manifest's duration, and the first reasons.
+        self.length_mismatches = 0
+        self.length_warnings: list[str] = []
         self.seconds = 0.0
         self.batches = 0
         self._padded = 0.0
@@ -297,6 +304,9 @@ class Collector:
                     continue
                 results.append((rec.index, rec.id, value, rec.duration))
         self.store.commit(results, failures)
+        self.length_mismatches += len(batch.warnings)
+        for _, note in batch.warnings[: max(_KEPT_WARNINGS - len(self.length_warnings), 0)]:
+            self.length_warnings.append(note)
         self.done += len(results)
         self.failed += len(failures)
         self.seconds += sum(r[3] for r in results)

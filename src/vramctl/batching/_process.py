@@ -172,6 +172,13 @@ class ProcessResult:
     problems: list[str]
     devices: list[dict[str, Any]]
     budget: dict[str, Any]
+    #: Manifest records skipped because an earlier record has their id (the first is kept).
+    duplicate_ids: int = 0
+    #: Recordings whose audio differs from the manifest's duration (beyond the tolerance of
+    #: ``vramctl.batching.AudioBatches``), processed as read.
+    length_mismatches: int = 0
+    #: One line per kind of warning: the duplicate ids, then the first length differences.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def items_per_s(self) -> float:
@@ -463,6 +470,12 @@ def _run(
         problems=[str(p) for p in source.problems[:20]],
         devices=summaries,
         budget=_budget_info(budget, chunk),
+        duplicate_ids=source.duplicates,
+        length_mismatches=collector.length_mismatches,
+        warnings=[
+            *filter(None, [source.duplicates_message()]),
+            *collector.length_warnings,
+        ],
     )
 
 

@@ -135,6 +135,7 @@ class Worker:
             len(durations) * max(durations, default=0.0),
             sum(durations),
             self.frame_rate,
+            list(loaded.get("warnings", ())),
         )
 
     def _on_cpu(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -267,7 +267,9 @@ def process_cmd(
     finishes in pieces; one item that fits nowhere runs on the CPU). Each batch is
     committed to a progress store: an interrupted run (Ctrl-C, SIGTERM, a kill) started
     again with the same command resumes, losing and repeating nothing; a different
-    model or setting on the same output is refused. Example:
+    model or setting on the same output is refused. A record that repeats an earlier id
+    is skipped (the first is kept); a truncated audio file fails its recording; audio of
+    another length than the manifest's duration is processed as read and warned of. Example:
 
         vramctl process ./wav2vec2-base-960h recordings/ transcripts.jsonl
 
@@ -355,6 +357,27 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _print_warnings(result: Any) -> None:
+    """The run's warnings, counted (the library logged the first of them as they came)."""
+    parts = []
+    if result.duplicate_ids:
+        parts.append(
+            f"{result.duplicate_ids} manifest records repeat an earlier id and were skipped"
+            " (the first of each was processed)"
+        )
+    if result.length_mismatches:
+        parts.append(
+            f"{result.length_mismatches} recordings hold audio of another length than the"
+            " manifest's duration"
+        )
+    if parts:
+        err.print(
+            f"[yellow]warning:[/] {'; '.join(parts)}; the first are named above",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
 def _report_process(result: Any, as_json: bool, allow_failures: bool) -> None:
     """Print the run's result; exit 1 when something was not processed (unless allowed)."""
     failed = result.store_failed + result.lost + result.manifest_problems
@@ -379,6 +402,7 @@ def _report_process(result: Any, as_json: bool, allow_failures: bool) -> None:
             highlight=False,
             soft_wrap=True,
         )
+    _print_warnings(result)
     if failed:
         parts = []
         if result.store_failed:
