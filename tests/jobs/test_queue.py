@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -253,6 +254,67 @@ def test_a_job_that_waits_too_long_fails_with_the_room_there_was(store: JobStore
         assert f"on {gpu.id})" in failed.reason
         store.cancel(hog.id)
         run_all(sched)
+
+
+def test_a_queued_job_says_why_it_waits_until_it_is_admitted(
+    store: JobStore, tmp_path: Path
+) -> None:
+    def held(gate: Path) -> str:  # runs until the gate file exists
+        return f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.02)"
+
+    hog = store.submit(spec("hog", held(tmp_path / "hog"), "3GiB", priority=10))
+    later = store.submit(spec("later", held(tmp_path / "later"), "2GiB"))
+    never = store.submit(spec("never", "pass", "9GiB"))
+    gone = store.submit(spec("gone", "pass", "9GiB"))
+    with vramctl.simulate("4GiB") as gpu:
+        sched = Scheduler(store, devices=[gpu])
+        assert [j.id for j in sched.run_once()] == [hog.id]
+        assert re.fullmatch(
+            rf"waiting: needs 2\.20 GiB with the margin, most free is 716\.80 MiB on {gpu.id}",
+            store.get(later.id).reason or "",
+        )
+        assert store.get(never.id).reason == (
+            f"waiting: needs 9.90 GiB with the margin; the largest device has 4.00 GiB "
+            f"({gpu.id}): no device here can ever take it"
+        )
+        store.cancel(gone.id)
+        sched.run_once()  # a cancelled job keeps its own reason
+        assert (store.get(gone.id).state, store.get(gone.id).reason) == ("cancelled", "cancelled")
+        (tmp_path / "hog").touch()
+        deadline = time.monotonic() + 30
+        while store.get(later.id).state == "queued" and time.monotonic() < deadline:
+            sched.run_once()
+            time.sleep(0.05)
+        assert store.get(later.id).state in ("admitted", "running")
+        assert store.get(later.id).reason is None  # the wait is over: so is its reason
+        (tmp_path / "later").touch()
+        store.cancel(never.id)
+        run_all(sched)
+    assert store.get(later.id).state == "succeeded"
+
+
+def test_a_job_is_found_by_a_unique_prefix_of_its_id(store: JobStore) -> None:
+    a = store.submit(spec("a", "pass"))
+    b = store.submit(spec("b", "pass"))
+    with sqlite3.connect(store.path) as conn:  # two ids that share their first 7 characters
+        conn.execute("UPDATE jobs SET id = 'cafe0001aaaa' WHERE id = ?", (a.id,))
+        conn.execute("UPDATE jobs SET id = 'cafe0002bbbb' WHERE id = ?", (b.id,))
+    conn.close()
+    assert store.get("cafe0001aaaa").name == "a"
+    assert store.get("cafe0001").name == "a" and store.get("CAFE0002B").name == "b"
+    with pytest.raises(JobStoreError) as info:
+        store.get("cafe000")
+    assert str(info.value) == (
+        "job id 'cafe000' is ambiguous: it matches cafe0001aaaa (a), cafe0002bbbb (b); "
+        "give more of it"
+    )
+    assert info.value.matches == ("cafe0001aaaa", "cafe0002bbbb")
+    with pytest.raises(JobStoreError, match="give at least 4 characters"):
+        store.get("caf")
+    with pytest.raises(JobStoreError, match="no job 'beef0000'"):
+        store.get("beef0000")
+    assert store.cancel("cafe0002").id == "cafe0002bbbb"
+    assert [j.state for j in store.list()] == ["queued", "cancelled"]
 
 
 def test_device_constraints_pick_the_device(store: JobStore) -> None:

@@ -453,6 +453,20 @@ def test_count_needs_that_many_devices_with_the_room() -> None:
     check_placeable(JobSpec.from_dict(base(memory="10GiB", devices={"count": 2})), devices)
 
 
+def test_placeable_counts_the_schedulers_safety_margin() -> None:
+    # 14 GiB fits a T4's 14.58 GiB, but not with the 10% the scheduler's ledger adds.
+    spec = JobSpec.from_dict(base(memory="14GiB"))
+    t4 = [vramctl.simulate("T4-16GB")]
+    check_placeable(spec, t4)
+    with pytest.raises(JobSpecError) as info:
+        check_placeable(spec, t4, margin=0.1)
+    assert str(info.value) == (
+        "job 'job' cannot be placed: memory: needs 15.40 GiB with the 10% margin but the "
+        "largest device, sim:T4-16GB, has 14.58 GiB"
+    )
+    check_placeable(JobSpec.from_dict(base(memory="13GiB")), t4, margin=0.1)
+
+
 def test_unknown_capability_does_not_meet_a_minimum() -> None:
     spec = JobSpec.from_dict(base(memory="1GiB", devices={"min_capability": "7.0"}))
     with pytest.raises(JobSpecError, match=r"sim:4GiB excluded by min_capability 7\.0 \(its"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import stat
 import sys
 import time
@@ -403,6 +404,56 @@ def test_the_cli_talks_to_the_service_with_server(server: JobServer) -> None:
     assert wrong.exit_code != 0 and "token" in wrong.output
     bad = runner.invoke(app, ["jobs", "--server", "http://127.0.0.1:9/"])
     assert bad.exit_code != 0 and "cannot reach the job service" in bad.output
+
+
+def test_a_job_that_can_never_fit_is_refused_with_one_line(server: JobServer) -> None:
+    from typer.testing import CliRunner
+
+    from vramctl.cli._app import app
+
+    # 7.5 GiB is under the device's 8 GiB, but not with the scheduler's 10% margin.
+    status, body = call("POST", f"{server.url}jobs", job("x", memory="7.5GiB"), token=server.token)
+    assert status == 422
+    assert body == {
+        "error": "job 'x' cannot be placed: memory: needs 8.25 GiB with the 10% margin but "
+        "the largest device, sim:8GiB, has 8.00 GiB"
+    }
+    ran = CliRunner().invoke(app, ["run", "--server", server.url, "-m", "100GiB", "--", "true"])
+    assert ran.exit_code == 2
+    assert ran.stderr.strip() == (
+        "error: job 'true' cannot be placed: memory: needs 110.00 GiB with the 10% margin "
+        "but the largest device, sim:8GiB, has 8.00 GiB"
+    )
+
+
+def test_routes_take_a_unique_prefix_of_a_jobs_id(server: JobServer) -> None:
+    from typer.testing import CliRunner
+
+    from vramctl.cli._app import app
+
+    made = [call("POST", f"{server.url}jobs", job(n), token=server.token)[1] for n in "ab"]
+    for m in made:
+        wait_state(server, m["id"])
+    store = Path(os.environ["VRAMCTL_HOME"]) / "jobs.db"
+    with sqlite3.connect(store) as conn:  # two ids that share their first 7 characters
+        for new, m in zip(("feed0001aaaa", "feed0002bbbb"), made, strict=True):
+            conn.execute("UPDATE jobs SET id = ? WHERE id = ?", (new, m["id"]))
+    conn.close()
+    status, got = call("GET", f"{server.url}jobs/feed0001", token=server.token)
+    assert status == 200 and (got["id"], got["name"]) == ("feed0001aaaa", "a")
+    status, text = call("GET", f"{server.url}jobs/feed0001/logs", token=server.token)
+    assert status == 200 and text.strip() == "hello"
+    status, got = call("DELETE", f"{server.url}jobs/feed0002", token=server.token)
+    assert status == 200 and got["id"] == "feed0002bbbb"
+    status, body = call("GET", f"{server.url}jobs/feed000", token=server.token)
+    assert status == 400 and body["error"] == (
+        "job id 'feed000' is ambiguous: it matches feed0001aaaa (a), feed0002bbbb (b); "
+        "give more of it"
+    )
+    logs = CliRunner().invoke(app, ["logs", "--server", server.url, "feed0002"])
+    assert logs.exit_code == 0 and logs.stdout.strip() == "hello"
+    both = CliRunner().invoke(app, ["cancel", "--server", server.url, "feed000"])
+    assert both.exit_code == 2 and "is ambiguous: it matches feed0001aaaa (a)" in both.stderr
 
 
 def test_concurrent_submissions_are_all_kept(server: JobServer) -> None:

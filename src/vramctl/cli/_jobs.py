@@ -7,9 +7,9 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -24,14 +24,12 @@ from vramctl.jobs import (
     JobClient,
     JobSpec,
     JobStore,
-    RayRunner,
-    Runner,
-    Scheduler,
-    connect,
     load_settings,
     load_spec,
-    ray_devices,
 )
+
+if TYPE_CHECKING:  # the scheduler (placement, PyTorch) is imported by the commands that run it
+    from vramctl.jobs import Runner
 
 __all__ = ["app"]
 
@@ -259,6 +257,16 @@ DevicesOption = Annotated[
     ),
 ]
 
+SubmitDevicesOption = Annotated[
+    str | None,
+    typer.Option(
+        "--devices",
+        help="The devices the scheduler places jobs on, e.g. cuda:0,cuda:1: a job that "
+        "could fit none of them is refused now (default: not checked here).",
+        show_default=False,
+    ),
+]
+
 
 @app.command("submit")
 @user_errors
@@ -276,6 +284,7 @@ def submit(
     cwd: CwdOption = None,
     guard: GuardOption = None,
     guard_optimizer: GuardOptimizerOption = None,
+    devices: SubmitDevicesOption = None,
     store: StoreOption = None,
     server: ServerOption = None,
     token_file: TokenFileOption = None,
@@ -283,10 +292,13 @@ def submit(
 ) -> None:
     """Queue a job; a running 'vramctl scheduler' admits it when there is room.
 
-    The command is an argv list, never run through a shell. Examples:
+    The command is an argv list, never run through a shell. A job that can never
+    fit is refused at once by a job service, or with --devices here; otherwise
+    the scheduler says why a job waits (vramctl jobs). Examples:
 
         vramctl submit --memory 20GiB -- python train.py --lr 3e-4
         vramctl submit --spec job.toml
+        vramctl submit --devices cuda:0,cuda:1 -m 20GiB -- python train.py
         vramctl submit --server http://127.0.0.1:8765 -m 4GiB -- python eval.py
     """
     spec = _spec(
@@ -306,9 +318,14 @@ def submit(
     )
     remote = _client(server, token_file)
     if remote is not None:
+        if devices is not None:
+            raise VramctlError("--devices is the service's choice: leave it out with --server")
         job = remote.submit(spec)
     else:
+        placed_on = _devices(devices)
         with _store(store) as s:
+            if placed_on is not None:
+                _check_fits(spec, placed_on, s)
             job = s.submit(spec)
     if as_json:
         emit_json(_row(job), indent=True)
@@ -385,17 +402,22 @@ def _run_remote(remote: JobClient, spec: JobSpec) -> Job:
 
 
 def _run_local(spec: JobSpec, store: Path | None, devices: str | None) -> Job:
+    from vramctl.jobs import Scheduler
+
     with _store(store) as s:
-        job = s.submit(spec)
         settings = load_settings()
         sched = Scheduler(
             s,
             devices=_devices(devices),
-            only=frozenset({job.id}),
+            only=frozenset(),
             policy=settings.policy,
             margin=settings.margin,
             max_concurrent_jobs=settings.max_concurrent_jobs,
         )
+        assert sched.devices is not None
+        _check_fits(spec, sched.devices, s)  # else it would wait for room that never comes
+        job = s.submit(spec)
+        sched.only = frozenset({job.id})
         shown = 0
         try:
             while not job.finished:
@@ -412,6 +434,15 @@ def _run_local(spec: JobSpec, store: Path | None, devices: str | None) -> Job:
             job = s.get(job.id)
         _show_log(job, shown)
     return job
+
+
+def _check_fits(spec: JobSpec, devices: Sequence[Device], store: JobStore) -> None:
+    """Refuse, before it is queued, a job that none of ``devices`` could take even when
+    empty (its need plus the safety margin): one line, the need and the largest device."""
+    from vramctl.jobs import check_placeable
+
+    learned = store.learned_peak(spec.name) if spec.memory.kind == "learned" else None
+    check_placeable(spec, devices, learned_peak=learned, margin=load_settings().margin)
 
 
 def _report(job: Job, as_json: bool) -> None:
@@ -480,8 +511,11 @@ def jobs(
         console.print("no jobs", highlight=False)
         return
     table = Table(title_justify="left")
-    for col in ("id", "name", "state", "device", "reserved", "peak", "exit"):
-        table.add_column(col, justify="right" if col in ("reserved", "peak", "exit") else "left")
+    # Ids whole, never cut with "…": what is shown can be pasted into logs and cancel.
+    table.add_column("id", no_wrap=True, min_width=max((len(j.id) for j in found), default=2))
+    for col in ("name", "state", "device", "reserved", "peak", "exit"):
+        right = col in ("reserved", "peak", "exit")
+        table.add_column(col, justify="right" if right else "left", overflow="fold")
     for j in found:
         table.add_row(
             j.id,
@@ -493,12 +527,26 @@ def jobs(
             "" if j.exit_code is None else str(j.exit_code),
         )
     console.print(table)
+    # Why a job waits, or how it failed: a line each under the table, whole at any width.
+    for j in found:
+        why = _why(j)
+        if why:
+            head = "" if why.startswith("waiting") else f"{j.state}: "
+            console.print(f"{j.id} {head}{why}", highlight=False, soft_wrap=True)
+
+
+def _why(job: Job) -> str:
+    """The reason worth a column: why a queued job waits, why one failed (not the
+    'cancelled' of a cancelled job)."""
+    return job.reason if job.reason and job.reason != job.state else ""
 
 
 @app.command("logs")
 @user_errors
 def logs(
-    job_id: Annotated[str, typer.Argument(help="The job's id.")],
+    job_id: Annotated[
+        str, typer.Argument(help="The job's id, or its first characters (4 or more).")
+    ],
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")
     ] = False,
@@ -514,18 +562,20 @@ def logs(
             sys.stdout.flush()
         return
     with _store(store) as s:
-        job = s.get(job_id)
+        job = s.get(job_id)  # the id, or a prefix that names one job
         shown = _show_log(job, 0)
         while follow and not job.finished:
             time.sleep(0.2)
-            job = s.get(job_id)
+            job = s.get(job.id)
             shown = _show_log(job, shown)
 
 
 @app.command("cancel")
 @user_errors
 def cancel(
-    job_id: Annotated[str, typer.Argument(help="The job's id.")],
+    job_id: Annotated[
+        str, typer.Argument(help="The job's id, or its first characters (4 or more).")
+    ],
     store: StoreOption = None,
     server: ServerOption = None,
     token_file: TokenFileOption = None,
@@ -596,6 +646,8 @@ def scheduler(
         vramctl scheduler --devices cuda:0,cuda:1
         vramctl scheduler --ray auto
     """
+    from vramctl.jobs import RayRunner, Scheduler, connect, ray_devices
+
     runner: Runner | None = None
     placed_on = _devices(devices)
     if ray_address is not None:
@@ -623,7 +675,91 @@ def scheduler(
         )
         names = ", ".join(d.id for d in sched.devices or [])
         err.print(f"scheduling the jobs of {s.path} on {names}", highlight=False)
-        sched.run(stop)
+        events = _Events(s, sched.margin)
+        while not stop.is_set():
+            sched.run_once()
+            events.poll()
+            stop.wait(sched.interval_s)
+
+
+class _Events:
+    """The foreground scheduler's log: a line per job event of the store, with its time:
+    admitted (device, need, reservation), finished (exit status, duration), failed,
+    cancelled, timed out, queued again, and why a queued job waits (once per job)."""
+
+    def __init__(self, store: JobStore, margin: float) -> None:
+        self.store = store
+        self.margin = margin
+        #: When the states were last read, less a second: a job whose admission is
+        #: stamped after this (and was queued then) was admitted since.
+        self.since = time.time() - 1.0
+        self.seen = self._states()
+        #: Queued jobs whose waiting reason is not told yet (read again each round).
+        self.untold: set[str] = {i for i, (state, _) in self.seen.items() if state == "queued"}
+
+    def _states(self) -> dict[str, tuple[str, int]]:
+        """(state, attempts) of every queued, admitted or running job, by id."""
+        return {
+            row[0]: (state, row[1])
+            for state in ("queued", "admitted", "running")
+            for row in self.store.keys([state])
+        }
+
+    def poll(self) -> None:
+        read_at = time.time()
+        now = self._states()
+        self.untold |= {i for i, (state, _) in now.items() if state == "queued"} - set(self.seen)
+        # A job submitted since the last look was queued then, with no attempt made.
+        before = {**dict.fromkeys(now, ("queued", 0)), **self.seen}
+        changed = [i for i, was in before.items() if now.get(i) != was]
+        for job in self.store.get_many(changed):
+            was, tries = before[job.id]
+            starts = job.attempts - tries  # a supervisor's start counts an attempt
+            # Failed with retries left and queued again, maybe admitted again since.
+            again = (was == "running" and (starts > 0 or job.state in ("queued", "admitted"))) or (
+                was == "admitted" and (starts > 1 or (starts > 0 and job.state == "admitted"))
+            )
+            if again:
+                why = f": {job.reason}" if job.reason and not job.finished else ""
+                attempt = tries if was == "running" else tries + 1
+                made = f"attempt {attempt} of {job.spec.retries + 1}"
+                self._say(time.time(), job, f"queued again after {made}{why}")
+            if (was == "queued" or again) and (job.admitted_at or 0) >= self.since:
+                self._admitted(job)
+            if job.finished:
+                self._finished(job)
+        self.untold &= {i for i, (state, _) in now.items() if state == "queued"}
+        for job in self.store.get_many(sorted(self.untold)):
+            if job.state == "queued" and (job.reason or "").startswith("waiting"):
+                self._say(time.time(), job, job.reason or "")
+                self.untold.discard(job.id)
+        self.seen, self.since = now, read_at - 1.0
+
+    def _admitted(self, job: Job) -> None:
+        reserved = job.reserved_bytes or 0
+        need = f"needs {_size(round(reserved / (1 + self.margin)))}, " if reserved else ""
+        self._say(
+            job.admitted_at or time.time(),
+            job,
+            f"admitted on {job.device}: {need}{_size(reserved)} reserved with the margin",
+        )
+
+    def _finished(self, job: Job) -> None:
+        begun = job.started_at or job.admitted_at
+        took = (
+            f" after {job.finished_at - begun:.1f} s"
+            if begun is not None and job.finished_at is not None
+            else ""
+        )
+        code = "" if job.exit_code is None else f" with exit code {job.exit_code}"
+        peak = f", peak {_size(job.peak_bytes)}" if job.peak_bytes else ""
+        why = f": {job.reason}" if job.reason and job.reason != job.state else ""
+        verb = {"succeeded": "finished", "timed-out": "timed out"}.get(job.state, job.state)
+        self._say(job.finished_at or time.time(), job, f"{verb}{code}{took}{peak}{why}")
+
+    def _say(self, when: float, job: Job, what: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
+        err.print(f"{stamp} job {job.id} ({job.name}) {what}", highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from vramctl._units import format_bytes
@@ -120,10 +121,12 @@ def check_placeable(
     devices: Sequence[Device] | None = None,
     *,
     learned_peak: int | None = None,
+    margin: float = 0.0,
 ) -> None:
     """Raise :class:`JobSpecError` unless some ``devices`` (default: the GPUs) could take
     ``spec`` when empty: enough devices meet its constraints, and enough of them have
-    the capacity for its need (:func:`price` on each).
+    the capacity for its need (:func:`price` on each) plus the scheduler's safety
+    ``margin`` (a share of the need, as :class:`~vramctl.jobs.Ledger` adds it).
 
     The error says which constraint excluded which device, or how the need compares
     with the largest device.
@@ -143,18 +146,31 @@ def check_placeable(
             f"constraints: {reasons}",
             what=what,
         )
-    priced = [(d, price(spec, d, learned_peak=learned_peak)) for d in matching]
+    priced = [
+        (d, _with_margin(price(spec, d, learned_peak=learned_peak), margin)) for d in matching
+    ]
     fitting = [(d, need) for d, need in priced if need <= device_capacity(d)]
     if len(fitting) >= count:
         return
     largest, need = max(priced, key=lambda p: device_capacity(p[0]))
     each = f" on each of {count} devices" if count > 1 else ""
+    also = f" with the {margin * 100:g}% margin" if margin > 0 else ""
     tail = f"; only {len(fitting)} device{'s' if len(fitting) != 1 else ''} can" if fitting else ""
     raise JobSpecError(
-        f"memory: needs {format_bytes(need)}{each} but the largest device, {_label(largest)}, "
-        f"has {format_bytes(device_capacity(largest))}{tail}",
+        f"memory: needs {format_bytes(need)}{also}{each} but the largest device, "
+        f"{_label(largest)}, has {format_bytes(device_capacity(largest))}{tail}",
         what=what,
     )
+
+
+def _with_margin(need: int, margin: float) -> int:
+    """``need`` plus the safety margin the scheduler's ledger adds to it (a share of it,
+    rounded up).
+
+    >>> _with_margin(1000, 0.1)
+    1100
+    """
+    return need + math.ceil(need * margin)
 
 
 def batch_plan(spec: JobSpec, fitted_batch: int) -> tuple[int, int]:

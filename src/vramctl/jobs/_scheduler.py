@@ -17,8 +17,11 @@ Each round (:meth:`Scheduler.run_once`):
    nowhere is passed over and smaller ones behind it go first (backfill). A job with an
    ``effective_batch`` that does not fit at its batch size is priced at smaller batches
    (divisors of the effective batch) and admitted at the largest that fits, with the
-   gradient accumulation that keeps the effective batch. A job that waits past its
-   ``wait_timeout`` fails, saying how much it needed and the most any device had free.
+   gradient accumulation that keeps the effective batch. A job that waits says why in its
+   ``reason`` (``waiting: needs ... with the margin, most free is ... on ...``, or that no
+   device of this scheduler is large enough), written when that changes and cleared at
+   its admission. A job that waits past its ``wait_timeout`` fails, saying how much it
+   needed and the most any device had free.
    The queue is kept between rounds: a job is read once, and one that fit nowhere is
    passed over at the cost of a comparison until some device has the room it needs.
 """
@@ -43,6 +46,7 @@ from vramctl.device import Device, gpus, resolve
 from vramctl.jobs._ledger import Ledger, Reservation
 from vramctl.jobs._need import device_capacity, matching_devices, price
 from vramctl.jobs._placement import BestFit, Fragmentation, LeastLoaded, MostFree, Policy
+from vramctl.jobs._settings import POLICIES
 from vramctl.jobs._spec import JobSpec, JobSpecError
 from vramctl.jobs._store import ACTIVE, Job, JobStore
 from vramctl.jobs._supervise import process_alive as _alive
@@ -51,12 +55,6 @@ from vramctl.jobs._supervise import tree_rss
 __all__ = ["POLICIES", "LocalRunner", "Runner", "Scheduler"]
 
 log = logging.getLogger("vramctl.jobs")
-
-#: How a job's device is chosen among those with room (the placement module's policies):
-#: ``best-fit`` (the least room left after it, which keeps large holes for large jobs),
-#: ``most-free``, ``least-loaded`` (fewest jobs) and ``fragmentation`` (FGD's: where the
-#: expected fragmentation for the mix of jobs seen grows least).
-POLICIES = ("best-fit", "most-free", "least-loaded", "fragmentation")
 
 
 def _policy(name: str) -> Policy:
@@ -150,6 +148,8 @@ class Scheduler:
     _order_ids: set[str] = field(default_factory=set, repr=False)
     _prices: dict[str, dict[tuple[int, int | None], int]] = field(default_factory=dict, repr=False)
     _passed: dict[str, _Passed] = field(default_factory=dict, repr=False)
+    # The waiting reason last written on each queued job (written again when it changes).
+    _waits: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -302,6 +302,7 @@ class Scheduler:
             if attempts.get(job_id) != job.attempts:  # gone, or queued again: read afresh
                 del self._queued[job_id]
                 self._passed.pop(job_id, None)
+                self._waits.pop(job_id, None)
         for job_id in [i for i in self._prices if i not in attempts]:
             del self._prices[job_id]
         if attempts.keys() != self._order_ids:
@@ -356,9 +357,12 @@ class Scheduler:
             floor = min((v + ledger.margin_for(v) for v in needs.values()), default=0)
             passed = _Passed(floor, wanted, candidates)
             self._passed[job.id] = passed
+            self._say_why(job, self._why_waiting(needs, ledger, free))
             self._check_wait(job, passed, ledger, free, now)
             return None
         device = self.devices[got.device]
+        # The reason it waited goes with the wait.
+        cleared = {"reason": None} if self._waits.pop(job.id, None) is not None else {}
         if not self.store.move(
             job.id,
             "queued",
@@ -371,6 +375,7 @@ class Scheduler:
             supervisor_pid=None,
             supervisor_started=None,
             pid=None,
+            **cleared,
         ):
             ledger.release(job.id)
             return None  # cancelled meanwhile
@@ -382,6 +387,40 @@ class Scheduler:
             format_bytes(got.total),
         )
         return self.store.get(job.id)
+
+    def _why_waiting(self, needs: dict[int, int], ledger: Ledger, free: list[int | None]) -> str:
+        """Why a job with ``needs`` (bytes per candidate device) fits nowhere now: its need
+        with the margin against the most any device has free, or the largest device's
+        capacity where no device could ever take it."""
+        assert self.devices is not None
+        if not needs:
+            return "waiting: none of this scheduler's devices meets its device constraints"
+        totals = {i: v + ledger.margin_for(v) for i, v in needs.items()}
+        least = min(totals.values())
+        if all(totals[i] > ledger.capacity[i] for i in totals):
+            biggest = max(totals, key=lambda i: ledger.capacity[i])
+            return (
+                f"waiting: needs {format_bytes(totals[biggest])} with the margin; the largest"
+                f" device has {format_bytes(ledger.capacity[biggest])}"
+                f" ({self.devices[biggest].id}): no device here can ever take it"
+            )
+        limit = ledger.max_concurrent_jobs
+        open_ = [i for i in totals if limit is None or ledger.jobs(i) < limit]
+        if not open_:
+            return f"waiting: every device runs its most jobs (max_concurrent_jobs {limit})"
+        most = max(open_, key=lambda i: ledger.available(i, free[i]))
+        return (
+            f"waiting: needs {format_bytes(least)} with the margin, most free is"
+            f" {format_bytes(ledger.available(most, free[most]))} on {self.devices[most].id}"
+        )
+
+    def _say_why(self, job: Job, reason: str) -> None:
+        """Write why ``job`` waits as its reason, when that changed (a compare-and-set on
+        ``queued``: a job cancelled meanwhile keeps its own)."""
+        if self._waits.get(job.id) == reason:
+            return
+        if self.store.move(job.id, "queued", "queued", reason=reason):
+            self._waits[job.id] = reason
 
     def _check_wait(
         self, job: Job, passed: _Passed, ledger: Ledger, free: list[int | None], now: float

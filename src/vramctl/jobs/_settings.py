@@ -25,13 +25,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vramctl.jobs._scheduler import POLICIES
 from vramctl.jobs._spec import JobSpec, JobSpecError, parse_duration
 from vramctl.jobs._store import vramctl_home
 
-__all__ = ["ENV_SETTINGS", "Settings", "load_settings"]
+__all__ = ["ENV_SETTINGS", "POLICIES", "Settings", "load_settings"]
 
 ENV_SETTINGS = "VRAMCTL_SETTINGS"
+#: How a job's device is chosen among those with room (the placement module's policies):
+#: ``best-fit`` (the least room left after it, which keeps large holes for large jobs),
+#: ``most-free``, ``least-loaded`` (fewest jobs) and ``fragmentation`` (FGD's: where the
+#: expected fragmentation for the mix of jobs seen grows least). Defined with the settings,
+#: which check a configured policy without importing the scheduler (and PyTorch).
+POLICIES = ("best-fit", "most-free", "least-loaded", "fragmentation")
 _ENV = {
     "store": "VRAMCTL_JOBS_STORE",
     "margin": "VRAMCTL_SAFETY_MARGIN",

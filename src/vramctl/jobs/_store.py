@@ -89,7 +89,15 @@ CREATE TABLE IF NOT EXISTS learned (
 
 
 class JobStoreError(VramctlError):
-    """A store that cannot be opened, or a job that is not in it."""
+    """A store that cannot be opened, or a job that is not in it (or an id prefix that
+    names several: their ids are in ``matches``)."""
+
+    #: The ids an ambiguous prefix matched (empty for every other error).
+    matches: tuple[str, ...] = ()
+
+
+#: The shortest id prefix that names a job (as git's short hashes).
+MIN_PREFIX = 4
 
 
 def vramctl_home() -> Path:
@@ -233,13 +241,35 @@ class JobStore:
         return self.get(job_id)
 
     def get(self, job_id: str) -> Job:
-        """The job ``job_id``; :class:`JobStoreError` if there is none."""
-        row = self._conn.execute(
-            f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE id = ?", (job_id,)
-        ).fetchone()
-        if row is None:
-            raise JobStoreError(f"no job {job_id!r} in {self.path}")
-        return _job(row)
+        """The job ``job_id``, or the one job whose id starts with it (at least
+        :data:`MIN_PREFIX` characters, as git takes a short hash); :class:`JobStoreError`
+        if there is none, or if the prefix starts several ids (it lists them)."""
+        select = f"SELECT {', '.join(_COLUMNS)} FROM jobs"
+        row = self._conn.execute(f"{select} WHERE id = ?", (job_id,)).fetchone()
+        if row is not None:
+            return _job(row)
+        prefix = job_id.strip().lower()
+        if len(prefix) >= MIN_PREFIX:
+            rows = self._conn.execute(
+                f"{select} WHERE substr(id, 1, ?) = ? ORDER BY seq LIMIT 11",
+                (len(prefix), prefix),
+            ).fetchall()
+            if len(rows) == 1:
+                return _job(rows[0])
+            if rows:
+                found = [_job(r) for r in rows]
+                shown = ", ".join(f"{j.id} ({j.name})" for j in found[:10])
+                more = " and more" if len(found) > 10 else ""
+                error = JobStoreError(
+                    f"job id {job_id!r} is ambiguous: it matches {shown}{more}; give more of it"
+                )
+                error.matches = tuple(j.id for j in found)
+                raise error
+        elif prefix:
+            raise JobStoreError(
+                f"no job {job_id!r} in {self.path}: give at least {MIN_PREFIX} characters of its id"
+            )
+        raise JobStoreError(f"no job {job_id!r} in {self.path}")
 
     def list(
         self,
@@ -346,6 +376,7 @@ class JobStore:
         """Cancel ``job_id``: a queued job is cancelled at once; an admitted or running one
         is marked, and its supervisor stops it. A finished job is left as it is."""
         job = self.get(job_id)
+        job_id = job.id  # the whole id, where a prefix was given
         if self.move(job_id, "queued", "cancelled", finished_at=time.time(), reason="cancelled"):
             return self.get(job_id)
         if job.state in ACTIVE:

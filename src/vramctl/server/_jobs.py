@@ -3,6 +3,8 @@
 :func:`jobs_router` serves ``POST /jobs``, ``GET /jobs``, ``GET /jobs/{id}``,
 ``DELETE /jobs/{id}``, ``GET /jobs/{id}/logs``, ``GET /workers/status`` and
 ``GET /health`` for one job store; ``vramctl serve`` mounts it on the dashboard's app.
+A route's ``{id}`` is a job's id or a prefix of it that names one job (4 characters or
+more, as git takes a short hash): one that names several is a 400 that lists them.
 
 A job is a command run as the service's user, so the routes that submit, cancel or read a
 job's log need the service's token on every address, loopback included (any local user
@@ -174,10 +176,12 @@ class JobService:
         problems = self._run_problems(spec)
         if problems:
             raise ApiError(422, "the job cannot run here", problems)
+        learned = self.store.learned_peak(spec.name) if spec.memory.kind == "learned" else None
+        margin = self.settings.margin if self.settings is not None else 0.0
         try:
-            check_placeable(spec, self.devices)
+            check_placeable(spec, self.devices, learned_peak=learned, margin=margin)
         except JobSpecError as exc:
-            raise ApiError(422, exc.what, exc.problems) from None
+            raise ApiError(422, str(exc)) from None  # one line: what, need and largest device
         return spec
 
     def _run_problems(self, spec: JobSpec) -> list[str]:
@@ -206,9 +210,12 @@ class JobService:
         return self.store.submit(spec)
 
     def job(self, job_id: str) -> Job:
+        """The job ``job_id`` or the one whose id starts with it (4 characters or more)."""
         try:
             return self.store.get(job_id)
-        except JobStoreError:
+        except JobStoreError as exc:
+            if exc.matches:  # a prefix of several ids: the message lists them
+                raise ApiError(400, str(exc)) from None
             raise ApiError(404, f"no job {job_id!r}") from None
 
     def log_path(self, job: Job) -> Path | None:
@@ -379,6 +386,7 @@ def jobs_router(service: JobService) -> APIRouter:
     @router.get("/jobs/{job_id}", responses=_ERRORS)
     def get_job(job_id: str, request: Request) -> dict[str, Any]:
         """One job: its spec, state, device, reservation, batch, exit status, peak.
+        ``job_id``: the id, or a prefix of it that names one job (4 characters or more).
         Needs the token (the spec holds its command and environment)."""
         service.check_token(request)
         return _job_json(service.job(job_id))
@@ -388,8 +396,7 @@ def jobs_router(service: JobService) -> APIRouter:
         """Cancel a job: a queued one at once, a running one through its supervisor.
         Needs the token."""
         service.check_token(request)
-        service.job(job_id)
-        return _job_json(service.store.cancel(job_id))
+        return _job_json(service.store.cancel(service.job(job_id).id))
 
     @router.get(
         "/jobs/{job_id}/logs",
@@ -403,7 +410,7 @@ def jobs_router(service: JobService) -> APIRouter:
         job = service.job(job_id)
         path = service.log_path(job)
         if follow:
-            stream: Any = _follow(service, job_id, path)
+            stream: Any = _follow(service, job.id, path)
         else:
             stream = iter([path.read_bytes() if path is not None and path.exists() else b""])
         return StreamingResponse(
