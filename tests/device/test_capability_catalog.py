@@ -45,6 +45,45 @@ def test_gpu_spec_lookup(text: str, name: str) -> None:
     assert gpu_spec(text).name == name
 
 
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB"),  # an NVML name that states its size
+        ("NVIDIA A100 80GB PCIe", "A100-80GB"),
+        ("Tesla V100-PCIE-32GB", "V100-32GB"),
+        ("a100-40", "A100-40GB"),  # documented aliases
+        ("v100-32", "V100-32GB"),
+        ("H100", "H100-80GB"),  # one entry of that model
+        ("Tesla T4", "T4-16GB"),
+    ],
+)
+def test_a_name_that_is_not_exact_resolves_only_to_its_one_entry(text: str, name: str) -> None:
+    assert gpu_spec(text).name == name
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("A100-80G", "unknown GPU 'A100-80G': did you mean A100-80GB?"),
+        ("V100-32G", "unknown GPU 'V100-32G': did you mean V100-32GB?"),
+        ("A100-40G", "unknown GPU 'A100-40G': did you mean A100-40GB?"),
+        ("T4-32GB", "unknown GPU 'T4-32GB': did you mean T4-16GB?"),
+        ("A10", "unknown GPU 'A10': did you mean A10G-24GB?"),
+        ("A100", "'A100' matches several GPUs: A100-40GB, A100-80GB; name one"),
+        ("V100", "'V100' matches several GPUs: V100-16GB, V100-32GB; name one"),
+        ("NVIDIA A100 PCIe", "matches several GPUs: A100-40GB, A100-80GB; name one"),
+    ],
+)
+def test_a_near_miss_or_an_ambiguous_name_is_refused_naming_the_candidates(
+    text: str, message: str
+) -> None:
+    """Matching by NVML pattern took A100-80G and A100 for the A100-40GB, V100-32G for the
+    V100-16GB: a wrong GPU, said only in a table's title."""
+    with pytest.raises(UnknownDeviceError) as err:
+        gpu_spec(text)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
 def test_unknown_gpu_lists_the_catalog() -> None:
     with pytest.raises(UnknownDeviceError) as err:
         gpu_spec("B300-288GB")

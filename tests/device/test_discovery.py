@@ -129,6 +129,39 @@ def test_unknown_device_names_value_devices_and_forms(gpus: list[FakeGpu], bad: 
     assert str(bad) in msg and "cuda:0, cuda:1, cuda:2, cpu" in msg and "sim:NAME" in msg
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("A100-80G", "unknown device 'A100-80G': did you mean A100-80GB?"),
+        ("V100-32G", "unknown device 'V100-32G': did you mean V100-32GB?"),
+        ("A100", "'A100' matches several GPUs: A100-40GB, A100-80GB; name one"),
+        ("V100", "'V100' matches several GPUs: V100-16GB, V100-32GB; name one"),
+        ("sim:A100", "'A100' matches several GPUs: A100-40GB, A100-80GB; name one"),
+    ],
+)
+def test_a_catalog_name_that_is_not_exact_is_never_guessed(text: str, message: str) -> None:
+    with pytest.raises(UnknownDeviceError) as err:
+        vramctl.device.resolve(text)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [
+        ("A100-80GB", "A100-80GB"),
+        ("a100_80gb", "A100-80GB"),
+        ("sim:A100-40GB", "A100-40GB"),
+        ("V100-32GB", "V100-32GB"),
+        ("sim:T4-16GB", "T4-16GB"),
+        ("H100-80GB", "H100-80GB"),
+        ("t4", "T4-16GB"),
+        ("sim:8GiB", "8GiB"),
+    ],
+)
+def test_catalog_names_aliases_and_sizes_resolve(text: str, name: str) -> None:
+    assert vramctl.device.resolve(text).name == name
+
+
 def test_a_gpu_lost_after_listing_does_not_hide_the_others(
     gpus: list[FakeGpu], monkeypatch: pytest.MonkeyPatch
 ) -> None:

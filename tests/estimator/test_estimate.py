@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -270,3 +272,52 @@ def test_fits_judges_the_safe_end_unless_asked_not_to() -> None:
     assert vramctl.max_batch_size(mlp(), mk, device=size, target_utilization=1.0).batch_size == 0
     loose = vramctl.max_batch_size(mlp(), mk, device=size, target_utilization=1.0, safe=False)
     assert loose.batch_size > 0 and not loose.safe
+
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "amp-bf16"])
+def test_bf16_on_a_gpu_without_native_bf16_is_said(precision: str) -> None:
+    """A V100 or T4 (compute capability below 8.0) has no bf16: an estimate says so."""
+    for device, cc in (("T4-16GB", "7.5"), ("V100-32GB", "7.0")):
+        est = vramctl.estimate(mlp(), torch.randn(4, 256), device=device, precision=precision)
+        said = [n for n in est.notes if n.startswith("no native bf16")]
+        assert len(said) == 1, est.notes
+        assert f"on {device} (compute capability {cc}; bf16 needs 8.0" in said[0]
+        assert "fp16" in said[0] and said[0] in str(est)
+    for device, p in (("A10G-24GB", precision), ("T4-16GB", "fp16"), ("cpu", precision)):
+        est = vramctl.estimate(mlp(), torch.randn(4, 256), device=device, precision=p)
+        assert not any("bf16" in n for n in est.notes), (device, p, est.notes)
+
+
+@pytest.mark.parametrize("size", [100_000_000, 10**20])
+def test_a_batch_beyond_any_gpu_is_refused_in_one_line(size: int) -> None:
+    """Its inputs were built in host memory: a 56-line traceback, or an int64 overflow."""
+    with pytest.raises(EstimateError) as err:
+        vramctl.estimate("lstm", batch_size=size, device="A100-80GB")
+    msg = str(err.value)
+    assert msg.startswith(f"batch {size} of lstm is beyond any GPU's reach: its inputs alone")
+    assert "H200-141GB" in msg and "smaller batch size or seq_len" in msg and "\n" not in msg
+    with pytest.raises(EstimateError, match="beyond any GPU's reach"):
+        vramctl.estimate("lstm", seq_len=10**15, device="A100-80GB")
+
+
+def test_a_huge_batch_within_reach_is_traced_on_shapes_alone() -> None:
+    """114 GiB of token ids: more than this host has, and none of it is made."""
+    size = 60_000_000
+    est = vramctl.estimate("lstm", batch_size=size, mode="infer", device="H200-141GB")
+    assert est.breakdown["inputs"] == size * 256 * 8  # int64 token ids
+    assert not est.fits
+
+
+def test_a_large_batch_keeps_the_values_its_trace_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond REAL_INPUT_BYTES the audio is shapes alone, but CTC's labels (checked against
+    the vocabulary) repeat a small real batch's rows: the same estimate as a real batch."""
+    from vramctl.estimator import _session
+
+    path = str(CONFIGS / "tiny-wav2vec2")
+    real = vramctl.estimate(path, batch_size=4, seconds=1.0, device="A10G-24GB")
+    monkeypatch.setattr(_session, "REAL_INPUT_BYTES", 1024)
+    shaped = vramctl.estimate(path, batch_size=4, seconds=1.0, device="A10G-24GB")
+    assert shaped.breakdown == real.breakdown and shaped.peak_device == real.peak_device

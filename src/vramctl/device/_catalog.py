@@ -14,13 +14,14 @@ a few hundred MiB more once a process starts (see ``docs/simulate.md``).
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field, replace
 
 from vramctl._errors import UnknownDeviceError
 from vramctl.device._capability import ComputeCapability
 
-__all__ = ["GpuSpec", "catalog", "gpu_spec", "match_gpu_name"]
+__all__ = ["GpuSpec", "catalog", "catalog_miss", "gpu_spec", "match_gpu_name"]
 
 MiB = 2**20
 
@@ -98,14 +99,14 @@ _CATALOG: tuple[GpuSpec, ...] = (
         "SXM5 and PCIe report the same total",
     ),
     GpuSpec("A100-80GB", 81920, 79.25, _cc("8.0"), r"\bA100\b.*80\s*GB", ("a100-80",)),
-    GpuSpec("A100-40GB", 40960, 39.50, _cc("8.0"), r"\bA100\b(?!.*80\s*GB)", ("a100", "a100-40")),
+    GpuSpec("A100-40GB", 40960, 39.50, _cc("8.0"), r"\bA100\b(?!.*80\s*GB)", ("a100-40",)),
     GpuSpec("L40S-48GB", 46068, 44.40, _cc("8.9"), r"\bL40S\b", ("l40s",)),
     GpuSpec("A10G-24GB", 23028, 22.06, _cc("8.6"), r"\bA10G\b", ("a10g",), "AWS g5 instances"),
     GpuSpec("L4-24GB", 23034, 22.03, _cc("8.9"), r"\bL4\b", ("l4",)),
     GpuSpec("RTX4090-24GB", 24564, 23.64, _cc("8.9"), r"\b(RTX\s*)?4090\b", ("rtx4090", "4090")),
     GpuSpec("RTX3090-24GB", 24576, 23.70, _cc("8.6"), r"\b(RTX\s*)?3090\b", ("rtx3090", "3090")),
     GpuSpec("V100-32GB", 32768, 31.74, _cc("7.0"), r"\bV100\b.*32\s*GB", ("v100-32",)),
-    GpuSpec("V100-16GB", 16384, 15.75, _cc("7.0"), r"\bV100\b(?!.*32\s*GB)", ("v100", "v100-16")),
+    GpuSpec("V100-16GB", 16384, 15.75, _cc("7.0"), r"\bV100\b(?!.*32\s*GB)", ("v100-16",)),
     GpuSpec("T4-16GB", 15360, 14.58, _cc("7.5"), r"\bT4\b", ("t4",)),
 )
 
@@ -155,18 +156,92 @@ def _key(text: str) -> str:
 def gpu_spec(name: str) -> GpuSpec:
     """Look up a catalog entry by name or alias, ignoring case and punctuation.
 
-    ``"T4-16GB"``, ``"t4"``, ``"a100_80gb"`` and ``"NVIDIA A10G"`` all resolve.
-    Raises :class:`UnknownDeviceError` listing the known names.
+    ``"T4-16GB"``, ``"t4"`` and ``"a100_80gb"`` resolve, and so does a name as NVML
+    reports it (``"NVIDIA A10G"``, ``"NVIDIA A100-SXM4-80GB"``) when it fits one entry
+    only. A name that is close to an entry (``"A100-80G"``) or fits several
+    (``"A100"``: the 40 GB and the 80 GB cards) is refused, naming the candidates:
+    a guessed GPU would give a silently wrong answer. Otherwise
+    :class:`UnknownDeviceError` lists the known names.
+
+    >>> gpu_spec("a100-80gb").name
+    'A100-80GB'
     """
+    found = _lookup(name)
+    if found is not None:
+        return found
+    miss = catalog_miss(name, "GPU")
+    if miss is not None:
+        raise UnknownDeviceError(miss)
+    known = ", ".join(s.name for s in _CATALOG)
+    raise UnknownDeviceError(f"unknown GPU {name!r}: the catalog has {known}")
+
+
+def _family(spec: GpuSpec) -> str:
+    """A pattern for the model part of an entry's name (``A100``; ``RTX 4090`` or ``4090``)."""
+    model = spec.name.rsplit("-", 1)[0]
+    rtx = re.fullmatch(r"RTX(\d+)", model)
+    return rf"\b(RTX\s*)?{rtx[1]}\b" if rtx else rf"\b{model}\b"
+
+
+def _gigabytes(spec: GpuSpec) -> int:
+    """The marketed size in the entry's name (80 for ``A100-80GB``)."""
+    return int(spec.name.rsplit("-", 1)[1].removesuffix("GB"))
+
+
+def _text(name: str) -> str:
+    return name.upper().replace("-", " ").replace("_", " ")
+
+
+def _same_model(name: str) -> list[GpuSpec]:
+    """The entries of the GPU model ``name`` names, smallest first (``A100``: both)."""
+    found = [s for s in _CATALOG if re.search(_family(s), _text(name))]
+    return sorted(found, key=_gigabytes)
+
+
+def _stated_sizes(name: str, unit: str = r"G(?:I?B)?") -> set[int]:
+    """The sizes in gigabytes ``name`` states (``80`` in ``A100-80G``)."""
+    return {int(n) for n in re.findall(rf"\b(\d+)\s*{unit}\b", _text(name))}
+
+
+def _lookup(name: str) -> GpuSpec | None:
+    """The one entry ``name`` means: its name or an alias (ignoring case and punctuation), or
+    an NVML-style name that states the entry's size (``NVIDIA A100-SXM4-80GB``) or names
+    a model the catalog has one entry of (``NVIDIA A10G``)."""
     key = _key(name)
     for spec in _CATALOG:
         if key == _key(spec.name) or key in {_key(a) for a in spec.aliases}:
             return spec
-    matched = match_gpu_name(name)
-    if matched is not None:
-        return matched
-    known = ", ".join(s.name for s in _CATALOG)
-    raise UnknownDeviceError(f"unknown GPU {name!r}: the catalog has {known}")
+    models = _same_model(name)
+    stated = _stated_sizes(name)
+    if stated:
+        in_gb = _stated_sizes(name, "GB")
+        hits = [s for s in models if _gigabytes(s) in in_gb and stated == {_gigabytes(s)}]
+    else:
+        hits = models if len(models) == 1 else []
+    hits = [s for s in hits if re.search(s.pattern, _text(name), flags=re.IGNORECASE)]
+    return hits[0] if len(hits) == 1 else None
+
+
+def catalog_miss(name: str, what: str = "device") -> str | None:
+    """Why ``name`` is not one catalog entry, in one line, when it is close to some:
+    ``"'A100' matches several GPUs: A100-40GB, A100-80GB; name one"`` or ``"unknown
+    device 'A100-80G': did you mean A100-80GB?"``. None when nothing in the catalog is
+    close (or ``name`` is one entry)."""
+    if _lookup(name) is not None:
+        return None
+    models = _same_model(name)
+    stated = _stated_sizes(name)
+    if len(models) > 1 and not stated:
+        return f"{name!r} matches several GPUs: {', '.join(s.name for s in models)}; name one"
+    if models:
+        names = [s.name for s in models if _gigabytes(s) in stated] or [s.name for s in models]
+    else:
+        forms = {_key(f): s.name for s in _CATALOG for f in (s.name, *s.aliases)}
+        close = difflib.get_close_matches(_key(name), forms, n=3, cutoff=0.75)
+        names = list(dict.fromkeys(forms[c] for c in close))
+    if not names:
+        return None
+    return f"unknown {what} {name!r}: did you mean {' or '.join(names)}?"
 
 
 def match_gpu_name(device_name: str) -> GpuSpec | None:

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 
 import pynvml
-import torch
 
 from vramctl._errors import UnknownDeviceError
 from vramctl._units import looks_like_size
 from vramctl.device._base import Device
-from vramctl.device._catalog import catalog
+from vramctl.device._catalog import catalog, catalog_miss
 from vramctl.device._cpu import CpuDevice
 from vramctl.device._cuda import CudaDevice
 from vramctl.device._nvml import nvml_available, nvml_gpus, nvml_reason
-from vramctl.device._simulate import simulate
 
 __all__ = ["DEVICE_FORMS", "devices", "get_device", "gpus"]
 
@@ -29,6 +29,21 @@ DEVICE_FORMS = (
 
 _lock = threading.Lock()
 _cache: dict[str, Device] = {}  # keeps each device's health across calls
+
+# What a GPU driver leaves in /dev on Linux: NVIDIA's, AMD's (ROCm), WSL's.
+_GPU_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def _torch_may_see_gpus() -> bool:
+    """Whether asking ``torch.cuda`` (where NVML does not run) could find a GPU.
+
+    Once PyTorch is imported it is asked. Before, on Linux, a machine without any GPU
+    driver's device node has none to find: listing its devices (the CPU) then needs
+    no import of PyTorch, which takes seconds.
+    """
+    if "torch" in sys.modules or not sys.platform.startswith("linux"):
+        return True
+    return any(os.path.exists(node) for node in _GPU_NODES)
 
 
 def gpus() -> list[Device]:
@@ -51,13 +66,16 @@ def gpus() -> list[Device]:
                 if key not in _cache:
                     _cache[key] = CudaDevice.from_nvml(g)
                 found.append(_cache[key])
-        elif torch.cuda.is_available():
-            log.debug("%s; using torch.cuda", nvml_reason())
-            for i in range(torch.cuda.device_count()):
-                key = f"{i}:torch"
-                if key not in _cache:
-                    _cache[key] = CudaDevice.from_torch(i)
-                found.append(_cache[key])
+        elif _torch_may_see_gpus():
+            import torch
+
+            if torch.cuda.is_available():
+                log.debug("%s; using torch.cuda", nvml_reason())
+                for i in range(torch.cuda.device_count()):
+                    key = f"{i}:torch"
+                    if key not in _cache:
+                        _cache[key] = CudaDevice.from_torch(i)
+                    found.append(_cache[key])
     return found
 
 
@@ -87,6 +105,8 @@ def get_device(spec: Device | int | str) -> Device:
         return spec
     if isinstance(spec, bool) or not isinstance(spec, int | str):
         raise UnknownDeviceError(f"unknown device {spec!r}: use {DEVICE_FORMS}")
+    from vramctl.device._simulate import simulate
+
     text = str(spec).strip()
     low = text.lower()
     if low.startswith("sim:"):
@@ -116,6 +136,9 @@ def get_device(spec: Device | int | str) -> Device:
         try:
             return simulate(text)  # a catalog GPU ("T4-16GB")
         except UnknownDeviceError:
+            near = catalog_miss(text)  # close to catalog GPUs: name them, never guess one
+            if near is not None:
+                raise UnknownDeviceError(near) from None
             catalog_names = "; catalog GPUs: " + ", ".join(s.name for s in catalog())
     raise UnknownDeviceError(
         f"unknown device {text!r}: this machine has {names}; use {DEVICE_FORMS}{catalog_names}"

@@ -7,7 +7,7 @@ from typing import Any
 
 from vramctl._units import format_bytes
 
-__all__ = ["CATEGORIES", "Estimate", "uncalibrated_note"]
+__all__ = ["CATEGORIES", "Estimate", "no_bf16_note", "uncalibrated_note"]
 
 CATEGORIES = (
     "parameters",
@@ -246,7 +246,7 @@ class Estimate:
                 f"GFLOP; rates: {self.throughput})"
             )
         lines += [f"  assumed: {a}" for a in self.assumptions]
-        lines += [f"  {n}" for n in self.notes if n.startswith(_UNCALIBRATED)]
+        lines += [f"  {n}" for n in self.notes if n.startswith((_UNCALIBRATED, _NO_BF16))]
         return "\n".join(lines)
 
 
@@ -262,3 +262,16 @@ def uncalibrated_note(device: str, generic: bool = False) -> str:
 
 
 _UNCALIBRATED = "no calibration profile"
+
+
+def no_bf16_note(device: str, capability: str) -> str:
+    """What a bf16 estimate for a GPU without native bf16 (compute capability below 8.0:
+    V100, T4) says."""
+    return (
+        f"{_NO_BF16} on {device} (compute capability {capability}; bf16 needs 8.0, Ampere or "
+        "later): PyTorch's bf16 matmuls there either fail or run emulated, many times slower; "
+        "the memory estimate holds, but use fp16 or amp-fp16 on this GPU"
+    )
+
+
+_NO_BF16 = "no native bf16"

@@ -20,11 +20,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from vramctl._errors import VramctlError
 from vramctl._step import call_model
 from vramctl._units import format_bytes
-from vramctl.device import Device
+from vramctl.device import Device, catalog
 from vramctl.estimator import _cuda_model
 from vramctl.estimator._allocator import (
     AllocatorConfig,
@@ -48,10 +49,10 @@ from vramctl.estimator._distributed import (
     zero_model_states,
     zero_trace,
 )
-from vramctl.estimator._hub import eager_masks
+from vramctl.estimator._hub import check_positions, eager_masks
 from vramctl.estimator._opcost import OpCost
 from vramctl.estimator._parallel import Parallel
-from vramctl.estimator._result import CATEGORIES, Estimate, uncalibrated_note
+from vramctl.estimator._result import CATEGORIES, Estimate, no_bf16_note, uncalibrated_note
 from vramctl.estimator._spec import (
     BatchSource,
     EstimateError,
@@ -113,6 +114,8 @@ class Session:
     last_batch_bytes: int = 0
     #: How a named model's batches are made (a built-in model, or one from its config).
     entry: Any = None
+    #: Notes on the model's source: options given that it does not use.
+    source_notes: tuple[str, ...] = ()
     #: The distributed layout one rank of which is estimated (None: one process).
     parallel: Parallel | None = None
     #: The fake process group FSDP and tensor parallel run on, while the session lives.
@@ -136,6 +139,7 @@ class Session:
         resolved = resolve_source(source, **options)
         name, obj = resolved.name, resolved.model
         s = cls(name, spec, target, entry=resolved.entry, parallel=parallel)
+        s.source_notes = resolved.notes
         t0 = time.perf_counter()
         builder = Tracer(s.fake_mode)
         builder.record = False
@@ -209,6 +213,8 @@ class Session:
     ) -> Estimate:
         """Trace one batch and turn the trace into an :class:`Estimate`."""
         t0 = time.perf_counter()
+        # Past a learned position table: an error before any batch is made.
+        too_long = check_positions(self.entry, self.model, seq_len) if batch is None else None
         real, size = make_batch_for(self, batch, batch_size, seq_len, seconds)
         self.last_batch_bytes = sum(t.nbytes for t in flat_tensors(real) if not t.is_meta)
         traced = self.trace(real, size)
@@ -236,6 +242,9 @@ class Session:
             if given is not None and used is None
         ]
         notes = tuple(getattr(self.entry, "notes", ())) if batch is None else ()
+        notes += self.source_notes
+        if too_long is not None:
+            notes += (too_long,)
         if unused or notes:
             est = dataclasses.replace(est, notes=(*est.notes, *notes, *unused))
         return est
@@ -826,6 +835,10 @@ def build_estimate(
             tf32=target.cuda and _tf32_capable(target) and tf32_matmul(),
             host=cpu_throughput() if on_host else None,
         )
+    cc = target.capability
+    bf16 = torch.bfloat16 in (spec.param_dtype, spec.autocast_dtype)
+    if bf16 and target.cuda and cc is not None and not cc.bf16:
+        notes.append(no_bf16_note(target.name, str(cc)))
     if spec.autocast_dtype is not None and target.cuda:
         notes.append(
             "autocast: CUDA's fp32 rules (norms, softmax, exp/log/pow, sums, losses) applied "
@@ -959,12 +972,7 @@ def make_batch_for(
         entry = session.entry
         if entry is not None:
             size = batch_size or 1
-            return (
-                entry.make_batch(
-                    size, seq_len=seq_len, seconds=seconds, labels=session.spec.mode == "train"
-                ),
-                size,
-            )
+            return _named_batch(session, size, seq_len, seconds), size
         raise EstimateError(
             f"no batch for {session.name}: pass a tensor, a tuple or dict of tensors, or a "
             f"callable batch_size -> batch; {_expected_inputs(session)}"
@@ -984,6 +992,79 @@ def make_batch_for(
             f"the batch for {session.name} holds no tensors; {_expected_inputs(session)}"
         )
     return batch, (batch_size or (first.shape[0] if first.dim() else None))
+
+
+#: The largest batch of a named model built in host memory, with real values (token ids,
+#: labels), for a trace; a larger one is built by its shapes alone.
+REAL_INPUT_BYTES = 1 << 30
+
+
+def _named_batch(session: Session, size: int, seq_len: int | None, seconds: float | None) -> Any:
+    """A named model's batch of ``size``, built so that its size takes no host memory.
+
+    Its bytes are worked out on the meta device first: inputs that no GPU could hold
+    (more than the target's capacity and the largest catalog GPU's) are refused. Up to
+    :data:`REAL_INPUT_BYTES` the batch is real (the trace reads the values of token ids
+    and labels). Beyond, it is made of meta tensors (shapes only; the floats' values are
+    never read), its integer inputs repeating the rows of a small real batch where they
+    fit :data:`REAL_INPUT_BYTES` (unknown values otherwise: the trace assumes them).
+    """
+    entry = session.entry
+    labels = session.spec.mode == "train"
+
+    def build(n: int, meta: bool) -> Any:
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            return entry.make_batch(n, seq_len=seq_len, seconds=seconds, labels=labels)
+
+    def nbytes(batch: Any, ints: bool = False) -> int:
+        return sum(t.nbytes for t in flat_tensors(batch) if not (ints and t.is_floating_point()))
+
+    try:
+        one, two = nbytes(build(1, True)), nbytes(build(2, True))
+    except VramctlError:
+        raise
+    except Exception:  # an entry that cannot be built on the meta device: as it is
+        return build(size, False)
+    per_sample = two - one
+    need = one + per_sample * (size - 1)
+    largest = max(catalog(), key=lambda s: s.cuda_total_bytes)
+    target = session.target
+    if need > max(target.capacity, largest.cuda_total_bytes):
+        bigger = (
+            f"{target.name}'s {format_bytes(target.capacity)}"
+            if target.capacity > largest.cuda_total_bytes
+            else f"the largest catalog GPU's ({largest.name}, "
+            f"{format_bytes(largest.cuda_total_bytes)})"
+        )
+        length = getattr(entry, "length_arg", None)
+        raise EstimateError(
+            f"batch {size} of {session.name} is beyond any GPU's reach: its inputs alone "
+            f"would take {format_bytes(need)} ({format_bytes(per_sample)} a sample), more "
+            f"than {bigger}; pass a smaller batch size" + (f" or {length}" if length else "")
+        )
+    if need <= REAL_INPUT_BYTES:
+        return build(size, False)
+    shaped = build(size, True)
+    if nbytes(shaped, ints=True) > REAL_INPUT_BYTES:
+        return shaped
+    rows = min(size, 64)
+    flat, tree = tree_flatten(shaped)
+    real, real_tree = tree_flatten(build(rows, False))
+    if real_tree != tree:
+        return shaped
+    out = []
+    for m, r in zip(flat, real, strict=True):
+        batch_major = (
+            isinstance(m, torch.Tensor)
+            and isinstance(r, torch.Tensor)
+            and m.dim() > 0
+            and m.shape[0] == size
+            and r.shape == (rows, *m.shape[1:])
+        )
+        if batch_major and not m.is_floating_point():
+            m = r.index_select(0, torch.arange(size) % rows)
+        out.append(m)
+    return tree_unflatten(out, tree)
 
 
 def _expected_inputs(session: Session) -> str:
