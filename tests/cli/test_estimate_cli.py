@@ -4,6 +4,7 @@ not claim a limit it did not find."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +171,78 @@ def test_image_size_reaches_a_config_model() -> None:
     )
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["inputs"]["image_size"] == 32
+
+
+def test_the_text_names_the_device_its_capacity_and_the_parameters() -> None:
+    r = runner.invoke(
+        app,
+        ["estimate", "lstm", "--batch", "2", "--device", "T4-16GB", "--precision", "amp-bf16"],
+    )
+    assert r.exit_code == 0, r.output
+    out = flat(r.stdout)
+    assert "device: T4-16GB (14.58 GiB)" in out
+    assert "parameters: 37,283,600" in out
+    assert "note: no native bf16 on T4-16GB (compute capability 7.5" in out
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("A100-80G", "error: unknown device 'A100-80G': did you mean A100-80GB?"),
+        ("V100-32G", "error: unknown device 'V100-32G': did you mean V100-32GB?"),
+        ("A100", "error: 'A100' matches several GPUs: A100-40GB, A100-80GB; name one"),
+    ],
+)
+def test_a_device_that_is_not_one_catalog_gpu_is_one_line(device: str, message: str) -> None:
+    """These were the A100-40GB and the V100-16GB, said only in the table's title."""
+    r = runner.invoke(app, ["estimate", "lstm", "--device", device])
+    assert r.exit_code == 2
+    assert r.output.strip() == message
+
+
+@pytest.mark.parametrize("size", ["100000000", "99999999999999999999"])
+def test_a_batch_beyond_any_gpu_is_one_line(size: str) -> None:
+    r = runner.invoke(app, ["estimate", "lstm", "--batch", size, "--device", "A100-80GB"])
+    assert r.exit_code == 2
+    assert len(r.output.strip().splitlines()) == 1
+    assert f"error: batch {size} of lstm is beyond any GPU's reach" in r.output
+
+
+def test_an_option_the_model_does_not_use_gets_a_note() -> None:
+    r = runner.invoke(
+        app, ["estimate", "lstm", "--image-size", "64", "--device", "cpu", "--mode", "infer"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "note: image_size=64 was given but not used: lstm's inputs take no images" in flat(
+        r.output
+    )
+
+
+def test_seq_len_past_gpt2s_position_table_is_one_line_and_status_2(tmp_path: Path) -> None:
+    config = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "n_layer": 1,
+        "n_embd": 32,
+        "n_head": 2,
+        "n_positions": 64,
+        "vocab_size": 100,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = runner.invoke(app, ["estimate", str(tmp_path), "--seq-len", "100000", "--device", "cpu"])
+    assert r.exit_code == 2
+    assert len(r.output.strip().splitlines()) == 1
+    assert "more than the 64 positions" in r.output and "n_positions" in r.output
+
+
+def test_a_misspelled_config_key_is_a_note_in_the_cli(tmp_path: Path) -> None:
+    data = json.loads((CONFIGS / "tiny-llama" / "config.json").read_text())
+    data["vocab_sise"] = data.pop("vocab_size")
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    r = runner.invoke(
+        app, ["estimate", str(tmp_path), "--seq-len", "8", "--device", "cpu", "--mode", "infer"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "vocab_sise (did you mean vocab_size?)" in flat(r.output)

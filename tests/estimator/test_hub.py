@@ -7,6 +7,7 @@ Hub-id tests run with ``HF_HUB_OFFLINE=1`` and an empty cache).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ import pytest
 import torch
 
 import vramctl
+from vramctl import VramctlError
 from vramctl.estimator import EstimateError, StepSpec, config_model
+from vramctl.estimator._hub import unknown_config_keys
 
 from .real_steps import cpu_step_peak
 
@@ -190,7 +193,7 @@ def test_a_hub_id_with_no_network_and_no_cache_says_so() -> None:
 @pytest.mark.usefixtures("offline_hub")
 def test_an_unknown_bare_name_lists_the_built_in_models() -> None:
     with pytest.raises(EstimateError, match=r"is not a built-in model .*gpt2.* as a Hub id"):
-        vramctl.estimate("gpt3", device="cpu")
+        vramctl.estimate("distilgpt2", device="cpu")
 
 
 @pytest.mark.usefixtures("offline_hub")
@@ -205,3 +208,173 @@ def test_a_hub_id_in_the_local_cache_is_read_from_it(tmp_path: Path) -> None:
     est = vramctl.estimate("acme-labs/tiny-llama", batch_size=2, seq_len=16, device="cpu")
     local = vramctl.estimate(str(CONFIGS / "tiny-llama"), batch_size=2, seq_len=16, device="cpu")
     assert est.logical_peak == local.logical_peak
+
+
+# -- a new user's slips: misspelled keys and names, lengths past the model's, no network -----
+
+
+def _tiny_llama_with(tmp_path: Path, **changes: Any) -> str:
+    data = json.loads((CONFIGS / "tiny-llama" / "config.json").read_text())
+    data.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    return str(tmp_path)
+
+
+def test_config_keys_the_class_does_not_know_are_named_with_a_guess(tmp_path: Path) -> None:
+    source = _tiny_llama_with(tmp_path, vocab_sise=50_000, intermediate_szie=512)
+    est = vramctl.estimate(source, batch_size=1, seq_len=8, device="cpu", mode="infer")
+    plain = vramctl.estimate(
+        str(CONFIGS / "tiny-llama"), batch_size=1, seq_len=8, device="cpu", mode="infer"
+    )
+    assert est.parameters == plain.parameters  # transformers ignored both keys
+    (note,) = [n for n in est.notes if "does not know" in n]
+    assert "vocab_sise (did you mean vocab_size?)" in note
+    assert "intermediate_szie (did you mean intermediate_size?)" in note
+
+
+def test_a_config_object_with_a_misspelled_key_is_named_too() -> None:
+    from transformers import LlamaConfig
+
+    assert unknown_config_keys(LlamaConfig(hidden_size=64, num_hidden_layer=4)) == [
+        ("num_hidden_layer", "num_hidden_layers")
+    ]
+    # An old name for a key, with the same value as the key: it changes nothing.
+    assert unknown_config_keys(LlamaConfig(num_hidden_layer=32, num_hidden_layers=32)) == []
+
+
+@pytest.mark.parametrize(
+    "where",
+    sorted(p.name for p in CONFIGS.iterdir() if p.name != "custom-code"),
+)
+def test_the_configs_the_tests_ship_have_no_unknown_keys(where: str) -> None:
+    cm = config_model(str(CONFIGS / where))
+    assert not [n for n in cm.notes if "does not know" in n]
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    ["gpt2", "llama", "bert", "t5", "bart", "whisper", "wav2vec2", "llava", "detr", "mamba"],
+)
+def test_a_classs_own_config_saved_and_read_back_has_no_unknown_keys(
+    model_type: str, tmp_path: Path
+) -> None:
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    config = CONFIG_MAPPING[model_type]()
+    assert unknown_config_keys(config) == []
+    config.save_pretrained(tmp_path)  # what a save_pretrained folder holds
+    assert unknown_config_keys(AutoConfig.from_pretrained(tmp_path)) == []
+    (tmp_path / "config.json").write_text(config.to_json_string(use_diff=False))
+    assert unknown_config_keys(AutoConfig.from_pretrained(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_no_default_config_of_any_transformers_class_has_unknown_keys() -> None:
+    from transformers import CONFIG_MAPPING
+
+    flagged = {}
+    for model_type in list(CONFIG_MAPPING.keys()):
+        try:
+            config = CONFIG_MAPPING[model_type]()
+        except Exception:
+            continue  # a class that needs arguments: nothing is checked for it either
+        found = unknown_config_keys(config)
+        if found:
+            flagged[model_type] = found
+    assert flagged == {}
+
+
+def _gpt2(positions: int) -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        n_positions=positions,
+        vocab_size=100,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+
+def test_seq_len_past_a_learned_position_table_is_one_line() -> None:
+    ok = vramctl.estimate(_gpt2(64), seq_len=64, device="cpu", mode="infer")
+    assert not [n for n in ok.notes if "positions" in n]
+    with pytest.raises(VramctlError, match=r"more than the 64 positions") as info:
+        vramctl.estimate(_gpt2(64), seq_len=65, device="cpu", mode="infer")
+    assert "n_positions" in str(info.value) and "seq_len=64 or less" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_seq_len_past_what_rope_was_trained_for_is_a_note(tmp_path: Path) -> None:
+    # tiny-llama: rotary positions, max_position_embeddings 256.
+    est = vramctl.estimate(
+        str(CONFIGS / "tiny-llama"), seq_len=300, device="cpu", mode="infer", batch_size=1
+    )
+    assert est.seq_len == 300
+    assert any("beyond the 256 positions" in n for n in est.notes)
+    # Llama 3's scaling: original_max_position_embeddings x factor, when that is larger.
+    scaled = _tiny_llama_with(
+        tmp_path,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+        rope_theta=10000.0,
+    )
+    cm = config_model(scaled)
+    assert cm.max_positions == 512 and cm.max_length == 512
+    assert "rope scaling" in cm.positions_from
+
+
+def test_an_unknown_model_type_is_one_whole_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "lama", "hidden_size": 8}))
+    (tmp_path / "mine.json").write_text(json.dumps({"model_type": "lama", "hidden_size": 8}))
+    for source in (tmp_path, tmp_path / "config.json", tmp_path / "mine.json"):
+        with pytest.raises(EstimateError) as info:
+            vramctl.estimate(str(source), device="cpu")
+        text = str(info.value)
+        assert "does not know model type 'lama' (did you mean 'llama'?)" in text
+        assert "pip install --upgrade transformers" in text
+        assert text.endswith("(trust_remote_code=True)") and "\n" not in text
+
+
+@pytest.mark.usefixtures("offline_hub")
+@pytest.mark.parametrize(("typed", "meant"), [("gtp2", "gpt2"), ("llama1b", "llama-1b")])
+def test_a_misspelled_built_in_name_is_a_typo_not_a_hub_id(typed: str, meant: str) -> None:
+    with pytest.raises(EstimateError, match=f"did you mean {meant}\\?") as info:
+        vramctl.estimate(typed, device="cpu")
+    assert "Hub id" not in str(info.value) and "offline" not in str(info.value)  # not asked
+
+
+def test_an_unreachable_hub_fails_fast_in_one_line(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a port nothing listens on: refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf"))
+    code = (
+        "import time\n"
+        "from vramctl import VramctlError\n"
+        "from vramctl.estimator import config_model\n"
+        "t = time.perf_counter()\n"
+        "try:\n"
+        "    config_model('acme-labs/tiny-model')\n"
+        "except VramctlError as exc:\n"
+        "    print(round(time.perf_counter() - t, 1), exc, sep='|')\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    seconds, _, message = run.stdout.strip().partition("|")
+    assert "cannot reach the Hugging Face Hub" in message, run.stdout + run.stderr
+    assert float(seconds) < 10  # no half minute of retries
+    assert "Retry" not in run.stderr

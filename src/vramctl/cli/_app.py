@@ -304,7 +304,12 @@ def estimate_cmd(
         str, typer.Option("--batch", "-b", help="Batch sizes to estimate, e.g. 1,8,32.")
     ] = "1",
     seq_len: Annotated[
-        int | None, typer.Option(help="Tokens per sample (text models).", min=1)
+        int | None,
+        typer.Option(
+            help="Tokens per sample (text models); past the model's learned position table "
+            "an error, past the length its RoPE was trained for a note.",
+            min=1,
+        ),
     ] = None,
     seconds: Annotated[
         float | None, typer.Option(help="Audio seconds per sample (speech models).", min=0.03)
@@ -503,6 +508,8 @@ def estimate_cmd(
         return
     console.print(estimate_table(results))
     last = results[-1]
+    console.print(f"device: {first.device} ({format_bytes(first.capacity)})", highlight=False)
+    console.print(f"parameters: {first.parameters:,}", highlight=False)
     if last.parallel:
         console.print(
             f"per rank: {last.parallel}; --batch is each rank's micro-batch", highlight=False

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import difflib
 import inspect
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,9 +40,11 @@ from vramctl._optional import require
 __all__ = [
     "TASKS",
     "ConfigModel",
+    "check_positions",
     "config_model",
     "eager_masks",
     "is_config_source",
+    "unknown_config_keys",
 ]
 
 #: The task heads, each with its auto class and the ``modeling_auto`` mapping listing its
@@ -107,6 +112,10 @@ class ConfigModel:
     vocab_size: int = 0
     #: What was set on the config so that a batch runs (a pad token for classification ...).
     notes: tuple[str, ...] = ()
+    #: The most tokens ``seq_len`` may ask for (the position table, or the length RoPE and
+    #: its scaling were trained for), and the config keys that say so.
+    max_positions: int | None = None
+    positions_from: str = ""
 
     @property
     def seq2seq(self) -> bool:
@@ -345,15 +354,28 @@ def config_model(
     notes = _ready_config(config, task)
     if given is None and not getattr(config, "architectures", None):
         notes.insert(0, f"the config names no architecture; the {task} head was taken (task=)")
+    unknown = _unknown_keys_note(config)
+    if unknown:
+        notes.insert(0, unknown)
+    input_name = str(getattr(cls, "main_input_name", "input_ids") or "input_ids")
+    inputs = _input_kind(task, input_name)
     if image_size is not None:
         # The model is built for that size (a ViT's position table follows it).
+        sized = False
         for c in _sub_configs(config):
             if isinstance(getattr(c, "image_size", None), int | list | tuple):
                 c.image_size = image_size
-    input_name = str(getattr(cls, "main_input_name", "input_ids") or "input_ids")
-    inputs = _input_kind(task, input_name)
+                sized = True
+        if not sized and inputs != "images":
+            notes.append(
+                f"image_size={image_size} was given but not used: {name}'s inputs take no images"
+            )
     text = config.get_text_config(decoder=True)
     positions = _positions(config.get_text_config(), decoder=False)
+    encdec = bool(getattr(config, "is_encoder_decoder", False))
+    limit = _seq_len_limit(
+        config, tokens=inputs == "tokens", decoder=task in _SEQ2SEQ or (encdec and task == "base")
+    )
     return ConfigModel(
         name=name,
         config=config,
@@ -366,9 +388,11 @@ def config_model(
         image_size=image_size,
         default_seq_len=min(DEFAULT_SEQ_LEN, positions) if positions else None,
         default_seconds=DEFAULT_SECONDS if inputs in ("audio", "features") else None,
-        max_length=float(positions) if positions and inputs == "tokens" else None,
+        max_length=float(limit[0]) if limit and inputs == "tokens" else None,
         vocab_size=int(getattr(text, "vocab_size", 0) or 0),
         notes=(f"{cls.__name__} ({task}) built from {name}'s config, with no weights", *notes),
+        max_positions=limit[0] if limit else None,
+        positions_from=limit[1] if limit else "",
     )
 
 
@@ -382,7 +406,47 @@ def _load_config(tf: Any, source: str, trust_remote_code: bool) -> Any:
         return _from_pretrained(tf, path, source, trust_remote_code)
     if source.startswith((".", "/", "~")) or not _looks_like_hub_id(source):
         raise VramctlError(f"{source!r}: no such file or folder")
+    _reach_hub(source)
     return _from_pretrained(tf, source, source, trust_remote_code)
+
+
+#: Seconds to wait for the Hub's answer about a config.json (HF_HUB_ETAG_TIMEOUT, where set).
+HUB_TIMEOUT = 5.0
+
+
+def _reach_hub(repo_id: str) -> None:
+    """Fail fast, in one line, where the Hub cannot be reached for a config that is not in
+    the local cache.
+
+    huggingface_hub retries a download that finds no network and no cached copy for about
+    half a minute, a line each try; one request without retries asks first. Offline
+    mode, a cached copy and any answer from the Hub (even "not found") go on to transformers.
+    """
+    try:
+        from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+        from huggingface_hub import try_to_load_from_cache as cached
+        from huggingface_hub.errors import HfHubHTTPError
+    except ImportError:
+        return
+    if _offline() or isinstance(cached(repo_id, "config.json"), str):
+        return
+    timeout = float(constants.HF_HUB_ETAG_TIMEOUT)
+    if timeout == constants.DEFAULT_ETAG_TIMEOUT:
+        timeout = HUB_TIMEOUT
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=timeout)
+    except HfHubHTTPError:
+        return  # the Hub answered: transformers says what it said
+    except ValueError:
+        return  # not a valid repository id: transformers says so
+    except Exception as exc:
+        why = _one_line(exc)[:120] or type(exc).__name__
+        raise VramctlError(
+            f"{repo_id}: cannot reach the Hugging Face Hub at {constants.ENDPOINT} ({why}), "
+            "and there is no copy of its config in the local cache; check the network (or "
+            "HF_ENDPOINT), download it once where there is one, or give a local folder or "
+            "config.json (HF_HUB_OFFLINE=1 reads only the cache)"
+        ) from exc
 
 
 def _config_from_file(tf: Any, path: str, trust_remote_code: bool) -> Any:
@@ -399,7 +463,8 @@ def _config_from_file(tf: Any, path: str, trust_remote_code: bool) -> Any:
     try:
         return tf.AutoConfig.for_model(model_type, **data)
     except ValueError as exc:
-        raise VramctlError(f"{path}: {_one_line(exc)}") from exc
+        unknown = _unknown_model_type(tf, exc, path, model_type)
+        raise unknown or VramctlError(f"{path}: {_one_line(exc)}") from exc
 
 
 def _from_pretrained(tf: Any, where: str, shown: str, trust_remote_code: bool) -> Any:
@@ -412,18 +477,21 @@ def _from_pretrained(tf: Any, where: str, shown: str, trust_remote_code: bool) -
                 f"{shown} needs its own code from the Hub to build; if you trust it, pass "
                 "--trust-remote-code (trust_remote_code=True)"
             ) from exc
-        raise VramctlError(f"{shown}: {_one_line(exc)}") from exc
+        unknown = _unknown_model_type(tf, exc, shown)
+        raise unknown or VramctlError(f"{shown}: {_one_line(exc)}") from exc
     except OSError as exc:
         text = str(exc)
         if "couldn't connect" in text or "offline" in text.lower():
             why = (
-                "offline mode (HF_HUB_OFFLINE) reads only the local cache, which has"
+                "offline mode (HF_HUB_OFFLINE) reads only the local cache, which has no copy "
+                "of its config"
                 if _offline()
-                else "no network to reach the Hugging Face Hub, and"
+                else "no network to reach the Hugging Face Hub, and no copy of its config in "
+                "the local cache"
             )
             raise VramctlError(
-                f"{shown}: {why} no copy of its config in the local cache; download it once "
-                "where there is a network, or give a local folder or config.json"
+                f"{shown}: {why}; download it once where there is a network, or give a local "
+                "folder or config.json"
             ) from exc
         if "not a valid model identifier" in text or "Repository Not Found" in text:
             raise VramctlError(
@@ -431,6 +499,31 @@ def _from_pretrained(tf: Any, where: str, shown: str, trust_remote_code: bool) -
                 "here); check the id, or log in for a private or gated model"
             ) from exc
         raise VramctlError(f"{shown}: {_one_line(exc)}") from exc
+
+
+def _unknown_model_type(
+    tf: Any, exc: BaseException, shown: str, model_type: str | None = None
+) -> VramctlError | None:
+    """One line for a config whose ``model_type`` this transformers does not know (its own
+    message runs to a paragraph, or lists every model type), or None for another error."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    text = str(exc)
+    if model_type is None:
+        found = re.search(r"model type `([^`]+)`", text) or re.search(
+            r"Unrecognized model identifier: ([^\s.]+)", text
+        )
+        model_type = found.group(1) if found else None
+    if model_type is None or model_type in CONFIG_MAPPING:
+        return None
+    close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=1, cutoff=0.8)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return VramctlError(
+        f"{shown}: transformers {tf.__version__} does not know model type {model_type!r}"
+        f"{hint}; if the model is newer than this transformers, upgrade it (pip install "
+        "--upgrade transformers); if it ships its own code (an auto_map in its "
+        "config.json), pass --trust-remote-code (trust_remote_code=True)"
+    )
 
 
 def _offline() -> bool:
@@ -601,6 +694,205 @@ def _positions(config: Any, *, decoder: bool) -> int | None:
         if isinstance(v, int) and v > 0:
             return v
     return None
+
+
+def _seq_len_limit(config: Any, *, tokens: bool, decoder: bool) -> tuple[int, str] | None:
+    """The most tokens ``seq_len`` may ask for and where that comes from: the text
+    encoder's positions when the inputs are tokens, the decoder's when ``seq_len`` also
+    sets the decoder's tokens (the smaller, where both)."""
+    limits = []
+    if tokens:
+        limits.append(_position_limit(config.get_text_config(), decoder=False))
+    if decoder:
+        limits.append(_position_limit(config.get_text_config(decoder=True), decoder=True))
+    found = [lim for lim in limits if lim is not None]
+    return min(found) if found else None
+
+
+def _position_limit(config: Any, *, decoder: bool) -> tuple[int, str] | None:
+    """The positions a text config takes, with its RoPE scaling (transformers' rules:
+    ``original_max_position_embeddings`` times ``factor`` for llama3, YaRN and the like,
+    ``max_position_embeddings`` times ``factor`` for linear and dynamic scaling, and never
+    less than ``max_position_embeddings``)."""
+    names: tuple[str, ...] = ("max_target_positions",) if decoder else ()
+    names += ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
+    for n in names:
+        v = getattr(config, n, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            n = (getattr(type(config), "attribute_map", None) or {}).get(n, n)  # GPT-2's
+            scaled = _rope_limit(config, v)
+            if scaled > v:
+                return scaled, f"{n}={v} with its rope scaling"
+            return v, n
+    return None
+
+
+def _rope_limit(config: Any, positions: int) -> int:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return positions
+    # One dict, or one per layer type (Gemma 3: sliding and full attention).
+    nested = [p for p in params.values() if isinstance(p, dict)]
+    limit = positions
+    for p in nested or [params]:
+        kind = str(p.get("rope_type", p.get("type", "default")))
+        factor = p.get("factor")
+        if kind == "default" or not isinstance(factor, int | float) or factor <= 1:
+            continue
+        original = p.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None
+        )
+        if isinstance(original, int) and original > 0:
+            limit = max(limit, int(original * factor))
+        elif kind in ("linear", "dynamic"):
+            limit = max(limit, int(positions * factor))
+    return limit
+
+
+def check_positions(entry: Any, model: nn.Module | None, seq_len: int | None) -> str | None:
+    """Hold a ``seq_len`` that was asked for to what the model (a built-in or config
+    model, ``entry``) takes.
+
+    Beyond a learned position table (GPT-2's 1,024, BERT's 512, Whisper's 448 decoder
+    tokens) the step would fail to run: a :class:`VramctlError`. Beyond the length that
+    computed positions (RoPE with its scaling, ALiBi, relative) were trained for the step
+    runs: the note returned says so. None where ``seq_len`` is within the limit.
+    """
+    limit = getattr(entry, "max_positions", None)
+    if seq_len is None or not limit or seq_len <= limit:
+        return None
+    name = getattr(entry, "name", "the model")
+    key = getattr(entry, "positions_from", "")
+    where = f", the config's {key}" if key else ""
+    table = _learned_table(model, limit) if model is not None else None
+    if table is not None:
+        raise VramctlError(
+            f"seq_len={seq_len} is more than the {limit} positions {name} takes (its learned "
+            f"position table {table}{where}), so the step would fail to run; pass "
+            f"seq_len={limit} or less (--seq-len)"
+        )
+    return (
+        f"seq_len={seq_len} is beyond the {limit} positions {name} was trained for{where}: "
+        "the step runs (its positions are computed, not looked up), but the model was not "
+        "trained that long"
+    )
+
+
+def _learned_table(model: nn.Module, limit: int) -> str | None:
+    """The name of the model's learned position table that bounds ``limit``, if it has
+    one (an embedding of ``limit`` rows, or up to 2 more: OPT and BART offset theirs)."""
+    try:
+        words = model.get_input_embeddings()  # type: ignore[operator]
+    except Exception:
+        words = None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Embedding) or mod is words:
+            continue
+        leaf = name.rsplit(".", 1)[-1].lower()
+        if ("pos" in leaf or leaf == "wpe") and limit <= mod.num_embeddings <= limit + 2:
+            return str(name)
+    return None
+
+
+# -- config keys the config class does not know ---------------------------------------------
+
+#: Keys a config may hold that its class need not list: what transformers writes into every
+#: config (and wrote in earlier versions: 4.x's generic and generation attributes), and keys
+#: that well-known checkpoints still carry from earlier versions of their class.
+_ANY_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path", "name_or_path", "architectures", "auto_map", "model_type",
+        "transformers_version", "quantization_config", "per_layer_config", "torch_dtype",
+        "dtype", "use_cache", "num_labels", "id2label", "label2id", "problem_type",
+        "return_dict", "output_hidden_states", "output_attentions", "torchscript",
+        "use_bfloat16", "tf_legacy_loss", "pruned_heads", "tie_word_embeddings",
+        "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder",
+        "cross_attention_hidden_size", "add_cross_attention", "tie_encoder_decoder",
+        "finetuning_task", "tokenizer_class", "prefix", "bos_token_id", "pad_token_id",
+        "eos_token_id", "sep_token_id", "decoder_start_token_id", "task_specific_params",
+        "gradient_checkpointing", "max_length", "min_length", "do_sample", "early_stopping",
+        "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p",
+        "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+        "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+        "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+        "suppress_tokens", "begin_suppress_tokens", "forced_decoder_ids",
+        # left in famous checkpoints by earlier versions of their class (GPT-2, T5, BERT,
+        # RoBERTa, BART, LLaVA)
+        "n_ctx", "n_positions", "output_past", "position_embedding_type", "ignore_index",
+        "vocab_size", "classif_dropout", "add_bias_logits", "add_final_layer_norm",
+        "normalize_before", "normalize_embedding", "static_position_embeddings",
+        "extra_pos_embeddings", "force_bos_token_to_be_generated",
+    }
+)  # fmt: skip
+
+
+def unknown_config_keys(config: Any) -> list[tuple[str, str | None]]:
+    """The keys of a ``PretrainedConfig`` that its class does not know, each with the known
+    key it is most likely a typo of (None where there is none).
+
+    A key is known when a default-constructed config of the class has it (or a field, or
+    an ``attribute_map`` alias of one), or any config may hold it (``architectures``,
+    ``torch_dtype`` ...). transformers keeps an unknown key on the config and no model
+    reads it: ``vocab_sise`` leaves ``vocab_size`` at its default. A sub-config's keys
+    (``text_config.vocab_size``) are held to its class and to what its parent's defaults
+    set on it. A likely typo whose value equals its known key's is left out: it changes
+    nothing.
+
+    >>> from transformers import LlamaConfig
+    >>> unknown_config_keys(LlamaConfig(hidden_size=64, vocab_sise=1000))
+    [('vocab_sise', 'vocab_size')]
+    """
+    return _unknown_keys(config, None, "")
+
+
+def _unknown_keys(config: Any, default: Any, prefix: str) -> list[tuple[str, str | None]]:
+    cls = type(config)
+    if default is None or type(default) is not cls:
+        try:
+            default = cls()
+        except Exception:  # a class that needs arguments: nothing to hold its keys to
+            return []
+    known = set(_config_dict(default)) | set(getattr(cls, "attribute_map", None) or {})
+    if dataclasses.is_dataclass(cls):
+        known |= {f.name for f in dataclasses.fields(cls)}
+    values = _config_dict(config)
+    out: list[tuple[str, str | None]] = []
+    for key, value in values.items():
+        if key in known or key in _ANY_CONFIG_KEYS or key.startswith("_"):
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+        match = close[0] if close else None
+        if match is not None and values.get(match, getattr(config, match, None)) == value:
+            continue  # an old name for the same setting, with the same value
+        out.append((prefix + key, match))
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and not isinstance(sub, dict) and hasattr(sub, "to_dict"):
+            out += _unknown_keys(sub, getattr(default, key, None), f"{prefix}{key}.")
+    return out
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    try:
+        return dict(config.to_dict())
+    except Exception:
+        return {}
+
+
+def _unknown_keys_note(config: Any) -> str | None:
+    unknown = unknown_config_keys(config)
+    if not unknown:
+        return None
+    keys = ", ".join(k + (f" (did you mean {m}?)" if m else "") for k, m in unknown)
+    return (
+        f"{type(config).__name__} does not know the config key"
+        f"{'s' if len(unknown) > 1 else ''} {keys}: transformers "
+        f"{_transformers().__version__} ignores "
+        f"{'them' if len(unknown) > 1 else 'it'} (the model is built as if "
+        f"{'they were' if len(unknown) > 1 else 'it was'} not there); fix the spelling if "
+        f"{'they were' if len(unknown) > 1 else 'it was'} meant"
+    )
 
 
 def _special_ids(config: Any) -> set[int]:

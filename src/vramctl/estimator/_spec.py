@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import importlib
 import os
 import sys
@@ -243,6 +244,8 @@ class ResolvedSource:
     name: str
     model: Callable[[], nn.Module] | nn.Module
     entry: Any = None
+    #: Notes on what was asked for and not used (an image size for a text model ...).
+    notes: tuple[str, ...] = ()
 
 
 def resolve_source(
@@ -259,18 +262,32 @@ def resolve_source(
     ``task``, ``image_size`` and ``trust_remote_code`` apply to a model named by its
     config (``image_size`` also to the built-in image models).
     """
+    own = _unused_by_own_model(image_size=image_size, task=task)
     if isinstance(source, nn.Module):
-        return ResolvedSource(type(source).__name__, source)
+        return ResolvedSource(type(source).__name__, source, notes=own)
     if isinstance(source, str) and ":" in source:
         obj = import_factory(source, error=EstimateError)
         if not isinstance(obj, nn.Module) and not callable(obj):
             raise EstimateError(f"{source!r} is neither an nn.Module nor a factory")
-        return ResolvedSource(source, obj)
+        return ResolvedSource(source, obj, notes=own)
     if isinstance(source, str) and source.lower() in zoo.names():
         entry = zoo.get(source)
+        unused = []
         if image_size is not None and entry.inputs == "images":
             entry = dataclasses.replace(entry, image_size=image_size)
-        return ResolvedSource(entry.name, entry.build, entry)
+        elif image_size is not None:
+            unused.append(
+                f"image_size={image_size} was given but not used: {entry.name}'s inputs take "
+                "no images"
+            )
+        if task is not None:
+            unused.append(
+                f"task={task!r} was given but not used: {entry.name} is a built-in model with "
+                "its own head"
+            )
+        return ResolvedSource(entry.name, entry.build, entry, tuple(unused))
+    if isinstance(source, str):
+        _refuse_builtin_typo(source)
     if is_config_source(source):
         try:
             model = config_model(
@@ -278,14 +295,16 @@ def resolve_source(
             )
         except VramctlError as exc:
             if isinstance(source, str) and "/" not in source and not os.path.exists(source):
+                close = difflib.get_close_matches(source.lower(), zoo.names(), n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]}?" if close else ""
                 raise EstimateError(
-                    f"{source!r} is not a built-in model ({', '.join(zoo.names())}), and as a "
-                    f"Hub id: {exc}"
+                    f"{source!r} is not a built-in model ({', '.join(zoo.names())}{hint}), "
+                    f"and as a Hub id: {exc}"
                 ) from exc
             raise EstimateError(str(exc)) from exc
         return ResolvedSource(model.name, model.build, model)
     if callable(source):
-        return ResolvedSource(getattr(source, "__name__", "model"), source)
+        return ResolvedSource(getattr(source, "__name__", "model"), source, notes=own)
     if isinstance(source, str):
         raise EstimateError(
             f"unknown model {source!r}: not a built-in model ({', '.join(zoo.names())}), a "
@@ -297,6 +316,52 @@ def resolve_source(
         f"({', '.join(zoo.names())}), a Hub id or config.json, 'package.module:factory' or "
         "a factory"
     )
+
+
+def _unused_by_own_model(**given: Any) -> tuple[str, ...]:
+    """Notes for options that only a named model (built-in, or by its config) uses."""
+    return tuple(
+        f"{k}={v!r} was given but not used: the model is your own module, and its batch is "
+        "what was passed"
+        for k, v in given.items()
+        if v is not None
+    )
+
+
+def _refuse_builtin_typo(source: str) -> None:
+    """A bare name one slip from a built-in one (``gtp2``, ``llama1b``) is a typo: say so
+    at once, rather than ask the Hub for it (Hub ids are ``owner/name``, but for a few old
+    ones such as ``gpt2``, none of them this close to a built-in name)."""
+    if "/" in source or "\\" in source or source.endswith(".json"):
+        return
+    if os.path.exists(os.path.expanduser(source)):
+        return
+    typed = _plain(source)
+    slips = {n: _slips(typed, _plain(n)) for n in zoo.names()}
+    fewest = min(slips.values())
+    near = [n for n, k in slips.items() if k == fewest <= 1]
+    if near:
+        raise EstimateError(
+            f"unknown model {source!r}: did you mean {' or '.join(near)}? It is not a built-in "
+            f"model ({', '.join(zoo.names())}); a Hub model is named by its id, owner/name"
+        )
+
+
+def _plain(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def _slips(a: str, b: str) -> int:
+    """Edits from ``a`` to ``b``: insertions, deletions, substitutions and swaps of two
+    neighbours (the optimal string alignment distance)."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[len(a)][len(b)]
 
 
 def load_model_source(source: ModelSource) -> tuple[str, Callable[[], nn.Module] | nn.Module]:

@@ -90,6 +90,20 @@ class ZooModel:
         return None, None
 
     @property
+    def max_positions(self) -> int | None:
+        """The most tokens ``seq_len`` may ask for: the position table, or the length RoPE
+        was trained for (Whisper's ``seq_len`` is its decoder's, at most 448).
+
+        >>> get("gpt2").max_positions, get("whisper-base").max_positions
+        (1024, 448)
+        """
+        if self.inputs == "mel":
+            return WHISPER_DECODER_TOKENS
+        if self.inputs in ("tokens", "sequence") and self.max_length:
+            return int(self.max_length)
+        return None
+
+    @property
     def length_arg(self) -> str | None:
         """The keyword that sets this model's input length (``seq_len``, ``seconds`` or None)."""
         if self.inputs in ("tokens", "sequence"):
