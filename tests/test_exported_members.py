@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
 from types import ModuleType
 
 import pytest
@@ -85,6 +87,37 @@ def test_top_level_exports_are_the_intended_ones() -> None:
     assert set(vramctl.__all__) == EXPECTED
     for name in vramctl.__all__:
         assert hasattr(vramctl, name), name
+
+
+def test_public_names_are_listed_by_dir() -> None:
+    # The packages import their heavy names on first use (PEP 562); dir() still lists them.
+    for package in (vramctl, vramctl.device, vramctl.jobs):
+        assert set(package.__all__) <= set(dir(package)), package.__name__
+
+
+def _fresh(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (nothing of vramctl or PyTorch imported yet)."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_import_vramctl_does_not_import_pytorch() -> None:
+    _fresh(
+        "import sys, vramctl, vramctl.device, vramctl.jobs\n"
+        "assert 'torch' not in sys.modules, 'import vramctl imported torch'\n"
+        "from vramctl import Guard, estimate\n"
+        "assert 'torch' in sys.modules and estimate.__module__.startswith('vramctl.estimator')"
+    )
+
+
+def test_optimize_stays_the_function_when_its_package_is_imported_first() -> None:
+    # Importing a subpackage binds it on its parent: vramctl.optimize must stay the function.
+    _fresh(
+        "import sys, vramctl\n"
+        "from vramctl.optimize import plan\n"
+        "assert vramctl.optimize is sys.modules['vramctl.optimize'].optimize, vramctl.optimize\n"
+        "assert vramctl.plan is plan"
+    )
 
 
 def test_public_objects_say_they_are_from_vramctl() -> None:

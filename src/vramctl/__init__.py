@@ -7,55 +7,117 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from vramctl._errors import InvalidSizeError, UnknownDeviceError, VramctlError
 from vramctl._na import NA, NotAvailable
 from vramctl._units import format_bytes, parse_size
 from vramctl._version import __version__
-from vramctl.batching import AdaptiveBatcher, BatchingError
-from vramctl.cache import TensorCache
-from vramctl.device import (
-    ComputeCapability,
-    Device,
-    GpuSpec,
-    HealthState,
-    MemoryState,
-    Policy,
-    ProcessMemory,
-    Selection,
-    SimulatedDevice,
-    SimulatedOutOfMemoryError,
-    catalog,
-    current_device,
-    devices,
-    get_device,
-    gpu_spec,
-    gpus,
-    rank_devices,
-    select_device,
-    simulate,
-    use_device,
-)
-from vramctl.estimator import (
-    Estimate,
-    EstimateError,
-    MaxBatch,
-    Parallel,
-    estimate,
-    max_batch_size,
-)
-from vramctl.fit import FitError, FitResult, fit_batch_size
-from vramctl.guard import (
-    Guard,
-    GuardEvent,
-    MemoryReport,
-    SplitBatchNormWarning,
-    StepDoesNotFitError,
-    StepResult,
-    guarded,
-    is_oom,
-)
-from vramctl.monitor import Monitor
-from vramctl.optimize import OptimizationReport, Plan, PlanResult, doctor, optimize, plan
+
+if TYPE_CHECKING:
+    from vramctl.batching import AdaptiveBatcher, BatchingError
+    from vramctl.cache import TensorCache
+    from vramctl.device import (
+        ComputeCapability,
+        Device,
+        GpuSpec,
+        HealthState,
+        MemoryState,
+        Policy,
+        ProcessMemory,
+        Selection,
+        SimulatedDevice,
+        SimulatedOutOfMemoryError,
+        catalog,
+        current_device,
+        devices,
+        get_device,
+        gpu_spec,
+        gpus,
+        rank_devices,
+        select_device,
+        simulate,
+        use_device,
+    )
+    from vramctl.estimator import (
+        Estimate,
+        EstimateError,
+        MaxBatch,
+        Parallel,
+        estimate,
+        max_batch_size,
+    )
+    from vramctl.fit import FitError, FitResult, fit_batch_size
+    from vramctl.guard import (
+        Guard,
+        GuardEvent,
+        MemoryReport,
+        SplitBatchNormWarning,
+        StepDoesNotFitError,
+        StepResult,
+        guarded,
+        is_oom,
+    )
+    from vramctl.monitor import Monitor
+    from vramctl.optimize import OptimizationReport, Plan, PlanResult, doctor, optimize, plan
+
+# Each public name's package, imported on first use (PEP 562): ``import vramctl`` takes
+# milliseconds, and PyTorch is imported by what needs it, not by ``vramctl --help``.
+_LAZY = {
+    **dict.fromkeys(("AdaptiveBatcher", "BatchingError"), "vramctl.batching"),
+    "TensorCache": "vramctl.cache",
+    **dict.fromkeys(
+        (
+            "ComputeCapability",
+            "Device",
+            "GpuSpec",
+            "HealthState",
+            "MemoryState",
+            "Policy",
+            "ProcessMemory",
+            "Selection",
+            "SimulatedDevice",
+            "SimulatedOutOfMemoryError",
+            "catalog",
+            "current_device",
+            "devices",
+            "get_device",
+            "gpu_spec",
+            "gpus",
+            "rank_devices",
+            "select_device",
+            "simulate",
+            "use_device",
+        ),
+        "vramctl.device",
+    ),
+    **dict.fromkeys(
+        ("Estimate", "EstimateError", "MaxBatch", "Parallel", "estimate", "max_batch_size"),
+        "vramctl.estimator",
+    ),
+    **dict.fromkeys(("FitError", "FitResult", "fit_batch_size"), "vramctl.fit"),
+    **dict.fromkeys(
+        (
+            "Guard",
+            "GuardEvent",
+            "MemoryReport",
+            "SplitBatchNormWarning",
+            "StepDoesNotFitError",
+            "StepResult",
+            "guarded",
+            "is_oom",
+        ),
+        "vramctl.guard",
+    ),
+    "Monitor": "vramctl.monitor",
+    **dict.fromkeys(
+        ("OptimizationReport", "Plan", "PlanResult", "doctor", "optimize", "plan"),
+        "vramctl.optimize",
+    ),
+}
 
 __all__ = [
     "NA",
@@ -114,3 +176,35 @@ __all__ = [
     "simulate",
     "use_device",
 ]
+
+
+if not TYPE_CHECKING:  # mypy sees the imports above
+
+    def __getattr__(name: str) -> Any:
+        package = _LAZY.get(name)
+        if package is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(package), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """``vramctl.optimize`` is the function, not the package of that name.
+
+    Importing a subpackage binds it on its parent; the package ``vramctl.optimize``,
+    imported on its own (``from vramctl.optimize import plan``), must not replace
+    the function, which :func:`__getattr__` then finds in it.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "optimize" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

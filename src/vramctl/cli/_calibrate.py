@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
 from vramctl import VramctlError, format_bytes
 from vramctl.cli._common import app, check_can_write, console, emit_json, err, user_errors
-from vramctl.estimator import (
-    Calibration,
-    builtin_calibration,
-    calibration_dir,
-    constant_rows,
-    list_calibrations,
-)
+
+if TYPE_CHECKING:  # the estimator (and PyTorch) is imported by the command, not by --help
+    from vramctl.estimator import Calibration
 
 __all__ = ["calibrate"]
 
@@ -30,6 +26,8 @@ def _value(name: str, v: Any) -> str:
 
 
 def _print_profile(cal: Calibration) -> None:
+    from vramctl.estimator import builtin_calibration, constant_rows
+
     builtin = builtin_calibration(cal.device, cal.capability)
     table = Table(title=f"CUDA constants of {cal.describe()}", title_justify="left")
     table.add_column("constant")
@@ -57,6 +55,8 @@ def _print_profile(cal: Calibration) -> None:
 
 
 def _list(as_json: bool) -> None:
+    from vramctl.estimator import calibration_dir, list_calibrations
+
     found = list_calibrations()
     if as_json:
         emit_json(

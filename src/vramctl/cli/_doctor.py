@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from vramctl.cli._common import app, check_can_write, console, emit_json, user_errors
-from vramctl.optimize import DoctorReport, doctor
+
+if TYPE_CHECKING:  # the optimize layer (and PyTorch) is imported by the command, not by --help
+    from vramctl.optimize import DoctorReport
 
 __all__ = ["doctor_cmd"]
 
@@ -89,6 +91,8 @@ def doctor_cmd(
     """
     if report is not None:
         check_can_write("--report", report)
+    from vramctl.optimize import doctor
+
     result = doctor(devices=device or None)
     if report is not None:
         write_report(result, report)

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Annotated, Any
+from typing import IO, TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -26,32 +26,24 @@ from vramctl.cli._common import (
     library_log_to,
     user_errors,
 )
-from vramctl.monitor import (
-    Event,
-    ExportError,
-    FragmentationRule,
-    Level,
-    Monitor,
-    MonitorError,
-    OomRiskRule,
-    RetriesRule,
-    Rule,
-    UsageRule,
-    parse_address,
-    serve_prometheus,
-)
+
+if TYPE_CHECKING:  # the monitor (and PyTorch) is imported by the command, not by --help
+    from vramctl.monitor import Event, Monitor, Rule
 
 __all__ = ["monitor_cmd"]
 
+# By the names of vramctl.monitor.Level.
 _LEVEL_STYLE = {
-    Level.INFO: "cyan",
-    Level.WARNING: "yellow",
-    Level.ERROR: "red",
-    Level.CRITICAL: "bold red",
+    "INFO": "cyan",
+    "WARNING": "yellow",
+    "ERROR": "red",
+    "CRITICAL": "bold red",
 }
 
 
 def _open_jsonl(path: Path) -> IO[str]:
+    from vramctl.monitor import ExportError
+
     try:
         return path.open("a", encoding="utf-8")
     except OSError as exc:
@@ -63,12 +55,16 @@ def _open_jsonl(path: Path) -> IO[str]:
 
 def _check_plot(path: Path) -> None:
     """Refuse a plot path that cannot be written now, not after the whole run."""
+    from vramctl.monitor import ExportError
+
     if path.suffix.lower() not in (".html", ".htm", ".png"):
         raise ExportError(f"--plot {str(path)!r}: use a .html or .png file name")
     check_can_write("--plot", path)
 
 
 def _check_levels(kind: str, warning: float, critical: float) -> None:
+    from vramctl.monitor import MonitorError
+
     for level, value in (("warning", warning), ("critical", critical)):
         if not (math.isfinite(value) and 0 < value <= 1):
             raise MonitorError(
@@ -98,9 +94,8 @@ def _line(samples: list[dict[str, Any]]) -> str:
 
 
 def _print_alert(alert: dict[str, Any]) -> None:
-    level = Level[alert["level"].upper()]
     head = "resolved" if alert["resolved"] else alert["level"]
-    style = "green" if alert["resolved"] else _LEVEL_STYLE[level]
+    style = "green" if alert["resolved"] else _LEVEL_STYLE[alert["level"].upper()]
     text = f"[{style}]{head:>8}[/] {alert['device']} {alert['rule']}: {alert['message']}"
     if alert["suggestion"] and not alert["resolved"]:
         text += f"\n         [dim]→ {alert['suggestion']}[/]"
@@ -134,6 +129,8 @@ def _rules(
     hold: float,
     horizon: float,
 ) -> list[Rule]:
+    from vramctl.monitor import FragmentationRule, OomRiskRule, RetriesRule, UsageRule
+
     return [
         UsageRule(gpu_warning, gpu_critical, kind="gpu", for_s=hold),
         UsageRule(host_warning, host_critical, kind="cpu", for_s=hold),
@@ -226,6 +223,8 @@ def monitor_cmd(
     _check_levels("host", host_warning, host_critical)
     check_seconds("--hold", hold, "5", zero=True)
     check_seconds("--horizon", horizon, "60")
+    from vramctl.monitor import Monitor, parse_address, serve_prometheus
+
     rules = _rules(gpu_warning, gpu_critical, host_warning, host_critical, hold, horizon)
     mon = Monitor(device or None, interval, rules=rules)
     if plot is not None:

@@ -9,7 +9,6 @@ import typer
 
 from vramctl.cli._common import app, err, user_errors
 from vramctl.cli._jobs import DevicesOption, _devices, _interrupted
-from vramctl.jobs import RayAgent, connect, node_resources
 
 __all__ = ["ray_app"]
 
@@ -29,6 +28,8 @@ def resources(devices: DevicesOption = None) -> None:
 
         ray start --head --resources "$(vramctl ray resources)"
     """
+    from vramctl.jobs import node_resources
+
     found = node_resources(_devices(devices))
     if not found:
         err.print("no GPU here: this node offers no GPU memory", highlight=False)
@@ -51,6 +52,8 @@ def agent(
     Run it on each node after ray start, until Ctrl-C: a placeholder per GPU
     holds, out of the GPU's resource, the memory other processes use there.
     """
+    from vramctl.jobs import RayAgent, connect
+
     connect(address)
     running = RayAgent(_devices(devices), interval_s=interval)
     names = ", ".join(name for name in running.held)

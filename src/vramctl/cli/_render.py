@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.panel import Panel
@@ -15,7 +15,9 @@ from rich.text import Text
 import vramctl
 from vramctl import NA, Device, MemoryState, ProcessMemory, format_bytes
 from vramctl.device import HealthState
-from vramctl.estimator import SEARCH_INPUT_BYTES, Estimate, MaxBatch
+
+if TYPE_CHECKING:  # the estimator (and PyTorch) is imported by `estimate`, not by `status`
+    from vramctl.estimator import Estimate, MaxBatch
 
 __all__ = [
     "STATUS_SCHEMA",
@@ -255,6 +257,8 @@ def estimate_table(results: list[Estimate]) -> Table:
 def max_batch_lines(best: MaxBatch, batch_fn: str | None = None, what: str = "batch") -> list[str]:
     """What ``estimate --max-batch`` says: the answer and what it rests on, or that there
     is none up to where the search could go (``what``: "batch", or "micro-batch per rank")."""
+    from vramctl.estimator import SEARCH_INPUT_BYTES
+
     lines: list[str] = []
     per = f"{format_bytes(best.per_sample)} per sample"
     if best.limit_found and best.batch_size == 0:

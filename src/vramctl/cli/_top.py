@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -30,7 +30,9 @@ from rich.text import Text
 from vramctl import NA, Device, MemoryState, NotAvailable, ProcessMemory, VramctlError, format_bytes
 from vramctl.cli._common import app, check_seconds, console, library_log_to, user_errors
 from vramctl.cli._render import EncodingSafe, _bar, _pct
-from vramctl.monitor import Event, Monitor
+
+if TYPE_CHECKING:  # the monitor (and PyTorch) is imported by the command, not by --help
+    from vramctl.monitor import Event, Monitor
 
 __all__ = [
     "KEYS_HELP",
@@ -579,6 +581,8 @@ def top_cmd(
 
         vramctl top --interval 0.5 --device cuda:0 --sort pid
     """
+    from vramctl.monitor import Monitor
+
     check_seconds("--interval", interval, "1")
     state = TopState(sort=_check_sort(sort), reverse=reverse)
     monitor = Monitor(

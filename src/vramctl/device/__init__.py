@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from vramctl.device._base import Device
 from vramctl.device._capability import ComputeCapability
 from vramctl.device._catalog import GpuSpec, catalog, gpu_spec, match_gpu_name
@@ -10,7 +13,6 @@ from vramctl.device._cuda import CudaDevice
 from vramctl.device._discover import devices, get_device, gpus
 from vramctl.device._health import DeviceHealth, HealthPolicy, HealthState
 from vramctl.device._memory import MemoryState, ProcessMemory
-from vramctl.device._meter import PeakMeter, available_bytes, total_bytes
 from vramctl.device._select import (
     Policy,
     Selection,
@@ -22,12 +24,27 @@ from vramctl.device._select import (
     use_device,
 )
 from vramctl.device._settings import DriverInfo, GpuSettings, driver_info, gpu_settings
-from vramctl.device._simulate import (
-    SimulatedDevice,
-    SimulatedOutOfMemoryError,
-    active_simulation,
-    simulate,
-)
+
+if TYPE_CHECKING:
+    from vramctl.device._meter import PeakMeter, available_bytes, total_bytes
+    from vramctl.device._simulate import (
+        SimulatedDevice,
+        SimulatedOutOfMemoryError,
+        active_simulation,
+        simulate,
+    )
+
+# The names whose modules import PyTorch, imported on first use (PEP 562): listing the
+# devices and reading their memory need no PyTorch.
+_LAZY = {
+    "PeakMeter": "vramctl.device._meter",
+    "available_bytes": "vramctl.device._meter",
+    "total_bytes": "vramctl.device._meter",
+    "SimulatedDevice": "vramctl.device._simulate",
+    "SimulatedOutOfMemoryError": "vramctl.device._simulate",
+    "active_simulation": "vramctl.device._simulate",
+    "simulate": "vramctl.device._simulate",
+}
 
 __all__ = [
     "ComputeCapability",
@@ -66,3 +83,18 @@ __all__ = [
     "total_bytes",
     "use_device",
 ]
+
+
+if not TYPE_CHECKING:  # mypy sees the imports above
+
+    def __getattr__(name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

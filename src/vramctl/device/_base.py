@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vramctl._na import NA, NotAvailable
 from vramctl.device._capability import ComputeCapability
 from vramctl.device._catalog import GpuSpec
 from vramctl.device._health import DeviceHealth
 from vramctl.device._memory import MemoryState, ProcessMemory
-from vramctl.device._meter import PeakMeter
+
+if TYPE_CHECKING:  # PyTorch is imported where a tensor is touched, not to list devices
+    import torch
+
+    from vramctl.device._meter import PeakMeter
 
 __all__ = ["Device"]
 
@@ -93,6 +95,8 @@ class Device(abc.ABC):
         >>> m.peak_allocated >= 4096
         True
         """
+        from vramctl.device._meter import PeakMeter
+
         return PeakMeter(self)
 
     @abc.abstractmethod
@@ -136,6 +140,8 @@ class Device(abc.ABC):
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of ``t`` in host memory, outside this device's count: pinned where this
         is a CUDA device (so copies to and from it can be asynchronous)."""
+        import torch
+
         with self.uncounted():
             out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.is_cuda)
             out.copy_(t.detach())
@@ -144,6 +150,8 @@ class Device(abc.ABC):
     def adopt(self, obj: Any) -> Any:
         """Place ``obj`` on this device, as ``.to(device)`` does: a module or tensor is moved
         (and returned); a simulated GPU counts what it holds instead."""
+        import torch
+
         if isinstance(obj, torch.nn.Module | torch.Tensor):
             return obj.to(self.torch_device)
         return obj

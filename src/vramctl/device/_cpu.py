@@ -5,16 +5,17 @@ from __future__ import annotations
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
-import torch
 
 from vramctl._na import NA, Bytes
 from vramctl.device._base import Device
 from vramctl.device._health import DeviceHealth, ReadingFailed
 from vramctl.device._memory import MemoryState, ProcessMemory
-from vramctl.device._meter import HostCount
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CpuDevice", "cgroup_memory"]
 
@@ -59,6 +60,8 @@ class CpuDevice(Device):
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device("cpu")
 
     def capacity(self) -> int:
@@ -68,6 +71,8 @@ class CpuDevice(Device):
         return int(psutil.virtual_memory().available)
 
     def _peak_begin(self) -> Any:
+        from vramctl.device._meter import HostCount
+
         vm = psutil.virtual_memory()
         counter = HostCount()
         counter.__enter__()  # type: ignore[no-untyped-call]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import pynvml
-import torch
 
 from vramctl._na import NA, Bytes, NotAvailable, or_na
 from vramctl.device._base import Device
@@ -19,6 +19,9 @@ from vramctl.device._catalog import match_gpu_name
 from vramctl.device._health import DeviceHealth, HealthPolicy, ReadingFailed
 from vramctl.device._memory import MemoryState, ProcessMemory
 from vramctl.device._nvml import NvmlGpu, optional
+
+if TYPE_CHECKING:  # PyTorch is imported where this process's CUDA is used, not to list GPUs
+    import torch
 
 __all__ = ["CudaDevice", "allocator_stats"]
 
@@ -43,8 +46,13 @@ def allocator_stats(index: int) -> dict[str, Any]:
     Before this process has initialised CUDA it holds nothing on the device, so
     the figures are true zeros (fragmentation, a ratio over zero, is ``NA``).
     Without a CUDA build, or for an index ``torch.cuda`` does not number, every
-    figure is ``NA``.
+    figure is ``NA``. A process that has not imported PyTorch has not initialised CUDA
+    either: its figures are zeros, read without importing it.
     """
+    if "torch" not in sys.modules:
+        return dict.fromkeys(_STATS, 0)
+    import torch
+
     if not torch.cuda.is_available() or not 0 <= index < torch.cuda.device_count():
         return dict.fromkeys(_STATS, NA)
     if not torch.cuda.is_initialized():
@@ -127,6 +135,8 @@ class CudaDevice(Device):
     @classmethod
     def from_torch(cls, index: int, policy: HealthPolicy | None = None) -> CudaDevice:
         """A device known only to ``torch.cuda`` (no NVML: ROCm, or a missing library)."""
+        import torch
+
         props = torch.cuda.get_device_properties(index)
         uuid = getattr(props, "uuid", None)
         return cls(
@@ -140,6 +150,8 @@ class CudaDevice(Device):
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device("cuda", self.index)
 
     @property
@@ -157,14 +169,20 @@ class CudaDevice(Device):
     # -- behaviour ----------------------------------------------------------------
 
     def capacity(self) -> int:
+        import torch
+
         return int(torch.cuda.mem_get_info(self.index)[1])
 
     def available(self) -> int:
+        import torch
+
         free = int(torch.cuda.mem_get_info(self.index)[0])
         idx = self.index
         return free + torch.cuda.memory_reserved(idx) - torch.cuda.memory_allocated(idx)
 
     def _peak_begin(self) -> Any:
+        import torch
+
         idx = self.index
         torch.cuda.synchronize(idx)
         torch.cuda.reset_peak_memory_stats(idx)
@@ -173,6 +191,8 @@ class CudaDevice(Device):
         return int(total - free) - torch.cuda.memory_reserved(idx), torch.cuda.memory_allocated(idx)
 
     def _peak_end(self, token: Any) -> tuple[int, int, int]:
+        import torch
+
         base, start = token
         idx = self.index
         torch.cuda.synchronize(idx)
@@ -187,17 +207,23 @@ class CudaDevice(Device):
         return True
 
     def oom_count(self) -> int:
+        import torch
+
         if not torch.cuda.is_initialized():
             return 0
         # Read before every guarded attempt: the nested form skips flattening the stats tree.
         return int(torch.cuda.memory_stats_as_nested_dict(self.index).get("num_ooms", 0))
 
     def release_cache(self) -> None:
+        import torch
+
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
     def offload_activations(self) -> contextlib.AbstractContextManager[Any]:
         # PyTorch's own: saved tensors go to pinned host memory and come back for backward.
+        import torch
+
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
     # -- readings -----------------------------------------------------------------
@@ -222,6 +248,8 @@ class CudaDevice(Device):
         return out
 
     def _read_torch(self) -> dict[str, Any]:
+        import torch
+
         free, total = torch.cuda.mem_get_info(self.index)
         return {"total": int(total), "used": int(total - free), "free": int(free)}
 

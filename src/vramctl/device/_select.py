@@ -8,9 +8,7 @@ import enum
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vramctl._errors import VramctlError
 from vramctl._na import NA
@@ -18,7 +16,9 @@ from vramctl._units import format_bytes, parse_size
 from vramctl.device._base import Device
 from vramctl.device._discover import devices, get_device
 from vramctl.device._memory import MemoryState
-from vramctl.device._simulate import active_simulation
+
+if TYPE_CHECKING:  # PyTorch is imported where a model or CUDA is asked, not to list devices
+    import torch
 
 __all__ = [
     "Policy",
@@ -263,6 +263,10 @@ def resolve(device: Device | int | str | None = None, *, model: Any = None) -> D
     dev = _current.get()
     if dev is not None:
         return dev
+    import torch
+
+    from vramctl.device._simulate import active_simulation
+
     sim = active_simulation()
     if sim is not None:
         return sim
@@ -278,6 +282,8 @@ def _first_parameter(obj: Any) -> torch.Tensor | None:
     """The first parameter of a module (``parameters()``) or an optimizer (``param_groups``)."""
     if obj is None:
         return None
+    import torch
+
     if callable(getattr(obj, "parameters", None)):
         return next(iter(obj.parameters()), None)
     for group in getattr(obj, "param_groups", ()):
@@ -299,6 +305,8 @@ def use_device(device: Device | int | str) -> Iterator[Device]:
     token = _current.set(dev)
     try:
         if dev.is_cuda:
+            import torch
+
             with torch.cuda.device(dev.torch_device):
                 yield dev
         else:

@@ -6,42 +6,12 @@ The layer between the run-time layers (``fit``, ``batching``, ``monitor``, ``gua
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from vramctl.jobs._client import JobClient, JobClientError, job_from_dict
-from vramctl.jobs._ledger import AdmissionError, Ledger, Reservation
-from vramctl.jobs._need import (
-    BATCH_SIZE_ENV,
-    GRAD_ACCUM_ENV,
-    batch_plan,
-    check_placeable,
-    device_capacity,
-    job_env,
-    matching_devices,
-    price,
-)
-from vramctl.jobs._placement import (
-    BestFit,
-    ClusterState,
-    Fragmentation,
-    LeastLoaded,
-    MostFree,
-    Placement,
-    Policy,
-    Request,
-    Workload,
-)
 from vramctl.jobs._queue import Queue
-from vramctl.jobs._ray import (
-    RayAgent,
-    RayGpu,
-    RayRunner,
-    connect,
-    node_resources,
-    outside_vramctl,
-    ray_devices,
-    resource_name,
-)
-from vramctl.jobs._scheduler import POLICIES, LocalRunner, Runner, Scheduler
-from vramctl.jobs._settings import Settings, load_settings
+from vramctl.jobs._settings import POLICIES, Settings, load_settings
 from vramctl.jobs._spec import (
     MAX_SIZE,
     DeviceConstraints,
@@ -53,6 +23,89 @@ from vramctl.jobs._spec import (
     load_spec,
 )
 from vramctl.jobs._store import ACTIVE, FINISHED, STATES, Job, JobStore, JobStoreError, vramctl_home
+
+if TYPE_CHECKING:
+    from vramctl.jobs._ledger import AdmissionError, Ledger, Reservation
+    from vramctl.jobs._need import (
+        BATCH_SIZE_ENV,
+        GRAD_ACCUM_ENV,
+        batch_plan,
+        check_placeable,
+        device_capacity,
+        job_env,
+        matching_devices,
+        price,
+    )
+    from vramctl.jobs._placement import (
+        BestFit,
+        ClusterState,
+        Fragmentation,
+        LeastLoaded,
+        MostFree,
+        Placement,
+        Policy,
+        Request,
+        Workload,
+    )
+    from vramctl.jobs._ray import (
+        RayAgent,
+        RayGpu,
+        RayRunner,
+        connect,
+        node_resources,
+        outside_vramctl,
+        ray_devices,
+        resource_name,
+    )
+    from vramctl.jobs._scheduler import LocalRunner, Runner, Scheduler
+
+# The names whose modules import PyTorch or the estimator (placement, pricing, the
+# scheduler, Ray), imported on first use (PEP 562): submitting, listing and cancelling
+# jobs need neither.
+_LAZY = {
+    **dict.fromkeys(("AdmissionError", "Ledger", "Reservation"), "vramctl.jobs._ledger"),
+    **dict.fromkeys(
+        (
+            "BATCH_SIZE_ENV",
+            "GRAD_ACCUM_ENV",
+            "batch_plan",
+            "check_placeable",
+            "device_capacity",
+            "job_env",
+            "matching_devices",
+            "price",
+        ),
+        "vramctl.jobs._need",
+    ),
+    **dict.fromkeys(
+        (
+            "BestFit",
+            "ClusterState",
+            "Fragmentation",
+            "LeastLoaded",
+            "MostFree",
+            "Placement",
+            "Policy",
+            "Request",
+            "Workload",
+        ),
+        "vramctl.jobs._placement",
+    ),
+    **dict.fromkeys(
+        (
+            "RayAgent",
+            "RayGpu",
+            "RayRunner",
+            "connect",
+            "node_resources",
+            "outside_vramctl",
+            "ray_devices",
+            "resource_name",
+        ),
+        "vramctl.jobs._ray",
+    ),
+    **dict.fromkeys(("LocalRunner", "Runner", "Scheduler"), "vramctl.jobs._scheduler"),
+}
 
 __all__ = [
     "ACTIVE",
@@ -109,3 +162,18 @@ __all__ = [
     "resource_name",
     "vramctl_home",
 ]
+
+
+if not TYPE_CHECKING:  # mypy sees the imports above
+
+    def __getattr__(name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

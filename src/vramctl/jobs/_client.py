@@ -12,7 +12,6 @@ import json
 import os
 import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,6 +75,8 @@ class JobClient:
     def _open(
         self, method: str, path: str, body: Any = None, *, timeout: float | None = -1.0
     ) -> Any:
+        import urllib.request  # http.client and ssl: only for a job service, not the local store
+
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         if data is not None:

@@ -36,7 +36,6 @@ from typing import Any
 from vramctl._errors import InvalidSizeError, VramctlError
 from vramctl._units import parse_size
 from vramctl.device import ComputeCapability
-from vramctl.estimator import MODES, PRECISIONS, zoo
 
 __all__ = [
     "MAX_SIZE",
@@ -234,6 +233,9 @@ class ModelNeed:
 
 
 def _model_problems(path: str, values: Mapping[str, Any]) -> list[str]:
+    # The estimator (and PyTorch) only for a job priced by its model, not for every job.
+    from vramctl.estimator import MODES, PRECISIONS, zoo
+
     problems: list[str] = []
     model = values.get("model")
     if model is None:
