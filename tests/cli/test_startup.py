@@ -169,3 +169,15 @@ def test_a_heavy_command_still_imports_what_it_needs(run: Run) -> None:
     code, heavy = run(["calibrate", "--list", "--json"])
     assert code in (0, None)
     assert "torch" in heavy and "vramctl.estimator" in heavy
+
+
+def test_a_command_named_first_is_built_alone_and_the_app_is_left_whole() -> None:
+    from vramctl.cli import _command_name, _only_the_command
+    from vramctl.cli._app import app
+
+    every = list(app.registered_commands)
+    only = _only_the_command(app, ["catalog", "--json"])
+    assert [_command_name(c) for c in only.registered_commands] == ["catalog"]
+    assert app.registered_commands == every and only.registered_groups == app.registered_groups
+    for args in ([], ["--help"], ["--version"], ["ray", "status"], ["statsu"]):
+        assert _only_the_command(app, args) is app

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import sys
 from types import FrameType
+from typing import Any
 
 __all__ = ["main"]
 
@@ -25,7 +27,33 @@ def main() -> None:
     # transformers' own warnings (about configs of the built-in models, which vramctl builds
     # with random weights) are not the user's to act on; TRANSFORMERS_VERBOSITY overrides.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    app()
+    _only_the_command(app, sys.argv[1:])()
+
+
+def _only_the_command(app: Any, args: list[str]) -> Any:
+    """``app``, or a copy that holds only the command ``args`` name.
+
+    Typer builds every registered command's parameters before it runs one (a tenth of
+    a second for all of them); a command named first on the line needs only its own.
+    Anything else (``--help``, ``--version``, a group such as ``ray``, a misspelled
+    name that wants the list of commands) gets the whole app.
+    """
+    if not args or args[0].startswith("-"):
+        return app
+    named = [c for c in app.registered_commands if _command_name(c) == args[0]]
+    if len(named) != 1:
+        return app
+    only = copy.copy(app)
+    only.registered_commands = named
+    return only
+
+
+def _command_name(info: Any) -> str | None:
+    if info.name:
+        return str(info.name)
+    if info.callback is None:
+        return None
+    return str(info.callback.__name__).lower().replace("_", "-")
 
 
 def _terminate_like_ctrl_c() -> None:
