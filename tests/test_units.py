@@ -69,7 +69,11 @@ def test_format_bytes_matches_pytorch_style() -> None:
     assert format_bytes(512) == "512 bytes"
     assert format_bytes(20 * 2**20) == "20.00 MiB"
     assert format_bytes(int(14.75 * 2**30)) == "14.75 GiB"
-    assert format_bytes(3 * 2**40) == "3072.00 GiB"
+    assert format_bytes(1023 * 2**30) == "1023.00 GiB"
+    # Past 1024 GiB, TiB and PiB: a batch beyond any GPU reads as such, not as 16 digits.
+    assert format_bytes(int(16.36 * 2**40)) == "16.36 TiB"
+    assert format_bytes(10**20) == "88817.84 PiB"
+    assert format_bytes(3 * 2**40) == "3.00 TiB"
     assert format_bytes(-(2**20)) == "-1.00 MiB"
     assert format_bytes(2**20, signed=True) == "+1.00 MiB"
     assert format_bytes(NA) == "N/A"

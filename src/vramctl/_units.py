@@ -91,14 +91,16 @@ def looks_like_size(text: str) -> bool:
 
 
 def format_bytes(n: int | float | NotAvailable, *, signed: bool = False) -> str:
-    """Format a byte count the way PyTorch's OOM messages do (``14.75 GiB``)."""
+    """Format a byte count the way PyTorch's OOM messages do (``14.75 GiB``), and past
+    1024 GiB in TiB and PiB (``16.36 TiB``), never a 16-digit count of GiB."""
     if n is NA:
         return "N/A"
     sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
     size = abs(n)
     if size < 2**10:
         return f"{sign}{int(size)} bytes"
-    for unit, scale in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30)):
-        if size < scale * 1024 or unit == "GiB":
+    units = (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40), ("PiB", 2**50))
+    for unit, scale in units:
+        if size < scale * 1024 or unit == "PiB":
             return f"{sign}{size / scale:.2f} {unit}"
     raise AssertionError("unreachable")
