@@ -80,12 +80,15 @@ class SeenIds:
         out = torch.frombuffer(merged, dtype=torch.int64)
         if n:
             old = torch.frombuffer(self._old, dtype=torch.int64)
-            at = torch.searchsorted(old, new) + torch.arange(k)
-            keep = torch.ones(n + k, dtype=torch.bool)
-            keep[at] = False
-            out[at] = new
-            out[keep] = old
-            del old, keep, at
+            out[torch.searchsorted(old, new) + torch.arange(k)] = new
+            # Each old fingerprint moves up by the new ones below it; a slice at a time, so
+            # that the merge needs the new array and little more.
+            for start in range(0, n, _SLICE):
+                part = old[start : start + _SLICE]
+                moved = torch.searchsorted(new, part)
+                moved += torch.arange(start, start + part.numel())
+                out.index_copy_(0, moved, part)
+            del old, part, moved
         else:
             out.copy_(new)
         self._old = merged
