@@ -7,12 +7,12 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
 
 from vramctl._errors import InvalidSizeError, UnknownDeviceError, VramctlError
+from vramctl._lazy import lazy_names
 from vramctl._na import NA, NotAvailable
 from vramctl._units import format_bytes, parse_size
 from vramctl._version import __version__
@@ -179,18 +179,7 @@ __all__ = [
 
 
 if not TYPE_CHECKING:  # mypy sees the imports above
-
-    def __getattr__(name: str) -> Any:
-        package = _LAZY.get(name)
-        if package is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(package), name)
-        globals()[name] = value
-        return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    __getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
 
 
 class _Package(types.ModuleType):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from vramctl._lazy import lazy_names
 from vramctl.device._base import Device
 from vramctl.device._capability import ComputeCapability
 from vramctl.device._catalog import GpuSpec, catalog, gpu_spec, match_gpu_name
@@ -86,15 +86,4 @@ __all__ = [
 
 
 if not TYPE_CHECKING:  # mypy sees the imports above
-
-    def __getattr__(name: str) -> Any:
-        module = _LAZY.get(name)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    __getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
