@@ -318,3 +318,27 @@ def test_bad_arguments_are_clear_value_errors(kwargs: dict[str, Any], match: str
     model, optimizer = args.pop("model"), args.pop("optimizer", None)
     with pytest.raises(ValueError, match=match):
         Guard(model, optimizer, **args)
+
+
+def test_giving_up_when_the_host_itself_is_out_of_memory_still_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The report's scan of live objects can run out of memory too; the step's error wins."""
+    from types import SimpleNamespace
+
+    import vramctl.guard._report as report_module
+
+    def no_room() -> list[object]:
+        raise MemoryError
+
+    monkeypatch.setattr(report_module, "gc", SimpleNamespace(get_objects=no_room))
+    calls = []
+
+    def never_fits(batch: torch.Tensor) -> torch.Tensor:
+        calls.append(len(batch))
+        raise MemoryError("no room for the activations")
+
+    with pytest.raises(StepDoesNotFitError, match="one sample at a time") as info:
+        guarded(never_fits, device="cpu")(torch.zeros(4, 2))
+    assert calls[-1] == 1 and calls[0] == 4
+    assert info.value.report.largest == [] and info.value.report.tensor_bytes == 0

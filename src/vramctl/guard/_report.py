@@ -129,12 +129,18 @@ def memory_report(
     top: int = 8,
 ) -> MemoryReport:
     """The device's state and its largest live tensors (found by the garbage collector)."""
-    names = _names(model, optimizer)
     seen: dict[int, TensorInfo] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # isinstance() on deprecated module attributes
-        for obj in gc.get_objects():
-            _note(obj, device, names, seen)
+    try:
+        names = _names(model, optimizer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # isinstance() on deprecated module attributes
+            for obj in gc.get_objects():
+                _note(obj, device, names, seen)
+    except MemoryError:
+        # The host itself is out of memory (a CPU step, or an address-space limit): the
+        # list of live objects does not fit either. The report goes without its tensor
+        # list rather than hiding the step's own error behind this one.
+        seen.clear()
     infos = sorted(seen.values(), key=lambda t: -t.nbytes)
     tensor_bytes = sum(t.nbytes for t in infos)
     model_bytes = sum(
