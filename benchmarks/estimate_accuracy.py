@@ -31,8 +31,17 @@ Beside each row it prints Accelerate's ``estimate-memory`` figure for the same
 model (weights only; for training the largest of model, gradients, optimizer
 and step, as the ``accelerate estimate-memory`` command reports).
 
+- Recorded truth (``--truth DIR``, no GPU needed): every case of a CUDA truth corpus
+  (``benchmarks/cuda_truth.py capture``; ``benchmarks/data/cuda_truth/``) is estimated for
+  the corpus' GPU and compared with its warm step's recorded allocated and reserved peaks
+  and NVML reading. The calibration is the corpus' own ``calibration.json`` where it has
+  one, else the built-in constants with the CUDA context the corpus measured. Cases whose
+  model cannot be built here (torchvision or timm not installed) are listed with the
+  reason, never dropped in silence; a damaged index fails with a line naming it.
+
 The last line is one JSON object with the summary figures.
 
+    python benchmarks/estimate_accuracy.py --truth benchmarks/data/cuda_truth/DIR [--quick]
     python benchmarks/estimate_accuracy.py --quick
     python benchmarks/estimate_accuracy.py            # the whole zoo
     python benchmarks/estimate_accuracy.py --cuda     # on a GPU machine
@@ -246,10 +255,17 @@ def main() -> int:
         "--calibration",
         help="with --cuda: a calibration profile, 'off', or 'auto' (the GPU's saved profile)",
     )
+    ap.add_argument(
+        "--truth",
+        metavar="DIR",
+        help="estimate a CUDA truth corpus' cases against its recorded peaks (no GPU needed)",
+    )
     args = _common.parse(ap)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.set_num_threads(max(1, psutil.cpu_count(logical=False) or 1))
+    if args.truth:
+        return truth_main(args)
 
     chosen = ZOO
     if args.models:
@@ -408,6 +424,124 @@ def main() -> int:
         if r.error:
             print(f"# {r.model} {r.mode} {r.precision} {r.batch}: {r.error}", file=sys.stderr)
     return _common.finish(summary, summary["failed_rows"] == 0)
+
+
+# -- against a recorded CUDA truth corpus ------------------------------------------------
+
+#: --truth --quick: the cases of these models, at most this many.
+TRUTH_QUICK_MODELS = ("gpt2", "lstm", "wav2vec2-base")
+TRUTH_QUICK_CASES = 24
+
+
+def truth_calibration(root: Any, index: dict[str, Any]) -> tuple[Calibration, str]:
+    """The corpus' own profile, or the built-in constants with the context it measured."""
+    import dataclasses
+    from pathlib import Path
+
+    from vramctl.device import ComputeCapability
+    from vramctl.estimator._cuda_model import builtin
+
+    path = Path(root) / "calibration.json"
+    if path.is_file():
+        return load_calibration(path), "the corpus' calibration.json"
+    env = index["environment"]
+    cc = ComputeCapability.parse(env["capability"]) if env.get("capability") else None
+    cal = builtin(env.get("gpu") or "unknown", cc)
+    contexts = [
+        (c.get("steps") or {}).get("warm", {}).get("context_bytes")
+        for c in index["cases"]
+        if c.get("status", "ok") == "ok"
+    ]
+    contexts = [c for c in contexts if isinstance(c, int) and c > 0]
+    if not contexts:
+        return cal, "built-in constants (the corpus measured no context)"
+    context = int(statistics.median(contexts))
+    software = {k: str(env.get(k) or "") for k in ("torch", "cuda", "cudnn", "driver")}
+    return (
+        dataclasses.replace(cal, context_bytes=context, software=software),
+        f"built-in constants with the corpus' measured context ({format_bytes(context)})",
+    )
+
+
+def truth_main(args: argparse.Namespace) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _truth import corpus
+    from _truth.cases import estimate_case
+
+    try:
+        index = corpus.load_index(args.truth)
+    except corpus.CorpusError as exc:
+        print(f"--truth: {exc}", file=sys.stderr)
+        return 2
+    env = index["environment"]
+    if index["source"] == "simulated":
+        print(
+            f"--truth: {args.truth} was recorded on a simulated GPU: it holds no GPU truth",
+            file=sys.stderr,
+        )
+        return 2
+    cal, cal_from = truth_calibration(args.truth, index)
+    device = env.get("gpu")
+    cases = [c for c in index["cases"] if c.get("status", "ok") == "ok"]
+    if args.quick:
+        cases = [c for c in cases if c["spec"].get("model") in TRUTH_QUICK_MODELS]
+        cases = cases[:TRUTH_QUICK_CASES]
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    not_estimated: dict[str, str] = {}
+    print(f"# {args.truth}: {index['source']} corpus of {device}; calibration: {cal_from}")
+    print(f"{'case':<52}{'predicted':>13}{'measured':>13}{'error':>9}{'reserved':>10}")
+    for case in cases:
+        spec = case["spec"]
+        warm = (case.get("steps") or {}).get("warm") or {}
+        try:
+            est = estimate_case(spec, device, calibration=cal)
+        except Exception as exc:
+            not_estimated[case["id"]] = f"{type(exc).__name__}: {exc}".split("\n")[0][:200]
+            print(f"{case['id']:<52}  not estimated: {not_estimated[case['id']]}")
+            continue
+        row = {
+            "case": case["id"],
+            "allocated": (est.peak_allocated, warm.get("max_allocated")),
+            "reserved": (est.peak_reserved, warm.get("max_reserved")),
+            "device": (est.peak_device, warm.get("nvml_bytes")),
+        }
+        rows.append(row)
+        p, m = row["allocated"]
+        rp, rm = row["reserved"]
+        err = f"{100.0 * (p - m) / m:+.2f}%" if m else "-"
+        rerr = f"{100.0 * (rp - rm) / rm:+.1f}%" if rm else "-"
+        print(
+            f"{case['id']:<52}{format_bytes(p):>13}"
+            f"{format_bytes(m) if m else 'not rec.':>13}{err:>9}{rerr:>10}",
+            flush=True,
+        )
+    here = {"torch": torch.__version__, "transformers": _common.version("transformers")}
+    differences = {
+        k: {"corpus": env.get(k), "here": v}
+        for k, v in here.items()
+        if env.get(k) and v and str(env.get(k)) != str(v)
+    }
+    for k, d in differences.items():
+        print(f"# {k} differs: the corpus was recorded with {d['corpus']}, this is {d['here']}")
+    summary = {
+        "benchmark": "estimate_accuracy",
+        "side": "truth",
+        "corpus": str(args.truth),
+        "source": index["source"],
+        "gpu": device,
+        "quick": args.quick,
+        "calibration": cal_from,
+        "cases": len(cases),
+        "estimated": len(rows),
+        "not_estimated": not_estimated,
+        "allocated": stats([r["allocated"] for r in rows]),
+        "reserved": stats([r["reserved"] for r in rows]),
+        "device": stats([r["device"] for r in rows]),
+        "version_differences": differences,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    return _common.finish(summary, not not_estimated or len(rows) > 0)
 
 
 if __name__ == "__main__":

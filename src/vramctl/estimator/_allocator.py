@@ -128,8 +128,15 @@ class CachingAllocatorModel:
     segments: the fragmentation numerator), ``alloc_retries`` and ``ooms``.
     """
 
-    def __init__(self, config: AllocatorConfig | None = None) -> None:
+    def __init__(
+        self, config: AllocatorConfig | None = None, *, record_history: bool = False
+    ) -> None:
         self.config = config or AllocatorConfig()
+        #: With ``record_history``: ``(action, address, size)`` for each segment made
+        #: (``segment_alloc``) or released (``segment_free``), as PyTorch's history names them.
+        self.history: list[tuple[str, int, int]] = []
+        self._record = record_history
+        self._segment_addr: dict[int, int] = {}
         self._small, self._large = _Pool(), _Pool()
         self._live: dict[int, _Block] = {}
         self._segments: dict[int, int] = {}  # segment id -> size
@@ -190,7 +197,87 @@ class CachingAllocatorModel:
                 b = pool.blocks[key]
                 if not b.is_split:
                     pool.remove(b)
-                    self.reserved -= self._segments.pop(b.seg)
+                    size = self._segments.pop(b.seg)
+                    self.reserved -= size
+                    addr = self._segment_addr.pop(b.seg)
+                    if self._record:
+                        self.history.append(("segment_free", addr, size))
+
+    def address(self, handle: int) -> int:
+        """The address of a live block (the model's own address space)."""
+        return self._live[handle].addr
+
+    def requested_size(self, handle: int) -> int:
+        """The bytes a live block was requested for."""
+        return self._live[handle].requested
+
+    def segments_state(self) -> list[list[Any]]:
+        """Each segment as ``[address, size, stream, pool, [[block size, allocated], ...]]``.
+
+        The layout of ``torch.cuda.memory._snapshot()``'s segments, reduced (stream 0,
+        pool ``small`` or ``large``, blocks in address order, allocated 1 or 0).
+        """
+        firsts: dict[int, _Block] = {}
+        for b in [*self._live.values(), *self._small.blocks.values(), *self._large.blocks.values()]:
+            if b.prev is None:
+                firsts[b.seg] = b
+        out: list[list[Any]] = []
+        for seg, first in sorted(firsts.items(), key=lambda kv: kv[1].addr):
+            blocks = []
+            b: _Block | None = first
+            while b is not None:
+                blocks.append([b.size, 1 if b.allocated else 0])
+                b = b.next
+            out.append(
+                [first.addr, self._segments[seg], 0, "small" if first.small else "large", blocks]
+            )
+        return out
+
+    def seed(self, segments: list[list[Any]]) -> dict[int, int]:
+        """Start from existing segments (as :meth:`segments_state` gives them, or a snapshot's).
+
+        Returns ``{the block's address in segments: handle}`` for every allocated block, so
+        that a replay can free blocks made before it began. Segments keep their order by
+        address; the model gives them its own addresses.
+        """
+        handles: dict[int, int] = {}
+        for addr, size, _stream, pool_name, blocks in sorted(segments, key=lambda s: s[0]):
+            small = pool_name == "small"
+            pool = self._small if small else self._large
+            seg = self._next_segment
+            self._next_segment += 1
+            self._segments[seg] = size
+            self._segment_addr[seg] = self._next_addr
+            self.reserved += size
+            prev: _Block | None = None
+            offset, real = 0, addr
+            for bsize, allocated in blocks:
+                b = _Block(self._next_addr + offset, bsize, seg, small)
+                b.prev = prev
+                if prev is not None:
+                    prev.next = b
+                if allocated:
+                    b.allocated = True
+                    b.requested = bsize
+                    self.allocated += bsize
+                    self.requested += bsize
+                    handle = self._next_handle
+                    self._next_handle += 1
+                    self._live[handle] = b
+                    handles[real] = handle
+                prev = b
+                offset += bsize
+                real += bsize
+            b2 = prev
+            while b2 is not None:
+                if not b2.allocated:
+                    pool.add(b2)
+                b2 = b2.prev
+            self._next_addr += size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.peak_requested = max(self.peak_requested, self.requested)
+        return handles
 
     @property
     def inactive_split(self) -> int:
@@ -246,8 +333,11 @@ class CachingAllocatorModel:
         seg = self._next_segment
         self._next_segment += 1
         self._segments[seg] = seg_size
+        self._segment_addr[seg] = self._next_addr
         self.reserved += seg_size
         self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if self._record:
+            self.history.append(("segment_alloc", self._next_addr, seg_size))
         block = _Block(self._next_addr, seg_size, seg, small)
         self._next_addr += seg_size
         return block

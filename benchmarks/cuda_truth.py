@@ -1,0 +1,377 @@
+"""CUDA truth that outlives the GPU: record what a real GPU's allocator does, and check against it.
+
+    python benchmarks/cuda_truth.py capture --out DIR [--budget 240]   # on a GPU machine
+    python benchmarks/cuda_truth.py capture --out DIR --simulate --quick
+    python benchmarks/cuda_truth.py check DIR          # the allocator model on each trace
+    python benchmarks/cuda_truth.py diff DIR CASE      # the estimator's stream against it
+    python benchmarks/cuda_truth.py cases              # the cases a capture runs, in order
+
+``capture`` runs each case (benchmarks/_truth/cases.py: the zoo, RNNs, the SDPA backends,
+fp16 with a scaler, checkpointing, expandable segments, a second stream, transformers
+classes, torchvision and timm CNNs) on the machine's GPU, a cold and a warm step each, and
+writes the corpus (benchmarks/data/cuda_truth/README.md says what is in it). It stops
+cleanly at ``--budget`` seconds and keeps every case it finished; the index is rewritten
+after each case. Without a usable GPU it says so in one line and exits with status 2;
+``--simulate`` records the same cases on the CPU through the allocator model instead (the
+same format, to test the tools; its figures are the model's).
+
+``check`` replays every traced case's real request stream through
+``CachingAllocatorModel`` and compares the segments it makes and its reserved peak with the
+recorded ones: single-stream steps must match; the others are reported. ``--quick`` checks
+the first 10 traced cases. A damaged file, an unknown format version or a truncated trace
+fails the check with a line that names it.
+
+``diff`` sets the estimator's predicted request stream for one case against the recorded
+one: the first divergence and the bytes each operator allocates in each.
+
+The last line printed is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _truth import corpus
+
+import _common
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK_SIMULATED = (
+    "rnn/lstm/train/fp32/b1",
+    "rnn/gru/infer/fp32/b16",
+    "zoo/lstm/train/fp32/b1",
+    "zoo/lstm/infer/fp32/b4",
+)
+
+
+def _usable_gpu() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def environment(cuda: bool) -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _common.version("transformers"),
+        "allocator_settings": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        or os.environ.get("PYTORCH_ALLOC_CONF"),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        env.update(
+            gpu=torch.cuda.get_device_name(0),
+            capability=f"{props.major}.{props.minor}",
+            total_bytes=int(props.total_memory),
+            driver=_common.driver_version(),
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+            cudnn_benchmark=torch.backends.cudnn.benchmark,
+        )
+    else:
+        env.update(gpu="simulated", device=platform.processor() or platform.machine())
+    return env
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+# -- capture -------------------------------------------------------------------------------
+
+
+def capture(args: argparse.Namespace) -> int:
+    from _truth.cases import all_cases
+
+    cuda = not args.simulate
+    if cuda and not _usable_gpu():
+        print(
+            "capture: no usable CUDA device on this machine (--simulate records on the CPU)",
+            file=sys.stderr,
+        )
+        return 2
+    import torch
+
+    torch.manual_seed(0)
+    out: Path = args.out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"capture: cannot create {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    cases = all_cases(cuda=cuda)
+    if args.only:
+        cases = [c for c in cases if any(p in c["id"] for p in args.only.split(","))]
+    elif args.quick and not cuda:
+        cases = [c for c in cases if c["id"] in QUICK_SIMULATED]
+    if args.limit:
+        cases = cases[: args.limit]
+    env = environment(cuda)
+    index = corpus.new_index(
+        "cuda" if cuda else "simulated",
+        env,
+        captured=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        budget_s=args.budget,
+    )
+    started = time.perf_counter()
+    durations: list[float] = []
+    stopped_at_budget = 0
+    for n, spec in enumerate(cases):
+        elapsed = time.perf_counter() - started
+        longest = max(durations, default=5.0)
+        if elapsed + 1.5 * longest > args.budget:
+            stopped_at_budget = len(cases) - n
+            break
+        t0 = time.perf_counter()
+        entry = _capture_case(out, spec, cuda)
+        durations.append(time.perf_counter() - t0)
+        index["cases"].append(entry)
+        index["wall_s"] = round(time.perf_counter() - started, 1)
+        index["not_reached"] = len(cases) - n - 1
+        corpus.save_index(out, index)
+        status = entry["status"]
+        cold = (entry.get("steps") or {}).get("cold") or {}
+        print(
+            f"{spec['id']:<58} {status:<6} {durations[-1]:6.2f} s"
+            + (f"  reserved {cold.get('max_reserved')}" if status == "ok" else "")
+            + (f"  {entry.get('error', '')[:120]}" if status != "ok" else ""),
+            flush=True,
+        )
+    index["not_reached"] = stopped_at_budget
+    corpus.save_index(out, index)
+    ok = [c for c in index["cases"] if c["status"] == "ok"]
+    summary = {
+        "benchmark": "cuda_truth",
+        "command": "capture",
+        "source": index["source"],
+        "gpu": env.get("gpu"),
+        "cases": len(index["cases"]),
+        "ok": len(ok),
+        "errors": len(index["cases"]) - len(ok),
+        "not_reached": stopped_at_budget,
+        "corpus_bytes": sum(c.get("bytes", 0) for c in index["cases"]),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "out": str(out),
+    }
+    return _common.finish(summary, bool(ok) or not cases)
+
+
+def _capture_case(out: Path, spec: dict[str, Any], cuda: bool) -> dict[str, Any]:
+    import torch
+    from _truth import record
+
+    entry: dict[str, Any] = {"id": spec["id"], "spec": spec, "status": "ok"}
+    try:
+        if cuda:
+            traces, figures = _capture_cuda(spec)
+        else:
+            traces, figures = record.record_simulated(spec)
+        entry["steps"] = figures
+        entry.update(corpus.write_trace_file(out, spec["id"], traces))
+    except Exception as exc:  # one case's failure is recorded; the capture goes on
+        entry["status"] = "oom" if isinstance(exc, torch.OutOfMemoryError) else "error"
+        entry["error"] = f"{type(exc).__name__}: {exc}".split("\n")[0][:300]
+        _common.free_failed(exc)
+    finally:
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return entry
+
+
+def _capture_cuda(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    import torch
+    from _truth import record
+
+    device = "cuda:0"
+    gc.collect()
+    torch.cuda.empty_cache()
+    with record.quiet_cuda_case(spec, device):
+        built, step = record.prepare(spec, device)
+        torch.cuda.synchronize()
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+        torch.cuda.empty_cache()
+        cold, cold_fig = record.record_cuda_step(step, 0, timed=False)
+        warm, warm_fig = record.record_cuda_step(step, 0, timed=True)
+        del built, step
+    return {"cold": cold, "warm": warm}, {"cold": cold_fig, "warm": warm_fig}
+
+
+# -- check -----------------------------------------------------------------------------------
+
+
+def check(args: argparse.Namespace) -> int:
+    from _truth.replay import replay
+
+    try:
+        index = corpus.load_index(args.corpus)
+    except corpus.CorpusError as exc:
+        print(f"check: {exc}", file=sys.stderr)
+        return 2
+    traced = [c for c in index["cases"] if c.get("file") and c.get("status", "ok") == "ok"]
+    if args.quick:
+        traced = traced[:10]
+    rows: list[dict[str, Any]] = []
+    damaged: list[str] = []
+    for case in traced:
+        try:
+            steps = corpus.load_traces(args.corpus, case)
+        except corpus.CorpusError as exc:
+            damaged.append(str(exc))
+            print(f"DAMAGED {exc}", flush=True)
+            continue
+        for step, trace in steps.items():
+            r = replay(trace)
+            row = {"case": case["id"], "step": step, **r.to_dict()}
+            rows.append(row)
+            verdict = {True: "match", False: "DIFFERS", None: "report"}[r.match]
+            print(
+                f"{case['id']:<58} {step:<5} {verdict:<8} segments real {len(r.real_segments)}"
+                f" model {len(r.model_segments)}; reserved peak real {r.real_peak_reserved}"
+                f" model {r.model_peak_reserved}"
+                + (f"; {r.first_difference}" if r.first_difference else ""),
+                flush=True,
+            )
+    judged = [r for r in rows if r["match"] is not None]
+    differs = [f"{r['case']} {r['step']}" for r in rows if r["match"] is False]
+    summary = {
+        "benchmark": "cuda_truth",
+        "command": "check",
+        "corpus": str(args.corpus),
+        "source": index["source"],
+        "gpu": index["environment"].get("gpu"),
+        "cases": len(index["cases"]),
+        "traced_cases": len(traced),
+        "summary_only_cases": sum(1 for c in index["cases"] if not c.get("file")),
+        "steps_replayed": len(rows),
+        "single_stream_steps": len(judged),
+        "matched": sum(1 for r in judged if r["match"]),
+        "differs": differs[:20],
+        "reported_not_judged": len(rows) - len(judged),
+        "damaged": damaged,
+    }
+    return _common.finish(summary, not damaged and not differs)
+
+
+# -- diff ------------------------------------------------------------------------------------
+
+
+def diff_case(args: argparse.Namespace) -> int:
+    from _truth.diff import diff, predicted_stream, real_stream
+
+    try:
+        index = corpus.load_index(args.corpus)
+        case = next((c for c in index["cases"] if c["id"] == args.case), None)
+        if case is None:
+            close = [c["id"] for c in index["cases"] if args.case in c["id"]][:5]
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            print(f"diff: no case {args.case!r} in {args.corpus}{hint}", file=sys.stderr)
+            return 2
+        steps = corpus.load_traces(args.corpus, case)
+    except corpus.CorpusError as exc:
+        print(f"diff: {exc}", file=sys.stderr)
+        return 2
+    if args.step not in steps:
+        print(f"diff: {args.case} has no {args.step} step", file=sys.stderr)
+        return 2
+    device = args.device or (
+        "cpu" if index["source"] == "simulated" else index["environment"].get("gpu")
+    )
+    real = real_stream(steps[args.step])
+    predicted = predicted_stream(case["spec"], device, calibration=False)
+    d = diff(real, predicted)
+    print(f"{args.case} ({args.step} step) on {device}:")
+    print(f"  allocations: real {len(real)}, predicted {len(predicted)}")
+    if d.first is None:
+        print("  the streams agree allocation for allocation")
+    else:
+        print(f"  first divergence at real #{d.first[0]}, predicted #{d.first[1]}: {d.first[2]}")
+    print(f"  {'operator':<36}{'real':>14}{'predicted':>14}{'difference':>14}")
+    for op, r, p in d.by_op[: args.top]:
+        print(f"  {op:<36}{r:>14,}{p:>14,}{p - r:>+14,}")
+    summary = {
+        "benchmark": "cuda_truth",
+        "command": "diff",
+        "case": args.case,
+        "step": args.step,
+        "device": device,
+        **d.to_dict(args.top),
+    }
+    return _common.finish(summary, True)
+
+
+def list_cases(args: argparse.Namespace) -> int:
+    from _truth.cases import all_cases
+
+    cases = all_cases(cuda=not args.simulate)
+    for c in cases:
+        print(c["id"])
+    kinds: dict[str, int] = {}
+    for c in cases:
+        kinds[c["kind"]] = kinds.get(c["kind"], 0) + 1
+    return _common.finish(
+        {"benchmark": "cuda_truth", "command": "cases", "cases": len(cases), "by_kind": kinds}, True
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog=_common.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    cap = sub.add_parser("capture", help="record real CUDA steps on this machine's GPU")
+    cap.add_argument("--out", type=Path, required=True, help="the corpus folder to write")
+    cap.add_argument(
+        "--budget",
+        type=float,
+        default=240.0,
+        help="seconds to spend; the capture stops cleanly before it (default 240)",
+    )
+    cap.add_argument(
+        "--simulate",
+        action="store_true",
+        help="record on the CPU through the allocator model (no GPU needed)",
+    )
+    cap.add_argument(
+        "--quick", action="store_true", help="with --simulate: four small cases, in seconds"
+    )
+    cap.add_argument("--only", help="comma-separated substrings of the case ids to record")
+    cap.add_argument("--limit", type=int, help="record at most this many cases")
+    chk = sub.add_parser("check", help="replay each trace through the allocator model")
+    chk.add_argument("corpus", type=Path)
+    chk.add_argument("--quick", action="store_true", help="the first 10 traced cases")
+    dif = sub.add_parser("diff", help="the estimator's request stream against a recorded one")
+    dif.add_argument("corpus", type=Path)
+    dif.add_argument("case", help="a case id, as `check` prints it")
+    dif.add_argument("--step", choices=corpus.STEPS, default="warm")
+    dif.add_argument("--device", help="the target to estimate for (default: the corpus' GPU)")
+    dif.add_argument("--top", type=int, default=15, help="operators to show")
+    lst = sub.add_parser("cases", help="the cases a capture runs, in order")
+    lst.add_argument("--simulate", action="store_true", help="those a simulated capture runs")
+    args = ap.parse_args(argv)
+    return {"capture": capture, "check": check, "diff": diff_case, "cases": list_cases}[
+        args.command
+    ](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
