@@ -218,9 +218,10 @@ class CachingAllocatorModel:
         pool ``small`` or ``large``, blocks in address order, allocated 1 or 0).
         """
         firsts: dict[int, _Block] = {}
-        for b in [*self._live.values(), *self._small.blocks.values(), *self._large.blocks.values()]:
-            if b.prev is None:
-                firsts[b.seg] = b
+        every = [*self._live.values(), *self._small.blocks.values(), *self._large.blocks.values()]
+        for block in every:
+            if block.prev is None:
+                firsts[block.seg] = block
         out: list[list[Any]] = []
         for seg, first in sorted(firsts.items(), key=lambda kv: kv[1].addr):
             blocks = []
