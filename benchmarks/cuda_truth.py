@@ -130,12 +130,17 @@ def capture(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     durations: list[float] = []
-    stopped_at_budget = 0
+    not_reached = 0
     for n, spec in enumerate(cases):
         elapsed = time.perf_counter() - started
-        longest = max(durations, default=5.0)
+        longest = max(durations, default=min(5.0, args.budget / 4))
         if elapsed + 1.5 * longest > args.budget:
-            stopped_at_budget = len(cases) - n
+            not_reached = len(cases) - n
+            index["stopped"] = f"the budget of {args.budget:g} s"
+            break
+        if sum(c.get("bytes", 0) for c in index["cases"]) > args.max_mib * 2**20:
+            not_reached = len(cases) - n
+            index["stopped"] = f"the corpus reached {args.max_mib} MiB"
             break
         t0 = time.perf_counter()
         entry = _capture_case(out, spec, cuda)
@@ -152,7 +157,7 @@ def capture(args: argparse.Namespace) -> int:
             + (f"  {entry.get('error', '')[:120]}" if status != "ok" else ""),
             flush=True,
         )
-    index["not_reached"] = stopped_at_budget
+    index["not_reached"] = not_reached
     corpus.save_index(out, index)
     ok = [c for c in index["cases"] if c["status"] == "ok"]
     summary = {
@@ -163,7 +168,8 @@ def capture(args: argparse.Namespace) -> int:
         "cases": len(index["cases"]),
         "ok": len(ok),
         "errors": len(index["cases"]) - len(ok),
-        "not_reached": stopped_at_budget,
+        "not_reached": not_reached,
+        "stopped_by": index.get("stopped"),
         "corpus_bytes": sum(c.get("bytes", 0) for c in index["cases"]),
         "wall_s": round(time.perf_counter() - started, 1),
         "out": str(out),
@@ -345,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=240.0,
         help="seconds to spend; the capture stops cleanly before it (default 240)",
+    )
+    cap.add_argument(
+        "--max-mib",
+        type=float,
+        default=30.0,
+        help="stop once the trace files pass this many MiB (default 30)",
     )
     cap.add_argument(
         "--simulate",

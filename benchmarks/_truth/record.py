@@ -141,8 +141,10 @@ class CallRecorder(TorchDispatchMode):
 
 
 def _counts(index: int) -> tuple[int, int]:
-    stats = torch.cuda.memory_stats(index)
-    return stats.get("allocation.all.allocated", 0), stats.get("allocation.all.freed", 0)
+    """The allocator's counts of allocations and frees so far (read around every call)."""
+    # The nested dict straight from C++: memory_stats() flattens and sorts it in Python.
+    alloc = torch._C._cuda_memoryStats(index)["allocation"]["all"]
+    return int(alloc["allocated"]), int(alloc["freed"])
 
 
 def _segments(snapshot: dict[str, Any], index: int) -> list[list[Any]]:
