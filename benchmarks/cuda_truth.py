@@ -265,7 +265,10 @@ def check(args: argparse.Namespace) -> int:
         "gpu": index["environment"].get("gpu"),
         "cases": len(index["cases"]),
         "traced_cases": len(traced),
-        "summary_only_cases": sum(1 for c in index["cases"] if not c.get("file")),
+        "summary_only_cases": sum(
+            1 for c in index["cases"] if not c.get("file") and c.get("status", "ok") == "ok"
+        ),
+        "failed_cases": sum(1 for c in index["cases"] if c.get("status", "ok") != "ok"),
         "steps_replayed": len(rows),
         "single_stream_steps": len(judged),
         "matched": sum(1 for r in judged if r["match"]),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -289,6 +290,9 @@ def build(spec: dict[str, Any], device: str) -> Built:
             kwargs: dict[str, Any] = {"batch_size": b, **lengths}
         elif kind == "hf":
             cfg = hf_config(spec)
+            # What ran, whatever this transformers release's defaults are: the offline
+            # check rebuilds the model from it.
+            spec.setdefault("config", json.loads(cfg.to_json_string(use_diff=False)))
             cm = config_model(cfg, task=spec["task"], image_size=lengths.get("image_size"))
             model = cm.build()
             sizes = {} if cm.inputs == "images" else lengths
