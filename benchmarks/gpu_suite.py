@@ -1,37 +1,55 @@
 """Everything vramctl claims, on this machine's NVIDIA GPU, in one command.
 
-Runs, one after another, each in its own process with its own time limit:
+Runs, one after another, each in its own process with its own budget (seconds):
 
+- ``capture``: ``benchmarks/cuda_truth.py capture``, the CUDA truth corpus (what the
+  GPU's caching allocator did) written to the output folder's ``cuda_truth/``; first,
+  because it is the evidence that lasts;
+- ``truth-check``: ``benchmarks/cuda_truth.py check`` on that corpus (on the CPU);
 - ``tests``: the whole test suite, the ``cuda``-marked tests included
   (``cuda-tests``: those alone);
 - ``calibrate``: ``vramctl calibrate``, the profile written to the output folder;
 - ``estimate_accuracy``: the zoo on the GPU, each row estimated with that
   profile and with the built-in CUDA constants;
-- ``oom_chaos`` (a second process takes GPU memory in bursts), ``fit_search``,
-  ``audio_batching``, ``monitor_overhead``, ``leak_detection`` and
-  ``tensor_cache``: each benchmark's ``--cuda`` side.
+- ``fit_search``, ``oom_chaos`` (a second process takes GPU memory in bursts),
+  ``audio_batching``, ``monitor_overhead``, ``leak_detection`` and ``tensor_cache``:
+  each benchmark's ``--cuda`` side.
+
+``--quick`` runs capture, cuda-tests, calibrate, fit_search and oom_chaos, each
+benchmark with its ``--quick``, within ``--budget``
+seconds in all (540 by default: one command on a GPU machine lent for a few minutes).
+A step runs only while the time left holds its budget; one that no longer fits is
+recorded as skipped (``no time``). Its process is stopped at its budget or at the time
+left, whichever comes first. ``capture`` shrinks to what the steps after it leave, down
+to 120 s.
 
 The output folder gets ``summary.json`` (the GPU, driver, torch and CUDA
-versions, and each step's exit status, time and last JSON line),
-``logs.txt`` (each step's output, its last 400 lines), ``calibration.json``
-and ``junit.xml``. The last line printed is the summary as one JSON object.
-The exit status is 0 when every step that ran passed.
+versions, and each step's exit status, time, last JSON line, GPU, git commit and start
+time), ``logs.txt`` (each step's output, its last 400 lines), ``calibration.json``,
+``junit.xml`` and ``cuda_truth/``. ``summary.json`` is rewritten after every step. Run
+again with the same output folder, a step that passed there on the same GPU and commit is
+not run again: its row is kept, marked ``reused`` (``--force`` runs it again). The last
+line printed is the summary as one JSON object. The exit status is 0 when every step that
+ran passed; without a usable GPU it is 2.
 
-    python benchmarks/gpu_suite.py --out gpu-results                # everything, full runs
-    python benchmarks/gpu_suite.py --out gpu-results --quick        # each benchmark's --quick
+    python benchmarks/gpu_suite.py --out gpu-results --quick        # the plan for one call
+    python benchmarks/gpu_suite.py --out gpu-results                # all but cuda-tests, full runs
     python benchmarks/gpu_suite.py --out r --only cuda-tests,calibrate,estimate_accuracy
-    python benchmarks/gpu_suite.py --list                           # the steps and their limits
+    python benchmarks/gpu_suite.py --list --quick                   # the plan and its budgets
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
+import math
 import os
-import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,76 +58,263 @@ import _common
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
+#: The most one command may take on a GPU machine lent for a few minutes (9 minutes).
+CALL_S = 540
+#: Seconds of a capture's budget kept back from the ``--budget`` it is given.
+CAPTURE_MARGIN_S = 20
+#: The quick plan, in the order it runs.
+#: ``truth-check`` and ``estimate_accuracy`` are left out: both read what ``capture`` and
+#: ``calibrate`` record (``cuda_truth.py check``, ``estimate_accuracy.py --truth``), and run
+#: as well on the CPU afterwards, so the GPU's minutes go to what only a GPU can measure.
+QUICK_PLAN = (
+    "capture",
+    "cuda-tests",
+    "calibrate",
+    "fit_search",
+    "oom_chaos",
+)
+
 
 @dataclass(frozen=True)
 class Step:
+    """One step: its command, its budget in seconds (full run, quick run), and the
+    arguments a full run and a quick run add."""
+
     name: str
     argv: tuple[str, ...]
-    #: Time limit in seconds (full, quick).
-    limit: tuple[int, int]
-    #: Extra arguments for a full run and for --quick.
+    budget: tuple[int, int]
     full: tuple[str, ...] = ()
     quick: tuple[str, ...] = ("--quick",)
+    #: The step takes the time it is given (``--budget``): it shrinks to what the steps after
+    #: it leave, down to this many seconds. None: its budget is fixed.
+    shrinks_to: int | None = None
+    #: A step whose output this one checks: while that one runs again, so does this one.
+    checks: str | None = None
+
+    def budget_s(self, quick: bool) -> int:
+        """Its budget in seconds for a quick or a full run."""
+        return self.budget[1] if quick else self.budget[0]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the suite does with a step: ``run`` it with ``budget_s`` seconds, ``reuse`` the
+    row of an earlier run, or ``skip`` it (``reason`` says why)."""
+
+    name: str
+    action: str
+    budget_s: int
+    reason: str | None = None
 
 
 def steps(out: Path) -> list[Step]:
+    """Every step, in the order the suite runs them."""
     py = sys.executable
     cal = str(out / "calibration.json")
+    truth = str(BENCH / "cuda_truth.py")
     junit = f"--junitxml={out / 'junit.xml'}"
     pytest = (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", junit)
 
     def bench(name: str, *extra: str) -> tuple[str, ...]:
         return (py, str(BENCH / f"{name}.py"), "--cuda", *extra)
 
+    # Quick budgets: the wall times of the H200 runs of 2026-11-25 (docs/benchmarks/gpu/)
+    # and a margin; capture takes what the others leave of CALL_S.
     return [
+        Step(
+            "capture",
+            (py, truth, "capture", "--out", str(out / "cuda_truth")),
+            (600, 240),
+            quick=(),
+            shrinks_to=120,
+        ),
+        Step(
+            "truth-check",
+            (py, truth, "check", str(out / "cuda_truth")),
+            (120, 30),
+            quick=(),
+            checks="capture",
+        ),
         Step("tests", pytest, (900, 900), quick=()),
-        Step("cuda-tests", (*pytest, "-m", "cuda"), (600, 600), quick=()),
+        Step("cuda-tests", (*pytest, "-m", "cuda"), (600, 105), quick=()),
         Step(
             "calibrate",
             (py, "-m", "vramctl", "calibrate", "--json", "--out", cal),
-            (300, 300),
+            (300, 25),
             quick=(),
         ),
         # The whole zoo at one batch size: both precisions and modes, each row estimated twice.
         Step(
             "estimate_accuracy",
             bench("estimate_accuracy", "--calibration", cal),
-            (900, 300),
+            (900, 70),
             full=("--batches", "4"),
         ),
-        Step("oom_chaos", bench("oom_chaos", "--cotenant", "process"), (900, 300)),
-        Step("fit_search", bench("fit_search"), (600, 300)),
-        Step("audio_batching", bench("audio_batching"), (900, 300)),
-        Step("monitor_overhead", bench("monitor_overhead"), (600, 300)),
-        Step("leak_detection", bench("leak_detection"), (600, 300)),
-        Step("tensor_cache", bench("tensor_cache"), (600, 300)),
+        Step("fit_search", bench("fit_search"), (600, 90)),
+        Step("oom_chaos", bench("oom_chaos", "--cotenant", "process"), (900, 75)),
+        Step("audio_batching", bench("audio_batching"), (900, 60)),
+        Step("monitor_overhead", bench("monitor_overhead"), (600, 90)),
+        Step("leak_detection", bench("leak_detection"), (600, 45)),
+        Step("tensor_cache", bench("tensor_cache"), (600, 90)),
     ]
 
 
-def gpu_facts() -> dict[str, Any]:
-    facts: dict[str, Any] = {"python": platform.python_version(), "host": platform.node()}
-    try:
-        import torch
+def choose(all_steps: Sequence[Step], quick: bool, only: Sequence[str] | None) -> list[Step]:
+    """The steps of a plan, in the suite's order: ``only`` where given, else the quick plan
+    with ``quick``, else every step but ``cuda-tests`` (``tests`` runs those too)."""
+    if only:
+        return [s for s in all_steps if s.name in only]
+    if quick:
+        return [s for s in all_steps if s.name in QUICK_PLAN]
+    return [s for s in all_steps if s.name != "cuda-tests"]
 
-        facts["torch"] = torch.__version__
-        facts["cuda"] = torch.version.cuda
-        if torch.cuda.is_available():
-            facts["gpu"] = torch.cuda.get_device_name(0)
-            facts["gpus"] = torch.cuda.device_count()
-            props = torch.cuda.get_device_properties(0)
-            facts["capability"] = f"{props.major}.{props.minor}"
-            facts["total_bytes"] = int(props.total_memory)
-            facts["cudnn"] = torch.backends.cudnn.version()
-    except ImportError:
-        facts["torch"] = None
+
+def reusable(row: Any, quick: bool, gpu: str | None, commit: str | None) -> bool:
+    """Whether an earlier run's row stands for this run: it passed on the same GPU and
+    commit, and a full run is not asked to stand on a quick one."""
+    if not isinstance(row, Mapping) or row.get("exit") != 0 or "gpu" not in row:
+        return False
+    if row.get("gpu") != gpu or row.get("commit") != commit:
+        return False
+    return quick or row.get("quick") is False
+
+
+def plan(
+    chosen: Sequence[Step],
+    quick: bool,
+    budget: float | None,
+    previous: Mapping[str, Any] | None,
+    gpu: str | None,
+    commit: str | None,
+    force: bool = False,
+    start: int = 0,
+) -> list[Decision]:
+    """What to do with each step from ``chosen[start]`` on, in order, with ``budget`` seconds
+    left in all (None: no limit), when no step finishes before its budget (the worst case).
+
+    A step is reused where ``previous`` (an earlier ``summary.json``) has a row for it that
+    :func:`reusable` accepts, unless ``force``, or unless it checks a step that runs again.
+    Then each step runs while the time left holds its budget, else it is skipped with
+    ``no time``. A step that ``shrinks_to`` gets what the later steps to run leave of the
+    time left, between that floor and its own budget.
+    """
+    rows = (previous or {}).get("steps") or {}
+    reuse: set[str] = set()
+    for s in chosen:
+        if force or not reusable(rows.get(s.name), quick, gpu, commit):
+            continue
+        # A check of a step that runs again checks new output: it runs again too.
+        if any(c.name == s.checks for c in chosen) and s.checks not in reuse:
+            continue
+        reuse.add(s.name)
+    left = math.inf if budget is None else float(budget)
+    out: list[Decision] = []
+    for i, s in enumerate(chosen[start:], start):
+        own = s.budget_s(quick)
+        if s.name in reuse:
+            out.append(Decision(s.name, "reuse", own, "passed before on this GPU and commit"))
+            continue
+        want = own
+        if s.shrinks_to is not None and budget is not None:
+            later = sum(c.budget_s(quick) for c in chosen[i + 1 :] if c.name not in reuse)
+            want = max(s.shrinks_to, min(own, math.floor(left - later)))
+        if want <= left:
+            out.append(Decision(s.name, "run", want))
+            left -= want
+        else:
+            out.append(Decision(s.name, "skip", want, "no time"))
+    return out
+
+
+def listing(
+    chosen: Sequence[Step],
+    decisions: Sequence[Decision],
+    quick: bool,
+    budget: float | None,
+    rest: Sequence[str],
+) -> str:
+    """The plan as ``--list`` prints it: each step and its budget, the total, and whether it
+    fits in one command of :data:`CALL_S` seconds."""
+    kind = "quick" if quick else "full"
+    limit = "no limit" if budget is None else f"{budget:g} s in all"
+    lines = [f"{kind} plan, in the order it runs ({limit}):"]
+    by_name = {s.name: s for s in chosen}
+    for d in decisions:
+        s = by_name[d.name]
+        note = ""
+        if d.action == "skip":
+            note = f"  skipped: {d.reason}"
+        elif s.shrinks_to is not None and d.budget_s != s.budget_s(quick):
+            note = f"  (up to {s.budget_s(quick)} s where time allows)"
+        lines.append(f"  {d.name:<18} {d.budget_s:>5} s{note}")
+    total = sum(d.budget_s for d in decisions if d.action == "run")
+    fits = "fits" if total <= CALL_S else "does not fit"
+    lines.append(f"total {total} s: {fits} in the {CALL_S} s of one call")
+    skipped = [d.name for d in decisions if d.action == "skip"]
+    if skipped:
+        lines.append(f"skipped for lack of time (--budget): {', '.join(skipped)}")
+    if rest:
+        lines.append(f"other steps (name them with --only): {', '.join(rest)}")
+    return "\n".join(lines)
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (``git rev-parse HEAD``), or None where git cannot tell."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    got = done.stdout.strip()
+    return got if done.returncode == 0 and got else None
+
+
+#: Run in a child process, so that this one never starts CUDA: the GPU's memory is the
+#: steps' alone (``capture`` records what NVML sees).
+FACTS = """
+import json, platform, torch
+f = {"python": platform.python_version(), "host": platform.node(),
+     "torch": torch.__version__, "cuda": torch.version.cuda}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    f.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
+             capability=f"{p.major}.{p.minor}", total_bytes=int(p.total_memory),
+             cudnn=torch.backends.cudnn.version())
+print(json.dumps(f))
+"""
+
+
+def gpu_facts(env: Mapping[str, str]) -> dict[str, Any]:
+    """The GPU (no ``gpu`` key where none is usable), driver, torch, CUDA and cuDNN."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", FACTS],
+            cwd=ROOT,
+            env=dict(env),
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        facts: dict[str, Any] = _common.last_json(done.stdout) or {}
+    except (OSError, subprocess.SubprocessError):
+        facts = {}
     facts["driver"] = _common.driver_version()
     return facts
 
 
-def run_step(step: Step, quick: bool, env: dict[str, str], log: Any) -> dict[str, Any]:
-    argv = [*step.argv, *(step.quick if quick else step.full)]
-    limit = step.limit[1] if quick else step.limit[0]
-    print(f"# {step.name}: {' '.join(argv[1:])} (limit {limit} s)", flush=True)
+def run_step(
+    step: Step, argv: list[str], limit: float, env: dict[str, str], log: Any
+) -> dict[str, Any]:
+    """Run ``argv`` for at most ``limit`` seconds; its row: exit status (124 when stopped
+    at the limit), wall time and result (the last JSON line, or pytest's closing line)."""
+    print(f"# {step.name}: {' '.join(argv[1:])} (budget {limit:.0f} s)", flush=True)
     t0 = time.perf_counter()
     try:
         done = subprocess.run(
@@ -133,37 +338,91 @@ def run_step(step: Step, quick: bool, env: dict[str, str], log: Any) -> dict[str
     return row
 
 
-def main() -> int:
-    ap = _common.parser(__doc__, quick="each benchmark's --quick run")
+def command(step: Step, quick: bool, budget_s: float, out: Path) -> list[str]:
+    """The step's command line for a run of at most ``budget_s`` seconds."""
+    argv = [*step.argv, *(step.quick if quick else step.full)]
+    if step.name == "capture":
+        argv += ["--budget", str(max(1, int(budget_s) - CAPTURE_MARGIN_S))]
+    if step.name == "estimate_accuracy" and not (out / "calibration.json").is_file():
+        # No profile from a calibrate step: the benchmark measures one itself.
+        argv = [a for a in argv if a not in ("--calibration", str(out / "calibration.json"))]
+        argv.append("--calibrate")
+    return argv
+
+
+def keep_profile(name: str, row: Mapping[str, Any], out: Path) -> None:
+    """After ``calibrate`` passed, a copy of its profile beside the corpus: the offline
+    accuracy check (``estimate_accuracy.py --truth``) calibrates with it."""
+    profile, corpus = out / "calibration.json", out / "cuda_truth"
+    if name == "calibrate" and row.get("exit") == 0 and profile.is_file() and corpus.is_dir():
+        (corpus / "calibration.json").write_bytes(profile.read_bytes())
+
+
+def load_summary(path: Path) -> dict[str, Any] | None:
+    """An earlier ``summary.json``, or None where there is none that can be read."""
+    try:
+        got = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def now() -> str:
+    """The time now, ISO 8601 with the offset, to the second."""
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def arguments(argv: list[str] | None) -> argparse.Namespace:
+    ap = _common.parser(__doc__, quick="the quick plan, each benchmark's --quick run")
     ap.add_argument("--out", type=Path, default=Path("gpu-results"), help="output folder")
-    ap.add_argument("--only", help="comma-separated step names (default: all but cuda-tests)")
-    ap.add_argument("--list", action="store_true", help="list the steps and exit")
-    args = ap.parse_args()
+    ap.add_argument("--only", help="comma-separated step names (default: the plan)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        metavar="SECONDS",
+        help=f"seconds for all the steps (default {CALL_S} with --quick, else no limit)",
+    )
+    ap.add_argument(
+        "--force", action="store_true", help="run steps that passed before in --out again"
+    )
+    ap.add_argument("--list", action="store_true", help="print the plan and its budgets and exit")
+    args = ap.parse_args(argv)
+    if args.budget is None and args.quick:
+        args.budget = float(CALL_S)
+    if args.budget is not None and args.budget <= 0:
+        ap.error("--budget: give a positive number of seconds")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    t0 = time.monotonic()
+    args = arguments(argv)
     out: Path = args.out
     all_steps = steps(out)
     names = [s.name for s in all_steps]
-    if args.list:
-        for s in all_steps:
-            print(f"{s.name:<18} limit {s.limit[0]} s full, {s.limit[1]} s quick")
-        return 0
+    only = None
     if args.only:
-        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
-        unknown = [n for n in wanted if n not in names]
+        only = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in only if n not in names]
         if unknown:
             print(
                 f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(names)}", file=sys.stderr
             )
             return 2
-        chosen = [s for s in all_steps if s.name in wanted]
-    else:
-        chosen = [s for s in all_steps if s.name != "cuda-tests"]
-    try:
-        import torch
+    chosen = choose(all_steps, args.quick, only)
+    if args.list:
+        decisions = plan(chosen, args.quick, args.budget, None, None, None)
+        rest = [n for n in names if n not in {s.name for s in chosen}]
+        print(listing(chosen, decisions, args.quick, args.budget, rest))
+        return 0
 
-        usable = torch.cuda.is_available()
-    except ImportError:
-        usable = False
-    if not usable:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    facts = gpu_facts(env)
+    if not facts.get("gpu"):
         print("no usable CUDA device on this machine: this suite runs on a GPU", file=sys.stderr)
         return 2
     try:
@@ -171,24 +430,56 @@ def main() -> int:
     except OSError as exc:
         print(f"cannot create {out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")) if p
-    )
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    summary: dict[str, Any] = {"benchmark": "gpu_suite", "quick": args.quick, **gpu_facts()}
+    gpu: str = facts["gpu"]
+    commit = git_commit()
+    previous = load_summary(out / "summary.json") or {}
+    old_rows: dict[str, Any] = dict(previous.get("steps") or {})
+    summary: dict[str, Any] = {
+        "benchmark": "gpu_suite",
+        "quick": args.quick,
+        "budget_s": args.budget,
+        "commit": commit,
+        **facts,
+    }
     results: dict[str, Any] = {}
-    summary["steps"] = results
+    ran: list[str] = []
+
+    def save() -> None:
+        # This call's rows, then the earlier rows of steps not in this plan, as they were.
+        kept = {n: r for n, r in old_rows.items() if n not in results and n not in chosen_names}
+        summary["steps"] = {**results, **kept}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    chosen_names = {s.name for s in chosen}
+    stamp = {"gpu": gpu, "commit": commit, "quick": args.quick}
     with (out / "logs.txt").open("a", encoding="utf-8") as log:
-        for step in chosen:
-            if step.name == "estimate_accuracy" and not (out / "calibration.json").is_file():
-                # No profile from a calibrate step: the benchmark measures one itself.
-                argv = tuple(a for a in step.argv if a != str(out / "calibration.json"))
-                step = replace(step, argv=(*argv[:-1], "--calibrate"))
-            results[step.name] = run_step(step, args.quick, env, log)
-            (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    summary["failed"] = [n for n, r in results.items() if r["exit"] != 0]
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        for i, step in enumerate(chosen):
+            left = None if args.budget is None else args.budget - (time.monotonic() - t0)
+            d = plan(chosen, args.quick, left, previous, gpu, commit, args.force, start=i)[0]
+            if d.action == "reuse":
+                results[step.name] = {**old_rows[step.name], "reused": True}
+                print(f"# {step.name}: passed before on this GPU and commit, not run", flush=True)
+            elif d.action == "skip":
+                results[step.name] = {"skipped": d.reason, "budget_s": d.budget_s, **stamp}
+                print(f"# {step.name}: skipped ({d.reason}, needs {d.budget_s} s)", flush=True)
+            elif step.name == "truth-check" and not (out / "cuda_truth" / "index.json").is_file():
+                reason = "no corpus: no cuda_truth/index.json in the output folder"
+                results[step.name] = {"skipped": reason, "budget_s": d.budget_s, **stamp}
+                print(f"# {step.name}: skipped ({reason})", flush=True)
+            else:
+                limit = d.budget_s if left is None else min(d.budget_s, left)
+                row: dict[str, Any] = {"exit": None, "started": now(), "budget_s": d.budget_s}
+                results[step.name] = {**row, **stamp}
+                save()  # a call stopped from outside shows which step was running
+                argv = command(step, args.quick, limit, out)
+                results[step.name] = {**row, **run_step(step, argv, limit, env, log), **stamp}
+                ran.append(step.name)
+                keep_profile(step.name, results[step.name], out)
+            save()
+    summary["failed"] = [n for n in ran if results[n]["exit"] != 0]
+    summary["skipped"] = [n for n, r in results.items() if "skipped" in r]
+    summary["reused"] = [n for n, r in results.items() if r.get("reused")]
+    save()
     return _common.finish(summary, not summary["failed"])
 
 
