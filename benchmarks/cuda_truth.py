@@ -116,7 +116,12 @@ def capture(args: argparse.Namespace) -> int:
         return 2
     cases = all_cases(cuda=cuda)
     if args.only:
-        cases = [c for c in cases if any(p in c["id"] for p in args.only.split(","))]
+        wanted = [p.strip() for p in args.only.split(",") if p.strip()]
+        ids = {c["id"] for c in cases}
+        # A whole case id names that case alone; anything else matches as a substring.
+        cases = [
+            c for c in cases if any(p == c["id"] or (p not in ids and p in c["id"]) for p in wanted)
+        ]
     elif args.quick and not cuda:
         cases = [c for c in cases if c["id"] in QUICK_SIMULATED]
     if args.limit:
@@ -369,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     cap.add_argument(
         "--quick", action="store_true", help="with --simulate: four small cases, in seconds"
     )
-    cap.add_argument("--only", help="comma-separated substrings of the case ids to record")
+    cap.add_argument("--only", help="comma-separated case ids, or parts of them, to record")
     cap.add_argument("--limit", type=int, help="record at most this many cases")
     chk = sub.add_parser("check", help="replay each trace through the allocator model")
     chk.add_argument("corpus", type=Path)
