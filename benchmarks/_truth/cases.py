@@ -37,6 +37,9 @@ ZOO = [
     ("resnet-50", {}),
     ("convnext-tiny", {}),
     ("lstm", {"seq_len": 128}),
+]
+#: The zoo's large models: a capture runs them last (each case builds 1-7 billion weights).
+ZOO_LARGE = [
     ("llama-1b", {"seq_len": 128}),
     ("llama-7b", {"seq_len": 128}),
 ]
@@ -117,15 +120,12 @@ def _spec(kind: str, model: str, mode: str, precision: str, batch: int, **extra:
 def all_cases(cuda: bool = True) -> list[dict[str, Any]]:
     """Every case, in the order a capture runs them (the most valuable first).
 
-    Without ``cuda`` (a simulated capture) the cases that only mean something on a GPU (the
-    SDPA backends, expandable segments, a second stream, fp16 with a scaler) are left out.
+    The zoo comes first (its 1B and 7B models last of all), then what only a GPU shows,
+    then transformers classes and CNNs. Without ``cuda`` (a simulated capture) the cases
+    that only mean something on a GPU (the SDPA backends, expandable segments, a second
+    stream, fp16 with a scaler) are left out.
     """
-    out: list[dict[str, Any]] = []
-    for name, lengths in ZOO:
-        for mode in MODES:
-            for precision in PRECISIONS:
-                for b in BATCHES:
-                    out.append(_spec("zoo", name, mode, precision, b, lengths=lengths))
+    out = _zoo(ZOO)
     for cell in ("lstm", "gru"):
         for mode in MODES:
             for b in (1, 16):
@@ -194,7 +194,18 @@ def all_cases(cuda: bool = True) -> list[dict[str, Any]]:
                 out.append(
                     _spec(lib, name, mode, "fp32", CNN_BATCH, lengths={"image_size": CNN_SIZE})
                 )
+    out += _zoo(ZOO_LARGE)
     return out
+
+
+def _zoo(models: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [
+        _spec("zoo", name, mode, precision, b, lengths=lengths)
+        for name, lengths in models
+        for mode in MODES
+        for precision in PRECISIONS
+        for b in BATCHES
+    ]
 
 
 # -- building a case ----------------------------------------------------------------------

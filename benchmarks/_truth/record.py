@@ -147,7 +147,7 @@ def _counts(index: int) -> tuple[int, int]:
     return int(alloc["allocated"]), int(alloc["freed"])
 
 
-def _segments(snapshot: dict[str, Any], index: int) -> list[list[Any]]:
+def snapshot_segments(snapshot: dict[str, Any], index: int) -> list[list[Any]]:
     out = []
     for seg in sorted(snapshot.get("segments", []), key=lambda s: s["address"]):
         if seg.get("device", index) != index:
@@ -186,7 +186,7 @@ def record_cuda_step(step: Callable[[], None], index: int, timed: bool) -> tuple
     """One real step on ``cuda:index``: its trace and its figures."""
     torch.cuda.synchronize(index)
     builder = TraceBuilder()
-    builder.segments_before = _segments(torch.cuda.memory._snapshot(), index)
+    builder.segments_before = snapshot_segments(torch.cuda.memory._snapshot(), index)
     allocated0 = torch.cuda.memory_allocated(index)
     reserved0 = torch.cuda.memory_reserved(index)
     torch.cuda.reset_peak_memory_stats(index)
@@ -223,30 +223,7 @@ def record_cuda_step(step: Callable[[], None], index: int, timed: bool) -> tuple
         _history(False)
     wall = time.perf_counter() - t0
     trace = snap["device_traces"][index] if snap.get("device_traces") else []
-    by_alloc = _owner(marks, 0)
-    by_free = _owner(marks, 2)
-    n_alloc = n_free = 0
-    dropped = 0
-    for entry in trace:
-        action = entry["action"]
-        call = -1
-        if action == "alloc":
-            call = by_alloc(n_alloc)
-            n_alloc += 1
-        elif action == "free_requested":
-            call = by_free(n_free)
-            n_free += 1
-        elif action not in (
-            "free_completed",
-            "segment_alloc",
-            "segment_free",
-            "segment_map",
-            "segment_unmap",
-            "oom",
-        ):
-            dropped += 1
-            continue
-        builder.event(action, entry["addr"], entry["size"], entry.get("stream", 0), call)
+    dropped = add_history(builder, trace, marks)
     if timed:
         for i, (start, end) in events.items():
             if end is not None:
@@ -266,6 +243,41 @@ def record_cuda_step(step: Callable[[], None], index: int, timed: bool) -> tuple
     if dropped:
         figures["dropped_entries"] = dropped
     return builder.build(), figures
+
+
+def add_history(
+    builder: TraceBuilder,
+    entries: list[dict[str, Any]],
+    marks: dict[int, tuple[int, int, int, int]],
+) -> int:
+    """Add a step's allocator history (a snapshot's ``device_traces`` entries) as events.
+
+    ``marks[call]`` is ``(allocations before, after, frees before, after)`` the call,
+    counted from the step's start. The k-th ``alloc`` is tied to the call whose span of
+    allocations holds k, the k-th ``free_requested`` likewise by frees; the rest to none.
+    Returns how many entries of other actions (``snapshot``, ``user_defined`` ...) were
+    left out.
+    """
+    by_alloc = _owner(marks, 0)
+    by_free = _owner(marks, 2)
+    n_alloc = n_free = dropped = 0
+    for entry in entries:
+        action = entry["action"]
+        call = -1
+        if action == "alloc":
+            call = by_alloc(n_alloc)
+            n_alloc += 1
+        elif action == "free_requested":
+            call = by_free(n_free)
+            n_free += 1
+        elif action not in KEPT:
+            dropped += 1
+            continue
+        builder.event(action, entry["addr"], entry["size"], entry.get("stream", 0), call)
+    return dropped
+
+
+KEPT = ("free_completed", "segment_alloc", "segment_free", "segment_map", "segment_unmap", "oom")
 
 
 def _owner(marks: dict[int, tuple[int, int, int, int]], at: int) -> Callable[[int], int]:
