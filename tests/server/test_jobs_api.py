@@ -489,3 +489,41 @@ def test_health_is_degraded_with_the_reasons(tmp_path: Path) -> None:
         "scheduler: its loop is not running",
     ]
     assert not JobService(tmp_path / "other.db", [], token="t").health()[0]
+
+
+def test_a_huge_log_is_sent_in_pieces_and_the_server_stays_flat(server: JobServer) -> None:
+    """A 1 GiB log (sparse, so it costs no disk) read whole: the server holds a piece at a
+    time. It once read the whole file into memory (300 MiB took it from 260 to 1,444 MiB)."""
+    import threading
+
+    import psutil
+
+    _, made = call("POST", f"{server.url}jobs", job("quiet", "pass"), token=server.token)
+    assert wait_state(server, made["id"])["state"] == "succeeded"
+    log = Path(server.service.log_path(server.service.job(made["id"])) or "")
+    size = 1 << 30
+    os.truncate(log, size)
+    me = psutil.Process()
+    base = me.memory_info().rss
+    peak = base
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(0.005):
+            peak = max(peak, me.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    received = 0
+    req = urllib.request.Request(f"{server.url}jobs/{made['id']}/logs")
+    req.add_header("Authorization", f"Bearer {server.token}")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            while piece := resp.read(1 << 20):
+                received += len(piece)
+    finally:
+        done.set()
+        sampler.join()
+    assert received == size
+    assert peak - base < 200 * 2**20, f"the server grew by {(peak - base) / 2**20:.0f} MiB"

@@ -335,8 +335,8 @@ class Scheduler:
         spec = job.spec
         try:
             candidates = tuple(self._index[d.id] for d in matching_devices(spec, self.devices))
-        except JobSpecError as exc:
-            self._fail(job, str(exc))
+        except Exception as exc:  # one job's bad spec fails that job, never the round
+            self._fail(job, _cannot_place(exc))
             return None
         got: Reservation | None = None
         wanted: int | None = None
@@ -350,8 +350,8 @@ class Scheduler:
                 got = ledger.place(job.id, needs, self._chooser, free)
                 if got is not None:
                     break
-        except JobSpecError as exc:
-            self._fail(job, str(exc))
+        except Exception as exc:  # an estimate that fails at this batch, an overflow ...
+            self._fail(job, _cannot_place(exc))
             return None
         if got is None:
             floor = min((v + ledger.margin_for(v) for v in needs.values()), default=0)
@@ -443,6 +443,16 @@ class Scheduler:
 
     def _fail(self, job: Job, reason: str, state: str = "failed") -> None:
         self.store.move(job.id, "queued", state, reason=reason, finished_at=time.time())
+
+
+def _cannot_place(exc: Exception) -> str:
+    """Why a job failed while it was priced or placed: a spec's own error as it is, any
+    other with its type (the queue goes on without the job)."""
+    if isinstance(exc, JobSpecError):
+        return str(exc)
+    log.warning("a job could not be priced or placed", exc_info=exc)
+    first = str(exc).split("\n")[0][:300]
+    return f"could not be priced or placed: {type(exc).__name__}: {first}"
 
 
 def _batches(spec: JobSpec) -> list[tuple[int | None, int | None]]:

@@ -114,9 +114,21 @@ def _is_number(value: object) -> bool:
     )
 
 
+#: The largest batch or sequence length a spec may ask for. Far past any step that runs, and
+#: it keeps every product of them that pricing makes within what the store and the
+#: estimator take (a batch of 2**63 was accepted and then failed every admission round).
+MAX_COUNT = 2**31 - 1
+#: The store keeps a priority as SQLite's signed 64-bit integer.
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)
+#: The longest wait or run timeout: about 31 years.
+MAX_SECONDS = 1e9
+
+
 def _positive_int(path: str, value: object, problems: list[str]) -> None:
     if value is not None and not (_is_int(value) and value > 0):  # type: ignore[operator]
         problems.append(f"{path}: must be a positive integer, got {value!r}")
+    elif value is not None and value > MAX_COUNT:  # type: ignore[operator]
+        problems.append(f"{path}: must be at most {MAX_COUNT}, got {value!r}")
 
 
 def _size(path: str, value: object, problems: list[str]) -> int | _Bad:
@@ -803,9 +815,16 @@ def _spec_problems(values: Mapping[str, Any]) -> list[str]:
     priority = values.get("priority", 0)
     if not _is_int(priority):
         problems.append(f"priority: must be an integer, got {priority!r}")
+    elif not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        problems.append(
+            f"priority: must be a signed 64-bit integer "
+            f"({PRIORITY_RANGE[0]} to {PRIORITY_RANGE[1]}), got {priority!r}"
+        )
     retries = values.get("retries", 0)
     if not (_is_int(retries) and retries >= 0):
         problems.append(f"retries: must be a whole number, 0 or more, got {retries!r}")
+    elif retries > 1000:
+        problems.append(f"retries: must be at most 1000, got {retries!r}")
     for key in ("wait_timeout", "run_timeout"):
         t = values.get(key)
         if t is not None and not isinstance(t, _Bad):
@@ -813,6 +832,8 @@ def _spec_problems(values: Mapping[str, Any]) -> list[str]:
                 problems.append(f"{key}: must be a number of seconds, got {t!r}")
             elif t < 0:
                 problems.append(f"{key}: cannot be negative, got {t!r}")
+            elif t > MAX_SECONDS:
+                problems.append(f"{key}: must be at most {MAX_SECONDS:g} seconds, got {t!r}")
             elif key == "run_timeout" and t == 0:
                 problems.append("run_timeout: must be more than 0 seconds (omit it for no limit)")
     return problems

@@ -110,6 +110,35 @@ def vramctl_home() -> Path:
     return Path.home() / ".local" / "share" / "vramctl"
 
 
+def _owner_only(path: Path, mode: int, *, create: bool = False) -> None:
+    """Give ``path`` (a store file, 0600, or folder, 0700) ``mode``, making it where
+    ``create`` and it is missing. Another user's file is refused: a store is one user's."""
+    if create and not path.exists():
+        if mode == 0o700:
+            path.mkdir(mode=0o700)
+        else:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return
+    if st.st_uid != os.getuid():
+        raise OSError(
+            f"{path} belongs to another user (uid {st.st_uid}); a job store must be its owner's"
+            " alone"
+        )
+    if st.st_mode & 0o777 != mode:
+        path.chmod(mode)
+
+
+def _logs_owner_only(logs: Path) -> None:
+    """Logs an older store made readable by others are made owner-only."""
+    with os.scandir(logs) as entries:
+        for e in entries:
+            if e.is_file(follow_symlinks=False) and e.stat().st_mode & 0o077:
+                os.chmod(e.path, 0o600)
+
+
 @dataclass(frozen=True)
 class Job:
     """One row of the store: the spec and everything that happened to it."""
@@ -173,7 +202,13 @@ class JobStore:
         self.path = Path(path) if path is not None else vramctl_home() / "jobs.db"
         self.logs_dir = self.path.parent / "logs"
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not self.path.parent.exists():
+                self.path.parent.mkdir(parents=True, mode=0o700)
+            # Owner-only before SQLite opens it: its -wal and -shm take the database's mode.
+            # A job's secret environment is in the database and its output in its log, and
+            # anyone who can open the lock or shared-memory file can stop the queue.
+            _owner_only(self.path, 0o600, create=True)
+            _owner_only(self.logs_dir, 0o700, create=True)
             self._conn = sqlite3.connect(
                 self.path, timeout=_BUSY_TIMEOUT, isolation_level=None, check_same_thread=False
             )
@@ -182,6 +217,9 @@ class JobStore:
             # killed (SIGKILL) after it loses nothing; only an OS crash can drop the last.
             self._conn.execute("PRAGMA synchronous = NORMAL")
             self._conn.executescript(_SCHEMA)
+            for side in ("-wal", "-shm", ".lock"):
+                _owner_only(Path(f"{self.path}{side}"), 0o600)
+            _logs_owner_only(self.logs_dir)
         except (OSError, sqlite3.DatabaseError) as e:
             raise JobStoreError(
                 f"cannot open the job store {self.path}: {e}; set $VRAMCTL_HOME or pass another"
@@ -197,7 +235,8 @@ class JobStore:
         store, across processes (an advisory lock on ``<store>.lock``)."""
         import fcntl
 
-        with open(f"{self.path}.lock", "a+b") as f:
+        fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "r+b") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield

@@ -526,7 +526,7 @@ def supervise(store: _Store, job_id: str) -> str | None:
         return None
     job = store.get(job_id)
     log_path = job.log_path or os.devnull
-    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    os.makedirs(os.path.dirname(log_path) or ".", mode=0o700, exist_ok=True)
     device = local_device(job.device)
     watch: GpuWatch | None = None
     visible: str | None = None
@@ -545,6 +545,10 @@ def supervise(store: _Store, job_id: str) -> str | None:
     finally:
         if watch is not None:
             watch.close()
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)
 
 
 def _run(
@@ -568,7 +572,8 @@ def _run(
     cwd = job.spec.get("cwd")
     argv = job_argv(job.spec)
     try:
-        with open(log_path, "ab") as log:
+        # Owner-only: a job's output is the job's owner's alone.
+        with open(log_path, "ab", opener=_private) as log:
             if note:
                 log.write(note.encode())
                 log.flush()

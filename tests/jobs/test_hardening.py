@@ -1,0 +1,140 @@
+"""What the token protects stays protected on disk, and one bad job does not stop the queue."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import vramctl
+from vramctl.jobs import JobSpec, JobSpecError, JobStore, MemoryNeed, Scheduler
+from vramctl.jobs._store import JobStoreError
+
+PY = sys.executable
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def spec(name: str, **kw: Any) -> JobSpec:
+    return JobSpec(name=name, command=(PY, "-c", "pass"), memory=MemoryNeed.of_size("1GiB"), **kw)
+
+
+# -- files ----------------------------------------------------------------------------------
+
+
+def test_a_new_store_and_its_side_files_are_owner_only(tmp_path: Path) -> None:
+    root = tmp_path / "home"
+    with JobStore(root / "jobs.db") as store:
+        store.submit(spec("secret", env={"API_KEY": "hunter2"}))
+        with store.admission_lock():
+            pass
+        for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm", "jobs.db.lock"):
+            assert mode(root / name) == 0o600, name
+        assert mode(root / "logs") == 0o700
+        assert mode(root) == 0o700  # made by the store
+
+
+def test_a_store_left_readable_by_others_is_made_owner_only_when_opened(tmp_path: Path) -> None:
+    root = tmp_path / "old"
+    with JobStore(root / "jobs.db") as store:
+        store.submit(spec("a"))
+    (root / "logs" / "abc.log").write_text("output")
+    for p in (root / "jobs.db", root / "jobs.db-wal", root / "logs" / "abc.log"):
+        if p.exists():
+            p.chmod(0o644)
+    (root / "logs").chmod(0o755)
+    with JobStore(root / "jobs.db"):
+        assert mode(root / "jobs.db") == 0o600
+        assert mode(root / "logs") == 0o700
+        assert mode(root / "logs" / "abc.log") == 0o600
+        if (root / "jobs.db-wal").exists():
+            assert mode(root / "jobs.db-wal") == 0o600
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="only root can give a file to another user")
+def test_a_store_file_of_another_user_is_refused_in_one_line(tmp_path: Path) -> None:
+    root = tmp_path / "theirs"
+    with JobStore(root / "jobs.db"):
+        pass
+    os.chown(root / "jobs.db", 65534, 65534)
+    with pytest.raises(JobStoreError, match="belongs to another user"):
+        JobStore(root / "jobs.db")
+
+
+def test_a_jobs_log_is_owner_only(tmp_path: Path) -> None:
+    with JobStore(tmp_path / "jobs.db") as store, vramctl.simulate("4GiB") as gpu:
+        job = JobSpec(
+            name="talks",
+            command=(PY, "-c", "print('hello')"),
+            memory=MemoryNeed.of_size("1GiB"),
+        )
+        made = store.submit(job)
+        sched = Scheduler(store, devices=[gpu], margin=0.0)
+        sched.run(until_idle=True)
+        done = store.get(made.id)
+        assert done.state == "succeeded"
+        assert done.log_path is not None
+        assert Path(done.log_path).read_text().strip() == "hello"
+        assert mode(Path(done.log_path)) == 0o600
+
+
+# -- one bad job ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("batch_size", 2**63, "batch_size: must be at most 2147483647"),
+        ("batch_size", 2**31, "batch_size: must be at most 2147483647"),
+        ("priority", 2**63, "priority: must be a signed 64-bit integer"),
+        ("priority", -(2**63) - 1, "priority: must be a signed 64-bit integer"),
+        ("wait_timeout", 1e300, "wait_timeout: must be at most"),
+        ("retries", 10**9, "retries: must be at most 1000"),
+    ],
+)
+def test_out_of_range_numbers_are_refused_at_submission(
+    field: str, value: object, message: str
+) -> None:
+    with pytest.raises(JobSpecError, match=message):
+        spec("big", **{field: value})
+
+
+def test_an_estimate_in_a_spec_refuses_a_huge_batch_too() -> None:
+    with pytest.raises(JobSpecError, match=r"memory\.estimate\.seq_len: must be at most"):
+        JobSpec.from_dict(
+            {
+                "name": "long",
+                "command": [PY, "-c", "pass"],
+                "memory": {"estimate": {"model": "gpt2", "seq_len": 2**40}},
+            }
+        )
+
+
+class _PoisonedPricing(Scheduler):
+    """A scheduler whose pricing of one job raises what no spec check foresaw (as an
+    estimate that fails only at the scheduler's batch size does)."""
+
+    def _price(self, job: Any, device: int, batch: int | None) -> int:
+        if job.name == "poison":
+            raise RuntimeError("the estimate failed at this batch size")
+        return super()._price(job, device, batch)
+
+
+def test_a_job_that_cannot_be_priced_fails_alone_and_the_queue_moves_on(tmp_path: Path) -> None:
+    with JobStore(tmp_path / "jobs.db") as store, vramctl.simulate("4GiB") as gpu:
+        poison = store.submit(spec("poison", priority=10))
+        after = store.submit(spec("after"))
+        sched = _PoisonedPricing(store, devices=[gpu], margin=0.0, launch=lambda job: None)
+        admitted = sched.run_once()
+        assert [j.id for j in admitted] == [after.id]
+        failed = store.get(poison.id)
+        assert failed.state == "failed"
+        assert failed.reason == (
+            "could not be priced or placed: RuntimeError: the estimate failed at this batch size"
+        )
