@@ -527,3 +527,32 @@ def test_a_huge_log_is_sent_in_pieces_and_the_server_stays_flat(server: JobServe
         sampler.join()
     assert received == size
     assert peak - base < 200 * 2**20, f"the server grew by {(peak - base) / 2**20:.0f} MiB"
+
+
+def test_a_body_nested_too_deeply_is_a_json_400(server: JobServer) -> None:
+    body = b"[" * 100_000 + b"]" * 100_000
+    status, got = call("POST", f"{server.url}jobs", raw=body, token=server.token)
+    assert status in (400, 413)
+    assert isinstance(got, dict) and "error" in got
+
+
+def test_a_locked_store_is_a_json_503_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vramctl.jobs._store as store_module
+
+    # Another process holds the store's write lock past the (shortened) busy timeout.
+    monkeypatch.setattr(store_module, "_BUSY_TIMEOUT", 0.3)
+    db = tmp_path / "jobs.db"
+    with serve_jobs(port=0, store=db, devices=["sim:8GiB"], token="t0ken-for-a-test") as srv:
+        holder = sqlite3.connect(db, isolation_level=None)
+        try:
+            holder.execute("BEGIN EXCLUSIVE")
+            status, got = call("POST", f"{srv.url}jobs", job("blocked"), token=srv.token)
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        assert status == 503
+        assert got["error"].startswith("the job store is unavailable: database is locked")
+        status, made = call("POST", f"{srv.url}jobs", job("after"), token=srv.token)
+        assert status == 201 and made["state"] == "queued"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -49,6 +50,8 @@ from vramctl.jobs import (
 )
 from vramctl.jobs import device_capacity as capacity_of
 from vramctl.monitor import token_ok
+
+log = logging.getLogger("vramctl.server")
 
 __all__ = [
     "TOKEN_FILE",
@@ -165,6 +168,8 @@ class JobService:
             doc = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not JSON: {exc}") from None
+        except RecursionError:
+            raise ApiError(400, "the body is nested too deeply to be a job spec") from None
         if not isinstance(doc, dict):
             raise ApiError(422, "a job spec is a JSON object", ["(body): not an object"])
         try:
@@ -611,6 +616,15 @@ def install_error_handlers(app: FastAPI) -> None:
             for e in exc.errors()
         ]
         return ApiError(422, "invalid request", problems).response()
+
+    @app.exception_handler(sqlite3.Error)
+    async def store_unavailable(request: Request, exc: sqlite3.Error) -> JSONResponse:
+        # A store locked by another process past the busy timeout, or damaged pages: the
+        # service cannot answer now, and says why (it once sent a plain-text 500).
+        log.warning("the job store failed a request: %s", exc)
+        response = ApiError(503, f"the job store is unavailable: {exc}").response()
+        response.headers["Retry-After"] = "5"
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
