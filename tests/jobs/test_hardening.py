@@ -138,3 +138,52 @@ def test_a_job_that_cannot_be_priced_fails_alone_and_the_queue_moves_on(tmp_path
         assert failed.reason == (
             "could not be priced or placed: RuntimeError: the estimate failed at this batch size"
         )
+
+
+# -- the low items ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["train\n", "train\r\n", "\ntrain", "tr ain"])
+def test_a_name_with_a_newline_or_space_is_refused(name: str) -> None:
+    with pytest.raises(JobSpecError, match="name: must be 1 to 128 letters"):
+        spec(name)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KEY": "a\0b"}, "env: a name or value holds a NUL character"),
+        ({"K\0": "v"}, "env: a name or value holds a NUL character"),
+        ({"A=B": "v"}, "is not a variable name"),
+        ({"": "v"}, "is not a variable name"),
+    ],
+)
+def test_an_env_the_system_cannot_pass_is_refused_at_submission(
+    env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(JobSpecError, match=message):
+        spec("envy", env=env)
+
+
+def test_a_job_asking_for_two_devices_at_once_fails_with_the_reason(tmp_path: Path) -> None:
+    from vramctl.jobs import DeviceConstraints
+
+    with JobStore(tmp_path / "jobs.db") as store, vramctl.simulate("8GiB") as gpu:
+        two = store.submit(spec("two", devices=DeviceConstraints(count=2)))
+        one = store.submit(spec("one"))
+        sched = Scheduler(store, devices=[gpu], margin=0.0, launch=lambda job: None)
+        assert [j.id for j in sched.run_once()] == [one.id]
+        failed = store.get(two.id)
+        assert failed.state == "failed"
+        assert (failed.reason or "").startswith("devices.count: this queue places a job on one")
+
+
+def test_a_relative_store_path_stores_absolute_log_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with JobStore(Path("rel") / "jobs.db") as store:
+        job = store.submit(spec("where"))
+        assert job.log_path is not None
+        assert Path(job.log_path).is_absolute()
+        assert Path(job.log_path).parent == tmp_path / "rel" / "logs"

@@ -556,3 +556,10 @@ def test_a_locked_store_is_a_json_503_with_the_reason(
         assert got["error"].startswith("the job store is unavailable: database is locked")
         status, made = call("POST", f"{srv.url}jobs", job("after"), token=srv.token)
         assert status == 201 and made["state"] == "queued"
+
+
+def test_a_job_asking_for_two_devices_is_refused_at_submission(server: JobServer) -> None:
+    body = job("pair", devices={"count": 2})
+    status, got = call("POST", f"{server.url}jobs", body, token=server.token)
+    assert status == 422
+    assert any(p.startswith("devices.count: 2 devices at once") for p in got["problems"])

@@ -333,6 +333,9 @@ class Scheduler:
     def _place(self, job: Job, ledger: Ledger, free: list[int | None], now: float) -> Job | None:
         assert self.devices is not None
         spec = job.spec
+        if spec.devices.count > 1:
+            self._fail(job, ONE_DEVICE)
+            return None
         try:
             candidates = tuple(self._index[d.id] for d in matching_devices(spec, self.devices))
         except Exception as exc:  # one job's bad spec fails that job, never the round
@@ -443,6 +446,14 @@ class Scheduler:
 
     def _fail(self, job: Job, reason: str, state: str = "failed") -> None:
         self.store.move(job.id, "queued", state, reason=reason, finished_at=time.time())
+
+
+#: Why a job asking for several devices at once is refused (it was given one device and one
+#: reservation, silently).
+ONE_DEVICE = (
+    "devices.count: this queue places a job on one device (with one reservation); a job that"
+    " needs several at once cannot be placed as asked: run one job per device"
+)
 
 
 def _cannot_place(exc: Exception) -> str:

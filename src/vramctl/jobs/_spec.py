@@ -53,7 +53,8 @@ __all__ = [
 MAX_SIZE = 2**50
 
 _KINDS = ("size", "estimate", "learned")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# \Z, not $: "$" also matches before a final newline, and "train\n" was a name.
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _ENTRY_RE = re.compile(rf"^{_IDENT}(?:\.{_IDENT})*:{_IDENT}(?:\.{_IDENT})*$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -787,6 +788,15 @@ def _spec_problems(values: Mapping[str, Any]) -> list[str]:
         elif not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
             bad = [k for k, v in mapping.items() if not isinstance(v, str)]
             problems.append(f"{key}: every value must be a string ({', '.join(map(str, bad))})")
+        elif key == "env":
+            # The operating system cannot pass a NUL in an environment (it crashed the
+            # supervisor with a misleading reason), nor a name with "=" or an empty one.
+            nul = [k for k, v in mapping.items() if "\0" in k or "\0" in v]
+            if nul:
+                problems.append(f"env: a name or value holds a NUL character ({nul[0]!r})")
+            odd = [k for k in mapping if not k or "=" in k]
+            if odd:
+                problems.append(f"env: {odd[0]!r} is not a variable name (empty, or has '=')")
     cwd = values.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or not cwd):
         problems.append(f"cwd: must be a directory path, got {cwd!r}")

@@ -200,7 +200,9 @@ class JobStore:
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path) if path is not None else vramctl_home() / "jobs.db"
-        self.logs_dir = self.path.parent / "logs"
+        # Absolute: a job's log path is read by processes started elsewhere (a relative
+        # --store once stored relative log paths).
+        self.logs_dir = self.path.absolute().parent / "logs"
         try:
             if not self.path.parent.exists():
                 self.path.parent.mkdir(parents=True, mode=0o700)

@@ -192,6 +192,12 @@ class JobService:
     def _run_problems(self, spec: JobSpec) -> list[str]:
         """What would stop the job's process from starting: its program and its folder."""
         problems = []
+        if spec.devices.count > 1:
+            # The scheduler would fail it too: one job, one device, one reservation.
+            problems.append(
+                f"devices.count: {spec.devices.count} devices at once cannot be placed here;"
+                " a job runs on one device (run one job per device)"
+            )
         cwd = Path(spec.cwd) if spec.cwd else None
         if cwd is not None and not cwd.is_dir():
             problems.append(f"cwd: {spec.cwd!r} is not an existing folder on the server")
