@@ -133,56 +133,19 @@ def all_cases(cuda: bool = True) -> list[dict[str, Any]]:
     if cuda:
         for backend in ("flash", "efficient", "math"):
             for mode in MODES:
+                sdpa = {"sdpa_backend": backend}
+                long = {"seq_len": 1024}
                 out.append(
-                    _spec(
-                        "attention",
-                        "sdpa",
-                        mode,
-                        "amp-bf16",
-                        4,
-                        lengths={"seq_len": 1024},
-                        options={"sdpa_backend": backend},
-                    )
+                    _spec("attention", "sdpa", mode, "amp-bf16", 4, lengths=long, options=sdpa)
                 )
-        out.append(
-            _spec(
-                "zoo",
-                "gpt2",
-                "train",
-                "amp-fp16",
-                4,
-                lengths={"seq_len": 128},
-                options={"grad_scaler": True},
-            )
-        )
-    for name in ("gpt2", "bert-base"):
-        out.append(
-            _spec("zoo", name, "train", "fp32", 4, lengths={"seq_len": 128}, checkpointing=True)
-        )
+        out.append(_gpt2("train", "amp-fp16", options={"grad_scaler": True}))
+    out.append(_gpt2("train", checkpointing=True))
+    out.append(
+        _spec("zoo", "bert-base", "train", "fp32", 4, lengths={"seq_len": 128}, checkpointing=True)
+    )
     if cuda:
-        for mode in MODES:
-            out.append(
-                _spec(
-                    "zoo",
-                    "gpt2",
-                    mode,
-                    "fp32",
-                    4,
-                    lengths={"seq_len": 128},
-                    options={"expandable_segments": True},
-                )
-            )
-        out.append(
-            _spec(
-                "zoo",
-                "gpt2",
-                "train",
-                "fp32",
-                4,
-                lengths={"seq_len": 128},
-                options={"prefetch_stream": True},
-            )
-        )
+        out += [_gpt2(mode, options={"expandable_segments": True}) for mode in MODES]
+        out.append(_gpt2("train", options={"prefetch_stream": True}))
     for task, model_type in HF:
         for mode in MODES:
             out.append(
@@ -196,6 +159,11 @@ def all_cases(cuda: bool = True) -> list[dict[str, Any]]:
                 )
     out += _zoo(ZOO_LARGE)
     return out
+
+
+def _gpt2(mode: str, precision: str = "fp32", **extra: Any) -> dict[str, Any]:
+    """A zoo GPT-2 case at batch 4 of 128 tokens, the one each GPU-only option is tried on."""
+    return _spec("zoo", "gpt2", mode, precision, 4, lengths={"seq_len": 128}, **extra)
 
 
 def _zoo(models: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
