@@ -43,7 +43,6 @@ from _truth import corpus
 
 import _common
 
-ROOT = Path(__file__).resolve().parent.parent
 QUICK_SIMULATED = (
     "rnn/lstm/train/fp32/b1",
     "rnn/gru/infer/fp32/b16",
@@ -208,11 +207,12 @@ def _capture_case(out: Path, spec: dict[str, Any], cuda: bool) -> dict[str, Any]
 def _capture_cuda(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     import torch
     from _truth import record
+    from _truth.cases import options_applied
 
     device = "cuda:0"
     gc.collect()
     torch.cuda.empty_cache()
-    with record.quiet_cuda_case(spec, device):
+    with options_applied(spec, device):
         built, step = record.prepare(spec, device)
         torch.cuda.synchronize()
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

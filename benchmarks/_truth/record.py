@@ -21,18 +21,17 @@ numbers each aten operator call.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import gc
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _truth.cases import Built, build, options_applied
+from _truth.cases import Built, build
 from _truth.corpus import TraceBuilder
 
 
@@ -409,13 +408,3 @@ def _apply(
             if builder is not None:
                 builder.event("free_requested", addr, size, 0, call)
                 builder.event("free_completed", addr, size, 0, -1)
-
-
-@contextlib.contextmanager
-def quiet_cuda_case(spec: dict[str, Any], device: str) -> Iterator[dict[str, Any]]:
-    """The case's options applied, and its memory given back when it ends."""
-    with options_applied(spec, device) as opts:
-        yield opts
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
