@@ -187,3 +187,95 @@ def test_a_relative_store_path_stores_absolute_log_paths(
         assert job.log_path is not None
         assert Path(job.log_path).is_absolute()
         assert Path(job.log_path).parent == tmp_path / "rel" / "logs"
+
+
+# -- shares -----------------------------------------------------------------------------------
+
+#: Says what it was told, tries to lift its limit, then allocates (and touches) 1.5 GiB.
+GREEDY = """
+import os, resource
+print(os.environ.get("VRAMCTL_MEMORY_LIMIT_BY"), os.environ.get("VRAMCTL_MEMORY_LIMIT"))
+try:
+    resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY,) * 2)
+    print("lifted")
+except (ValueError, OSError):
+    print("cannot lift it")
+try:
+    x = bytearray(b"\\1") * (1536 * 2**20)
+except MemoryError:
+    print("MemoryError")
+    raise SystemExit(3)
+print("GOT-IT-ALL")
+"""
+
+#: Three children of 100 MiB each, each within a limit of its own.
+SPREAD = """
+import subprocess, sys
+code = "import time; x = bytearray(b'\\\\1') * (100 * 2**20); time.sleep(30)"
+kids = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(3)]
+for k in kids:
+    k.wait()
+"""
+
+
+def _run_jobs(store: JobStore, devices: list[Any]) -> None:
+    from tests.jobs.test_queue import run_all
+
+    run_all(Scheduler(store, devices=devices, margin=0.0), timeout=90)
+
+
+def test_a_cpu_job_is_held_by_a_real_limit_and_told_which(tmp_path: Path) -> None:
+    # Reserved 110 MiB, it once peaked at 1.5 GiB and succeeded, with nothing noted.
+    cpu = vramctl.device.resolve("cpu")
+    with JobStore(tmp_path / "jobs.db") as store:
+        job = store.submit(
+            JobSpec(name="greedy", command=(PY, "-c", GREEDY), memory=MemoryNeed.of_size("110MiB"))
+        )
+        _run_jobs(store, [cpu])
+        done = store.get(job.id)
+        log = Path(done.log_path or "").read_text()
+    assert done.state == "failed", log
+    assert "by RLIMIT_DATA (each process)" in log
+    assert "RLIMIT_DATA" in log.splitlines()[1]  # what the job was told
+    assert "cannot lift it" in log and "MemoryError" in log and "GOT-IT-ALL" not in log
+    assert (done.peak_bytes or 0) < 1536 * 2**20
+
+
+def test_a_cpu_job_whose_processes_pass_its_share_together_is_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VRAMCTL_PROCESS_ALLOWANCE", "24MiB")
+    cpu = vramctl.device.resolve("cpu")
+    with JobStore(tmp_path / "jobs.db") as store:
+        job = store.submit(
+            JobSpec(name="spread", command=(PY, "-c", SPREAD), memory=MemoryNeed.of_size("150MiB"))
+        )
+        _run_jobs(store, [cpu])
+        done = store.get(job.id)
+    assert done.state == "failed"
+    assert (done.reason or "").startswith("used ")
+    assert "of host memory, past its reservation of 150.00 MiB (+5%, and 24.00 MiB" in (
+        done.reason or ""
+    )
+
+
+@pytest.mark.parametrize("escape", [("-S",), ("-I",)])
+def test_a_job_that_skips_the_bootstrap_on_a_simulated_gpu_is_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, escape: tuple[str, ...]
+) -> None:
+    # Without the bootstrap nothing simulates its share; its memory is the host's, and the
+    # supervisor watches that.
+    monkeypatch.setenv("VRAMCTL_PROCESS_ALLOWANCE", "64MiB")
+    code = "import time; x = bytearray(b'\\1') * (600 * 2**20); time.sleep(30)"
+    with JobStore(tmp_path / "jobs.db") as store, vramctl.simulate("4GiB") as gpu:
+        job = store.submit(
+            JobSpec(
+                name="escape",
+                command=(PY, *escape, "-c", code),
+                memory=MemoryNeed.of_size("256MiB"),
+            )
+        )
+        _run_jobs(store, [gpu])
+        done = store.get(job.id)
+    assert done.state == "failed"
+    assert "of host memory, past its reservation of 256.00 MiB" in (done.reason or "")

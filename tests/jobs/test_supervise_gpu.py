@@ -60,6 +60,8 @@ def _no_mps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     monkeypatch.delenv(sup.MPS_LIMIT, raising=False)
     monkeypatch.delenv(sup.ENV_TOLERANCE, raising=False)
+    # No room for a process's CUDA context, unless a test gives it: the figures are exact.
+    monkeypatch.setenv(sup.ENV_ALLOWANCE, "0")
 
 
 def admitted(
@@ -165,21 +167,54 @@ def test_a_job_past_its_reservation_is_stopped_with_the_reason(
         os.killpg(done.pid, 0)
 
 
-def test_a_process_held_by_its_allocator_is_left_to_its_cap(
-    store: JobStore, gpus: list[FakeGpu]
+def test_each_process_has_room_for_its_cuda_context(
+    store: JobStore, gpus: list[FakeGpu], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # NVML counts a held process's CUDA context too, past its share: the cap, not the
-    # watch, stops it; its figure still goes into the peak.
+    # NVML counts a process's CUDA context too, which its allocator's cap does not: each
+    # process the job has on the GPU may use the allowance past the reservation.
+    monkeypatch.setenv(sup.ENV_ALLOWANCE, "1GiB")
     job_id = admitted(store, SLEEP.format(s=1.0), reserved=2 * GiB)
+    assert supervise(store, job_id, uses(gpus[0], int(3.05 * GiB))) == "succeeded"
+    assert store.get(job_id).peak_bytes == int(3.05 * GiB)
+    job_id = admitted(store, SLEEP.format(s=30), reserved=2 * GiB)
+    assert supervise(store, job_id, uses(gpus[0], int(3.2 * GiB))) == "failed"
+    assert store.get(job_id).reason == (
+        "used 3.20 GiB of GPU memory, past its reservation of 2.00 GiB"
+        " (+5%, and 1.00 GiB for its 1 process)"
+    )
+
+
+def test_a_job_cannot_leave_the_watch_by_saying_it_is_held(
+    store: JobStore, gpus: list[FakeGpu], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A marker in its own, writable peak folder (what the bootstrap once wrote for a process
+    # its allocator's cap held) no longer takes a process out of the watch: a 3 GiB job on
+    # a 1 GiB share is stopped, whatever it wrote.
+    monkeypatch.setenv(sup.ENV_ALLOWANCE, "1GiB")
+    job_id = admitted(store, SLEEP.format(s=30), reserved=GiB)
     folder = Path(store.get(job_id).log_path or "").parent / f"{job_id}.peak"
 
     def held_and_over(pid: int) -> None:
         (folder / f"held.{pid}").write_text("")
         gpus[0].processes.append(FakeProcess(pid, 3 * GiB))
 
-    assert supervise(store, job_id, held_and_over) == "succeeded"
-    assert store.get(job_id).peak_bytes == 3 * GiB
-    assert not folder.exists()  # its markers are cleared with the peaks
+    assert supervise(store, job_id, held_and_over) == "failed"
+    assert (store.get(job_id).reason or "").startswith("used 3.00 GiB of GPU memory")
+    assert not folder.exists()  # the job's folder is cleared with its peaks
+
+
+def test_a_job_cannot_teach_a_peak_past_its_share(store: JobStore, gpus: list[FakeGpu]) -> None:
+    # Its peak files are its word: a reading past what one process could reach on its share
+    # unstopped counts as that much.
+    code = f"""
+        import os
+        from vramctl.jobs._run import write_peak
+        write_peak(os.environ[{sup.ENV_PEAK_FILE!r}], lambda: 10**15)
+    """
+    job_id = admitted(store, code, reserved=GiB)
+    assert supervise(store, job_id, lambda pid: None) == "succeeded"
+    assert store.get(job_id).peak_bytes == int(GiB * 1.05)
+    assert store.learned_peak("job") == int(GiB * 1.05)
 
 
 def test_within_the_tolerance_is_not_an_overrun(store: JobStore, gpus: list[FakeGpu]) -> None:
@@ -457,6 +492,34 @@ def test_a_job_past_its_reservation_on_a_gpu_is_stopped(store: JobStore) -> None
     assert done.state == "failed", (done, log_of(store, job.id))
     assert "of GPU memory, past its reservation of 1.10 GiB (+5%)" in (done.reason or "")
     assert (done.peak_bytes or 0) > 3 * GiB
+
+
+# Held to its share by the bootstrap, then raises its own cap (as some libraries do).
+RAISES_ITS_CAP = """
+import time, torch
+torch.zeros(1, device="cuda")
+torch.cuda.set_per_process_memory_fraction(1.0, 0)
+x = torch.empty(3 * 2**30, dtype=torch.uint8, device="cuda")
+print("allocated", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.cuda
+def test_a_job_that_raises_its_own_cap_is_still_watched(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(sup.ENV_ALLOWANCE, "1GiB")  # the default on a GPU: room for a context
+    gpu = vramctl.gpus()[0]
+    job = store.submit(
+        JobSpec(
+            name="uncapped", command=(PY, "-c", RAISES_ITS_CAP), memory=MemoryNeed.of_size("1GiB")
+        )
+    )
+    run_all(Scheduler(store, devices=[gpu], margin=0.0), timeout=120)
+    done = store.get(job.id)
+    assert done.state == "failed", (done, log_of(store, job.id))
+    assert "of GPU memory, past its reservation of 1.00 GiB" in (done.reason or "")
 
 
 GPU_PEAK = """

@@ -23,7 +23,6 @@ allocator's peak. The supervisor records it as the job's peak.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import importlib
 import json
@@ -39,7 +38,6 @@ __all__ = [
     "hold_process",
     "load_entry_point",
     "main",
-    "mark_held",
     "write_peak",
 ]
 
@@ -151,7 +149,6 @@ def hold_process(device: str, reserved: int) -> None:
 
         if prefix:
             atexit.register(write_peak, prefix, allocator_peak, os.getpid())
-            mark_held(prefix)
 
         def cap() -> None:
             total = torch.cuda.get_device_properties(0).total_memory
@@ -176,15 +173,6 @@ def hold_process(device: str, reserved: int) -> None:
                 cap()
 
         torch.cuda._lazy_init = lazy_init
-
-
-def mark_held(prefix: str) -> None:
-    """Leave ``held.<pid>`` beside ``prefix``: this process is capped by its allocator, so
-    the supervisor's NVML watch leaves its stopping to the cap (NVML's figure also counts
-    the CUDA context, which the cap does not)."""
-    folder = os.path.dirname(prefix) or "."
-    with contextlib.suppress(OSError):
-        open(os.path.join(folder, f"held.{os.getpid()}"), "w").close()
 
 
 def write_peak(prefix: str, read: Callable[[], int], pid: int | None = None) -> None:

@@ -49,6 +49,7 @@ from typing import Any
 import psutil
 
 __all__ = [
+    "ENV_ALLOWANCE",
     "ENV_DEVICE",
     "ENV_JOB_ID",
     "ENV_PEAK_FILE",
@@ -58,7 +59,6 @@ __all__ = [
     "MPS_LIMIT",
     "TOLERANCE",
     "GpuWatch",
-    "held_pids",
     "hold",
     "job_argv",
     "local_device",
@@ -67,6 +67,7 @@ __all__ = [
     "mps_limit",
     "overrun_tolerance",
     "process_alive",
+    "process_allowance",
     "read_peaks",
     "supervise",
     "tree_rss",
@@ -83,6 +84,20 @@ ENV_GUARD = "VRAMCTL_GUARD"
 #: How far past its reservation a job's GPU memory may go before it is stopped (a share).
 ENV_TOLERANCE = "VRAMCTL_OVERRUN_TOLERANCE"
 TOLERANCE = 0.05
+#: What each process of a job may use beyond the job's reservation (and the tolerance)
+#: before the watch stops the job: its runtime, which the reservation may not count (a
+#: CUDA context on a GPU, the interpreter and its libraries on the host). Bytes.
+ENV_ALLOWANCE = "VRAMCTL_PROCESS_ALLOWANCE"
+GPU_ALLOWANCE = 2**30
+HOST_ALLOWANCE = 512 * 2**20
+#: A delegated cgroup v2 folder under which a job on the ``cpu`` device gets a cgroup of its
+#: own with ``memory.max`` (else its processes get ``RLIMIT_DATA``).
+ENV_CGROUP = "VRAMCTL_CGROUP"
+#: Told to a job on the ``cpu`` device: the limit its memory is held to, and by what.
+ENV_LIMIT = "VRAMCTL_MEMORY_LIMIT"
+ENV_LIMIT_BY = "VRAMCTL_MEMORY_LIMIT_BY"
+#: The most a job's processes may write as their allocator's peak (files, bytes each).
+MAX_PEAK_FILES = 1024
 #: MPS's limit on the device memory of one client process.
 MPS_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 #: MPS's pipe directory when ``CUDA_MPS_PIPE_DIRECTORY`` is not set.
@@ -243,6 +258,11 @@ class GpuWatch:
         """The GPU memory the processes ``pids`` use on the device now: the sum of NVML's
         per-process figures. None when NVML gives none for them (an error, or a MIG
         instance or a driver that does not report per-process memory)."""
+        reading = self.reading(pids)
+        return None if reading is None else reading[0]
+
+    def reading(self, pids: set[int]) -> tuple[int, int] | None:
+        """:meth:`used`, with how many of ``pids`` NVML lists on the device."""
         nvml = self.nvml
         per_pid: dict[int, int | None] = {}
         read = False
@@ -273,7 +293,7 @@ class GpuWatch:
         figures = [u for u in per_pid.values() if u is not None]
         if per_pid and not figures:
             return None  # the job's processes are there, their memory is not told
-        return sum(figures)
+        return sum(figures), len(per_pid)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -313,6 +333,27 @@ def overrun_tolerance(environ: Mapping[str, str] | None = None) -> float:
     if not value >= 0 or value == float("inf"):
         raise ValueError(text)
     return value
+
+
+def process_allowance(device: str, environ: Mapping[str, str] | None = None) -> int:
+    """``$VRAMCTL_PROCESS_ALLOWANCE`` in bytes (a whole number, or one with ``KiB``,
+    ``MiB`` or ``GiB``); else 1 GiB on a CUDA device (a CUDA context), 512 MiB on the host.
+
+    Raises ValueError for a value that is not a size.
+
+    >>> process_allowance("cuda:0", {}), process_allowance("cpu", {ENV_ALLOWANCE: "64MiB"})
+    (1073741824, 67108864)
+    """
+    text = (os.environ if environ is None else environ).get(ENV_ALLOWANCE, "").strip()
+    if not text:
+        return GPU_ALLOWANCE if device.startswith("cuda:") else HOST_ALLOWANCE
+    for unit, scale in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("B", 1), ("", 1)):
+        if text.endswith(unit):
+            number = text[: len(text) - len(unit)].strip()
+            if number.isdigit():
+                return int(number) * scale
+            break
+    raise ValueError(text)
 
 
 def _size(n: float) -> str:
@@ -424,33 +465,27 @@ def tree_rss(pid: int) -> int:
 
 def read_peaks(prefix: str) -> int | None:
     """The sum of the allocator peaks that a job's Python processes wrote, one file each
-    (``<prefix>.<pid>``); None when none wrote one. Removes the files."""
+    (``<prefix>.<pid>``); None when none wrote one. Removes the files. The job writes them,
+    so they are read as the job's word: at most :data:`MAX_PEAK_FILES` files of a few bytes
+    each (the caller bounds the sum)."""
     folder, base = os.path.split(prefix)
     try:
         names = os.listdir(folder or ".")
     except OSError:
         return None
     total: int | None = None
+    read = 0
     for name in names:
         if not name.startswith(f"{base}."):
             continue
         path = os.path.join(folder, name)
-        if name[len(base) + 1 :].isdigit():
-            with contextlib.suppress(OSError, ValueError):
-                total = (total or 0) + max(0, int(Path(path).read_text().strip()))
+        if name[len(base) + 1 :].isdigit() and read < MAX_PEAK_FILES:
+            read += 1
+            with contextlib.suppress(OSError, ValueError), open(path, "rb") as f:
+                total = (total or 0) + max(0, int(f.read(32).strip()))
         with contextlib.suppress(OSError):
             os.remove(path)  # a reading, or one left half-written (``.tmp``)
     return total
-
-
-def held_pids(prefix: str) -> set[int]:
-    """The processes of a job that the bootstrap holds to its share (``held.<pid>`` files
-    beside ``prefix``)."""
-    try:
-        names = os.listdir(os.path.dirname(prefix) or ".")
-    except OSError:
-        return set()
-    return {int(n[5:]) for n in names if n.startswith("held.") and n[5:].isdigit()}
 
 
 def _peak_prefix(job: _Row, log_path: str) -> str | None:
@@ -465,29 +500,74 @@ def _peak_prefix(job: _Row, log_path: str) -> str | None:
         logs = os.path.dirname(log_path) or "."
     folder = os.path.join(logs, f"{job.id}.peak")
     try:
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
     except OSError:
         return None
     prefix = os.path.join(folder, "peak")
     read_peaks(prefix)  # what an earlier attempt's processes left
-    _clear_held(prefix)
     return prefix
 
 
 def _read_peaks_and_clear(prefix: str) -> int | None:
-    """:func:`read_peaks`, then the job's peak folder removed (when nothing else is in it)."""
+    """:func:`read_peaks`, then the job's peak folder removed (with what else is in it)."""
     total = read_peaks(prefix)
-    _clear_held(prefix)
+    folder = os.path.dirname(prefix)
     with contextlib.suppress(OSError):
-        os.rmdir(os.path.dirname(prefix))
+        for name in os.listdir(folder):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
+        os.rmdir(folder)
     return total
 
 
-def _clear_held(prefix: str) -> None:
-    folder = os.path.dirname(prefix) or "."
-    for pid in held_pids(prefix):
+# -- the host's memory (the cpu device) ------------------------------------------------------
+
+
+def _cgroup_limit(job_id: str, limit: int, base: str | None) -> str | None:
+    """A cgroup v2 of the job's own under ``base`` (a delegated cgroup folder) with
+    ``memory.max`` at ``limit`` and no swap; its folder, or None where it cannot be made
+    (no such folder, not cgroup v2, no memory controller, no permission)."""
+    if not base or not os.path.isfile(os.path.join(base, "cgroup.controllers")):
+        return None
+    folder = os.path.join(base, f"vramctl-{job_id}")
+    try:
+        with open(os.path.join(base, "cgroup.controllers")) as f:
+            if "memory" not in f.read().split():
+                return None
+        # Already on, or the parent's to turn on.
+        with (
+            contextlib.suppress(OSError),
+            open(os.path.join(base, "cgroup.subtree_control"), "w") as f,
+        ):
+            f.write("+memory")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "memory.max"), "w") as f:
+            f.write(str(limit))
+        with contextlib.suppress(OSError), open(os.path.join(folder, "memory.swap.max"), "w") as f:
+            f.write("0")
+    except OSError:
         with contextlib.suppress(OSError):
-            os.remove(os.path.join(folder, f"held.{pid}"))
+            os.rmdir(folder)
+        return None
+    return folder
+
+
+def _host_limit(cgroup: str | None, data_limit: int) -> Any:
+    """What the job's process runs before the job's code (``preexec_fn``): joins
+    ``cgroup``, or sets ``RLIMIT_DATA`` to ``data_limit`` (soft and hard: the job cannot
+    raise it again)."""
+    import resource
+
+    def limit() -> None:
+        if cgroup is not None:
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+            return
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        value = data_limit if hard == resource.RLIM_INFINITY else min(hard, data_limit)
+        resource.setrlimit(resource.RLIMIT_DATA, (value, value))
+
+    return limit
 
 
 def _stop(child: subprocess.Popen[bytes]) -> None:
@@ -557,37 +637,64 @@ def _run(
     device = local_device(job.device)
     reserved = int(job.reserved_bytes or 0)
     on_cpu = device == "cpu"
+    on_host = on_cpu or device.startswith("sim:")  # a simulated GPU's memory is the host's
     peak_file = None if on_cpu else _peak_prefix(job, log_path)
-    note = ""
+    notes: list[str] = []
     tolerance = TOLERANCE
-    if watch is not None:
-        try:
-            tolerance = overrun_tolerance()
-        except ValueError:
-            note = (
-                f"vramctl: {ENV_TOLERANCE}={os.environ.get(ENV_TOLERANCE)!r} is not a number,"
-                f" 0 or more; using {TOLERANCE:g}\n"
-            )
-    limit = reserved * (1 + tolerance) if reserved > 0 else None
+    try:
+        tolerance = overrun_tolerance()
+    except ValueError:
+        notes.append(
+            f"vramctl: {ENV_TOLERANCE}={os.environ.get(ENV_TOLERANCE)!r} is not a number,"
+            f" 0 or more; using {TOLERANCE:g}"
+        )
+    try:
+        allowance = process_allowance(device)
+    except ValueError:
+        allowance = process_allowance(device, {})
+        notes.append(
+            f"vramctl: {ENV_ALLOWANCE}={os.environ.get(ENV_ALLOWANCE)!r} is not a size;"
+            f" using {_size(allowance)}"
+        )
+    limit = int(reserved * (1 + tolerance)) if reserved > 0 else None
+    env = _environment(job, visible, peak_file)
+    preexec = None
+    cgroup: str | None = None
+    if on_cpu and limit is not None:
+        # A real limit on the host's memory: a cgroup's memory.max, else RLIMIT_DATA on
+        # each process (its private writable memory, which its heap and tensors are).
+        cgroup = _cgroup_limit(job.id, limit + allowance, os.environ.get(ENV_CGROUP))
+        if cgroup is not None:
+            env[ENV_LIMIT], env[ENV_LIMIT_BY] = str(limit + allowance), "cgroup memory.max"
+        else:
+            env[ENV_LIMIT], env[ENV_LIMIT_BY] = str(limit + 2 * allowance), "RLIMIT_DATA"
+        preexec = _host_limit(cgroup, limit + 2 * allowance)
+        notes.append(
+            f"vramctl: this job's memory is limited to {_size(int(env[ENV_LIMIT]))} by"
+            f" {env[ENV_LIMIT_BY]}" + (" (each process)" if cgroup is None else "")
+        )
     cwd = job.spec.get("cwd")
     argv = job_argv(job.spec)
     try:
         # Owner-only: a job's output is the job's owner's alone.
         with open(log_path, "ab", opener=_private) as log:
-            if note:
-                log.write(note.encode())
+            if notes:
+                log.write("".join(f"{n}\n" for n in notes).encode())
                 log.flush()
             child = subprocess.Popen(
                 argv,
                 cwd=cwd,
-                env=_environment(job, visible, peak_file),
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=preexec,
             )
-    except OSError as exc:
-        failed = f"could not start {argv[0]!r}: {exc.strerror or exc}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        _remove_cgroup(cgroup)
+        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        failed = f"could not start {argv[0]!r}: {what}"
         return _finish(store, job, "failed", None, 0, failed)
     store.update(job.id, pid=child.pid)
     rss_peak = 0
@@ -599,24 +706,24 @@ def _run(
     next_read = 0.0
     while child.poll() is None:
         procs = _tree(child.pid)
-        if on_cpu:
-            rss_peak = max(rss_peak, _rss(procs))
         pids = {p.pid for p in procs}
-        used = watch.used(pids) if watch is not None else None
-        if used is not None:
+        over: str | None = None
+        if on_host:
+            rss = _rss(procs)
+            rss_peak = max(rss_peak, rss)
+            # Every process is watched, whatever it says of itself or its cap.
+            if limit is not None and rss > limit + allowance * len(procs):
+                over = _overrun("host", rss, reserved, tolerance, allowance, len(procs))
+        reading = watch.reading(pids) if watch is not None else None
+        if reading is not None:
+            used, listed = reading
             gpu_peak = max(gpu_peak or 0, used)
-            # Processes the bootstrap holds to the share are stopped by their allocator's
-            # cap (an out-of-memory error of their own); the watch is for the others.
-            held = held_pids(peak_file) & pids if peak_file is not None else set()
-            unheld = (watch.used(pids - held) or 0) if held and watch is not None else used
-            if limit is not None and unheld > limit:
-                state = "failed"
-                reason = (
-                    f"used {_size(used)} of GPU memory, past its reservation of"
-                    f" {_size(reserved)} (+{tolerance * 100:g}%)"
-                )
-                _stop(child)
-                break
+            if limit is not None and used > limit + allowance * listed:
+                over = _overrun("GPU", used, reserved, tolerance, allowance, listed)
+        if over is not None:
+            state, reason = "failed", over
+            _stop(child)
+            break
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             state, reason = "timed-out", f"ran past its run timeout of {run_timeout:g} s"
@@ -630,6 +737,7 @@ def _run(
                 break
         time.sleep(POLL_S)
     code = child.wait()
+    _remove_cgroup(cgroup)
     if state is None:
         state = "succeeded" if code == 0 else "failed"
         if code != 0:
@@ -638,10 +746,37 @@ def _run(
         peak = rss_peak  # the resident memory of the job's processes
     else:
         # On a GPU: NVML's peak for the job's processes and the peak their allocators
-        # reported, the larger; on a simulated one, the simulated allocator's.
+        # reported, the larger; on a simulated one, the simulated allocator's. What the job
+        # reports counts up to what its share let one process reach unstopped.
         reported = _read_peaks_and_clear(peak_file) if peak_file is not None else None
+        if reported is not None and limit is not None:
+            reported = min(reported, limit + allowance)
         peak = max((r for r in (gpu_peak, reported) if r is not None), default=0)
     return _finish(store, job, state, code, peak, reason)
+
+
+def _overrun(
+    memory: str, used: int, reserved: int, tolerance: float, allowance: int, processes: int
+) -> str:
+    """Why a job was stopped for using more memory than its share lets it.
+
+    >>> _overrun("GPU", 3 * 2**30, 2**30, 0.05, 2**30, 2).split(" (")[1]
+    '+5%, and 1.00 GiB for each of its 2 processes)'
+    """
+    also = ""
+    if allowance:
+        each = "its 1 process" if processes == 1 else f"each of its {processes} processes"
+        also = f", and {_size(allowance)} for {each}"
+    return (
+        f"used {_size(used)} of {memory} memory, past its reservation of {_size(reserved)}"
+        f" (+{tolerance * 100:g}%{also})"
+    )
+
+
+def _remove_cgroup(folder: str | None) -> None:
+    if folder is not None:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def _finish(
