@@ -534,25 +534,93 @@ def test_a_scheduler_killed_mid_run_loses_no_job_and_runs_none_twice(
     assert sorted(ran) == sorted(ids)  # every job ran, and none twice
 
 
-def test_a_job_whose_supervisor_died_is_queued_again(store: JobStore, tmp_path: Path) -> None:
-    job = store.submit(spec("orphan", "import time; time.sleep(0.5)", retries=1))
+def _orphaned(store: JobStore, sched: Scheduler, job_id: str) -> Job:
+    """Run ``job_id`` and kill its supervisor once the job runs: an orphan."""
+    sched.run_once()
+    running = wait_for(store, job_id, ("running",))
+    assert running.supervisor_pid is not None and running.pid is not None
+    os.kill(running.supervisor_pid, signal.SIGKILL)
+    assert isinstance(sched.runner, LocalRunner)
+    sched.runner._started[job_id].wait()
+    return running
+
+
+def test_a_job_whose_supervisor_died_is_not_run_again(store: JobStore, tmp_path: Path) -> None:
+    # Its run may have finished (here it succeeds): retries are for runs known to fail.
+    out = tmp_path / "ran"
+    code = f"import time; time.sleep(0.5); open({str(out)!r}, 'a').write('x')"
+    job = store.submit(spec("orphan", code, retries=1))
     with vramctl.simulate("4GiB") as gpu:
         sched = Scheduler(store, devices=[gpu])
-        sched.run_once()
-        running = wait_for(store, job.id, ("running",))
-        assert running.supervisor_pid is not None and running.pid is not None
-        os.kill(running.supervisor_pid, signal.SIGKILL)
-        assert isinstance(sched.runner, LocalRunner)
-        sched.runner._started[job.id].wait()
+        running = _orphaned(store, sched, job.id)
         # The job runs on without its supervisor: its reservation stays until it ends ...
         assert sched.adopt() == [] and store.get(job.id).state == "running"
-        wait_until_gone(running.pid)
-        # ... then it is queued again (its exit status is lost) and runs to the end.
+        wait_until_gone(running.pid or 0)
+        # ... then it fails, its exit status unknown, and is not queued again.
+        (lost,) = sched.adopt()
+        run_all(sched)
+    assert lost.state == "failed" and "exit status is unknown" in (lost.reason or "")
+    assert "not run again" in (lost.reason or "")
+    assert (store.get(job.id).state, store.get(job.id).attempts) == ("failed", 1)
+    assert out.read_text() == "x"  # it ran once
+
+
+def test_a_lost_job_runs_again_when_its_spec_says_so(store: JobStore) -> None:
+    job = store.submit(spec("orphan", "import time; time.sleep(0.5)", retries=1, rerun_lost=True))
+    with vramctl.simulate("4GiB") as gpu:
+        sched = Scheduler(store, devices=[gpu])
+        running = _orphaned(store, sched, job.id)
+        wait_until_gone(running.pid or 0)
         (lost,) = sched.adopt()
         assert lost.state == "queued" and "supervisor died" in (lost.reason or "")
         run_all(sched)
     done = store.get(job.id)
     assert (done.state, done.attempts) == ("succeeded", 2)
+
+
+def test_an_orphan_is_held_to_its_cancel_request(store: JobStore) -> None:
+    job = store.submit(spec("orphan", "import time; time.sleep(60)"))
+    with vramctl.simulate("4GiB") as gpu:
+        sched = Scheduler(store, devices=[gpu])
+        running = _orphaned(store, sched, job.id)
+        store.cancel(job.id)
+        assert sched.adopt() == []  # SIGTERM to its process group
+        wait_until_gone(running.pid or 0)
+        (ended,) = sched.adopt()
+    assert ended.state == "cancelled" and "supervisor had died" in (ended.reason or "")
+
+
+def test_an_orphan_is_held_to_its_run_timeout(store: JobStore) -> None:
+    # It ignores SIGTERM: SIGKILL follows after the grace.
+    code = """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(60)
+    """
+    job = store.submit(spec("orphan", code, run_timeout=1.0))
+    with vramctl.simulate("4GiB") as gpu:
+        sched = Scheduler(store, devices=[gpu])
+        running = _orphaned(store, sched, job.id)
+        time.sleep(1.2)
+        sched._orphans.clear()
+        assert sched.adopt() == [] and store.get(job.id).state == "running"
+        assert sched._orphans[job.id].state == "timed-out"
+        sched._orphans[job.id].since -= 10  # the grace is over
+        assert sched.adopt() == []  # SIGKILL
+        wait_until_gone(running.pid or 0)
+        (ended,) = sched.adopt()
+    assert ended.state == "timed-out" and "run timeout of 1 s" in (ended.reason or "")
+
+
+def test_a_job_whose_supervisor_never_started_is_queued_again(store: JobStore) -> None:
+    job = store.submit(spec("never", "pass", retries=0))
+    with vramctl.simulate("4GiB") as gpu:
+        sched = Scheduler(store, devices=[gpu], launch=lambda j: None)
+        sched.run_once()  # admitted; the launch hook starts nothing
+        store.update(job.id, admitted_at=time.time() - 60)
+        sched.launch = None
+        (lost,) = sched.adopt()
+    assert lost.state == "queued" and "did not start" in (lost.reason or "")
 
 
 def wait_until_gone(pid: int, timeout: float = 10) -> None:

@@ -186,7 +186,7 @@ def test_a_killed_worker_loses_no_job(cluster: None, store: JobStore) -> None:
 
 def test_a_job_whose_worker_and_supervisor_died_is_retried(cluster: None, store: JobStore) -> None:
     # As if the node's processes died with the worker: the job is queued again by the
-    # scheduler's adoption (retries=1) and runs to the end on a second attempt.
+    # scheduler's adoption (retries=1, rerun_lost) and runs to the end on a second attempt.
     marker = store.path.parent / "attempts"
     code = f"""
     import time
@@ -196,7 +196,7 @@ def test_a_job_whose_worker_and_supervisor_died_is_retried(cluster: None, store:
         time.sleep(30)
     print("finished")
     """
-    crash = store.submit(job("crash", code, "2GiB", retries=1))
+    crash = store.submit(job("crash", code, "2GiB", retries=1, rerun_lost=True))
     sched, _ = scheduler(store)
     sched.run_once()
     running = wait_running(store, crash.id)

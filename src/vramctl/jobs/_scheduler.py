@@ -3,9 +3,11 @@
 Each round (:meth:`Scheduler.run_once`):
 
 1. **Adopt.** Every ``admitted`` or ``running`` job whose supervisor is gone (its pid no
-   longer runs with the start time recorded) is failed with the reason, or queued again
-   while its retries last. A restarted scheduler so takes over the jobs its predecessor
-   started: their supervisors went on without it.
+   longer runs with the start time recorded) is taken over: one whose processes run on
+   is held to its cancel request and run timeout; one whose processes are gone ends
+   (failed, its exit status unknown, and never run again); one that never started is
+   queued again. A restarted scheduler so takes over the jobs its predecessor started:
+   their supervisors went on without it.
 2. **Ledger.** A :class:`~vramctl.jobs.Ledger` of the reservations of the jobs that hold
    each device (``admitted`` and ``running``), and what the device reports free now
    (NVML or the host's memory; not on a simulated GPU), so memory taken outside vramctl
@@ -28,7 +30,10 @@ Each round (:meth:`Scheduler.run_once`):
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -120,6 +125,20 @@ class _Passed:
 
 
 @dataclass
+class _Stopping:
+    """An orphan being stopped: the state and reason it ends with, when SIGTERM went."""
+
+    state: str
+    reason: str
+    since: float = field(default_factory=time.monotonic)
+    killed: bool = False
+
+
+#: Seconds between SIGTERM and SIGKILL when an orphan is stopped (as its supervisor does).
+STOP_GRACE_S = 5.0
+
+
+@dataclass
 class Scheduler:
     """Admits the queued jobs of ``store`` onto ``devices`` (default: this machine's GPUs,
     else the CPU)."""
@@ -150,6 +169,8 @@ class Scheduler:
     _passed: dict[str, _Passed] = field(default_factory=dict, repr=False)
     # The waiting reason last written on each queued job (written again when it changes).
     _waits: dict[str, str] = field(default_factory=dict, repr=False)
+    # Orphans (jobs running on after their supervisor died) being stopped, by job id.
+    _orphans: dict[str, _Stopping] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -226,7 +247,17 @@ class Scheduler:
     # -- adoption ------------------------------------------------------------------------
 
     def adopt(self) -> list[Job]:
-        """Fail (or queue again) the active jobs whose supervisor is gone; returns them."""
+        """Take over the active jobs whose supervisor is gone; returns those that ended.
+
+        - A job admitted whose supervisor never started is queued again: it never ran.
+        - A job whose processes still run (an orphan) keeps its reservation, and is held
+          to its cancel request and its run timeout here: its process group gets SIGTERM,
+          then SIGKILL after the grace.
+        - A job whose processes are gone ends: cancelled or timed-out when that is why
+          they were stopped, else failed with its exit status unknown. It is not run
+          again (its run may have finished), unless its spec sets ``rerun_lost`` and
+          retries are left.
+        """
         lost: list[Job] = []
         if self.launch is not None:
             return lost  # jobs started by a launch hook have no supervisor to watch
@@ -241,18 +272,71 @@ class Scheduler:
                 job.supervisor_pid, job.supervisor_started
             ):
                 continue
-            if job.pid is not None and _alive(job.pid, None):
-                continue  # the job itself runs on: its reservation stays until it ends
-            reason = "its supervisor died; the job's exit status is unknown"
-            retry = job.attempts <= job.spec.retries
-            if retry and self.store.move(job.id, job.state, "queued", reason=reason):
-                log.warning("job %s (%s): %s; queued again", job.id, job.name, reason)
-            elif self.store.move(
-                job.id, job.state, "failed", reason=reason, finished_at=time.time()
-            ):
-                log.warning("job %s (%s): %s", job.id, job.name, reason)
-            lost.append(self.store.get(job.id))
+            if job.pid is not None and _group_runs(job):
+                self._hold_orphan(job)  # its reservation stays until its processes end
+                continue
+            ended = self._end_orphan(job)
+            if ended is not None:
+                lost.append(ended)
         return lost
+
+    def _hold_orphan(self, job: Job) -> None:
+        """Stop an orphan's process group on its cancel request or past its run timeout
+        (SIGTERM, SIGKILL once the grace is over)."""
+        assert job.pid is not None
+        stopping = self._orphans.get(job.id)
+        if stopping is None:
+            timeout = job.spec.run_timeout
+            if job.cancel_requested:
+                stopping = _Stopping("cancelled", "cancelled (its supervisor had died)")
+            elif (
+                timeout is not None
+                and job.started_at is not None
+                and time.time() - job.started_at >= timeout
+            ):
+                stopping = _Stopping(
+                    "timed-out",
+                    f"ran past its run timeout of {timeout:g} s (its supervisor had died)",
+                )
+            else:
+                return
+            self._orphans[job.id] = stopping
+            log.warning("job %s (%s): %s; stopping it", job.id, job.name, stopping.reason)
+            _signal_group(job.pid, signal.SIGTERM)
+        elif not stopping.killed and time.monotonic() - stopping.since >= STOP_GRACE_S:
+            stopping.killed = True
+            _signal_group(job.pid, signal.SIGKILL)
+
+    def _end_orphan(self, job: Job) -> Job | None:
+        """Move a job whose supervisor and processes are gone to where it ends."""
+        stopping = self._orphans.pop(job.id, None)
+        if job.state == "admitted":
+            # Its supervisor never moved it to running: it never started.
+            reason = "its supervisor did not start it; queued again"
+            if self.store.move(job.id, "admitted", "queued", reason=reason):
+                log.warning("job %s (%s): %s", job.id, job.name, reason)
+                return self.store.get(job.id)
+            return None
+        if stopping is not None:
+            state, reason = stopping.state, stopping.reason
+        elif job.cancel_requested:
+            state, reason = "cancelled", "cancelled (its supervisor had died)"
+        elif job.spec.rerun_lost and job.attempts <= job.spec.retries:
+            reason = "its supervisor died; the job's exit status is unknown; queued again"
+            if self.store.move(job.id, job.state, "queued", reason=reason):
+                log.warning("job %s (%s): %s", job.id, job.name, reason)
+                return self.store.get(job.id)
+            return None
+        else:
+            state = "failed"
+            reason = (
+                "its supervisor died; the job's exit status is unknown (not run again:"
+                " its run may have finished; submit it again to rerun it)"
+            )
+        if self.store.move(job.id, job.state, state, reason=reason, finished_at=time.time()):
+            log.warning("job %s (%s): %s", job.id, job.name, reason)
+            return self.store.get(job.id)
+        return None
 
     # -- the ledger ----------------------------------------------------------------------
 
@@ -496,6 +580,40 @@ def _usage(device: Device, jobs: Sequence[Job]) -> dict[str, int]:
     for job in jobs:
         out[job.id] = 0 if job.pid is None else tree_rss(job.pid)
     return out
+
+
+def _group_runs(job: Job) -> bool:
+    """Whether the job's process group (led by ``job.pid``, a session of its own) still has
+    a process that runs (a zombie, exited and not yet reaped, does not). The group's id is
+    not given to a new process while the group lasts; a leader that runs is checked to be
+    the job's (started with or after its run)."""
+    assert job.pid is not None
+    try:
+        os.killpg(job.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False  # gone, or not this user's (so not the job's)
+    try:
+        leader = psutil.Process(job.pid)
+        if leader.status() != psutil.STATUS_ZOMBIE:
+            started = job.started_at or 0.0
+            return leader.create_time() >= started - 1.0 and os.getpgid(job.pid) == job.pid
+    except (psutil.Error, OSError):
+        pass
+    # The leader has exited: does the rest of its group run on?
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if (
+                proc.pid != job.pid
+                and os.getpgid(proc.pid) == job.pid
+                and proc.status() != psutil.STATUS_ZOMBIE
+            ):
+                return True
+    return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
 
 
 def _tree(pid: int) -> list[int]:

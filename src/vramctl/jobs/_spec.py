@@ -579,6 +579,10 @@ class JobSpec:
     #: Seconds a run may take (None: no limit).
     run_timeout: float | None = None
     retries: int = 0
+    #: Queue the job again (while retries last) when its supervisor died while it ran, so
+    #: its exit status is unknown: its run may have finished, so it may run twice. Off by
+    #: default: such a job fails.
+    rerun_lost: bool = False
     devices: DeviceConstraints = field(default_factory=DeviceConstraints)
     #: A function of the job's code to run under :func:`vramctl.guarded` (None: none).
     guard: GuardOptions | None = None
@@ -598,6 +602,7 @@ class JobSpec:
         "wait_timeout",
         "run_timeout",
         "retries",
+        "rerun_lost",
         "devices",
         "guard",
     )
@@ -632,6 +637,7 @@ class JobSpec:
                 "effective_batch",
                 "priority",
                 "retries",
+                "rerun_lost",
             )
             if k in data
         }
@@ -700,6 +706,8 @@ class JobSpec:
                 out[key] = getattr(self, key)
         out["priority"] = self.priority
         out["retries"] = self.retries
+        if self.rerun_lost:
+            out["rerun_lost"] = True
         out["devices"] = self.devices.to_dict()
         if self.guard is not None:
             out["guard"] = self.guard.to_dict()
@@ -835,6 +843,9 @@ def _spec_problems(values: Mapping[str, Any]) -> list[str]:
         problems.append(f"retries: must be a whole number, 0 or more, got {retries!r}")
     elif retries > 1000:
         problems.append(f"retries: must be at most 1000, got {retries!r}")
+    rerun_lost = values.get("rerun_lost", False)
+    if not isinstance(rerun_lost, bool):
+        problems.append(f"rerun_lost: must be true or false, got {rerun_lost!r}")
     for key in ("wait_timeout", "run_timeout"):
         t = values.get(key)
         if t is not None and not isinstance(t, _Bad):
