@@ -393,6 +393,7 @@ JOBS = {
     "BestFit",
     "ClusterState",
     "DeviceConstraints",
+    "EstimateWorker",
     "FINISHED",
     "Fragmentation",
     "GRAD_ACCUM_ENV",

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         Request,
         Workload,
     )
+    from vramctl.jobs._pricing import EstimateWorker
     from vramctl.jobs._ray import (
         RayAgent,
         RayGpu,
@@ -77,6 +78,7 @@ _LAZY = {
         ),
         "vramctl.jobs._need",
     ),
+    "EstimateWorker": "vramctl.jobs._pricing",
     **dict.fromkeys(
         (
             "BestFit",
@@ -119,6 +121,7 @@ __all__ = [
     "BestFit",
     "ClusterState",
     "DeviceConstraints",
+    "EstimateWorker",
     "Fragmentation",
     "GuardOptions",
     "Job",

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from vramctl._units import format_bytes
 from vramctl.device import ComputeCapability, Device, gpus
@@ -30,6 +30,11 @@ __all__ = [
     "price",
 ]
 
+#: Runs an estimate elsewhere than in this process (an :class:`~vramctl.jobs.EstimateWorker`):
+#: ``(model, device, mode=, precision=, batch_size=, seq_len=)`` to the estimate's judged peak
+#: in bytes; an :class:`~vramctl.estimator.EstimateError` says why it cannot.
+Estimator = Callable[..., int]
+
 #: The variables that tell a job the batch and gradient accumulation it was admitted with.
 BATCH_SIZE_ENV = "VRAMCTL_BATCH_SIZE"
 GRAD_ACCUM_ENV = "VRAMCTL_GRAD_ACCUM"
@@ -41,6 +46,7 @@ def price(
     *,
     learned_peak: int | None = None,
     batch_size: int | None = None,
+    estimator: Estimator | None = None,
 ) -> int:
     """The bytes ``spec`` needs on ``device``.
 
@@ -51,6 +57,10 @@ def price(
       prices another batch than the spec's (a lowered one);
     - learned: ``learned_peak × (1 + margin)`` where earlier runs recorded a peak,
       else the declared ``first``.
+
+    ``estimator`` runs the estimate instead of this process (an
+    :class:`~vramctl.jobs.EstimateWorker`: the job service's, so that a user's model
+    never runs in the service); the other needs are priced here.
 
     Raises :class:`JobSpecError` when the model cannot be estimated.
     """
@@ -69,6 +79,15 @@ def price(
     assert model is not None
     batch = batch_size or model.batch_size or spec.batch_size
     try:
+        if estimator is not None:
+            return estimator(
+                model.model,
+                device,
+                mode=model.mode,
+                precision=model.precision,
+                batch_size=batch,
+                seq_len=model.seq_len,
+            )
         est = estimate(
             model.model,
             device=device,
@@ -122,6 +141,7 @@ def check_placeable(
     *,
     learned_peak: int | None = None,
     margin: float = 0.0,
+    estimator: Estimator | None = None,
 ) -> None:
     """Raise :class:`JobSpecError` unless some ``devices`` (default: the GPUs) could take
     ``spec`` when empty: enough devices meet its constraints, and enough of them have
@@ -129,7 +149,7 @@ def check_placeable(
     ``margin`` (a share of the need, as :class:`~vramctl.jobs.Ledger` adds it).
 
     The error says which constraint excluded which device, or how the need compares
-    with the largest device.
+    with the largest device. ``estimator``: as for :func:`price`.
     """
     pool = list(gpus() if devices is None else devices)
     what = f"job {spec.name!r} cannot be placed"
@@ -147,7 +167,8 @@ def check_placeable(
             what=what,
         )
     priced = [
-        (d, _with_margin(price(spec, d, learned_peak=learned_peak), margin)) for d in matching
+        (d, _with_margin(price(spec, d, learned_peak=learned_peak, estimator=estimator), margin))
+        for d in matching
     ]
     fitting = [(d, need) for d, need in priced if need <= device_capacity(d)]
     if len(fitting) >= count:

@@ -51,6 +51,7 @@ from vramctl.device import Device, gpus, resolve
 from vramctl.jobs._ledger import Ledger, Reservation
 from vramctl.jobs._need import device_capacity, matching_devices, price
 from vramctl.jobs._placement import BestFit, Fragmentation, LeastLoaded, MostFree, Policy
+from vramctl.jobs._pricing import EstimateWorker
 from vramctl.jobs._settings import POLICIES
 from vramctl.jobs._spec import JobSpec, JobSpecError
 from vramctl.jobs._store import ACTIVE, Job, JobStore
@@ -160,6 +161,9 @@ class Scheduler:
     #: Where admitted jobs' supervisors run (default: processes of this machine; a
     #: ``vramctl.jobs.RayRunner`` runs them on a Ray cluster).
     runner: Runner | None = None
+    #: Runs the estimates that price jobs (a need of kind ``estimate``) in a process of
+    #: its own (``vramctl serve`` passes one); None: in this process.
+    estimate_worker: EstimateWorker | None = None
     # The queue as the last round read it, in admission order, and what the rounds
     # learned about its jobs: prices per (device, batch), and the jobs that fit nowhere.
     _queued: dict[str, Job] = field(default_factory=dict, repr=False)
@@ -411,7 +415,13 @@ class Scheduler:
                 self.store.learned_peak(job.name) if job.spec.memory.kind == "learned" else None
             )
             dev = self.devices[device]
-            prices[device, batch] = price(job.spec, dev, learned_peak=learned, batch_size=batch)
+            prices[device, batch] = price(
+                job.spec,
+                dev,
+                learned_peak=learned,
+                batch_size=batch,
+                estimator=self.estimate_worker,
+            )
         return prices[device, batch]
 
     def _place(self, job: Job, ledger: Ledger, free: list[int | None], now: float) -> Job | None:
@@ -438,6 +448,8 @@ class Scheduler:
                 if got is not None:
                     break
         except Exception as exc:  # an estimate that fails at this batch, an overflow ...
+            if self.estimate_worker is not None and self.estimate_worker.closed:
+                raise  # the service stops: the job stays queued for the next scheduler
             self._fail(job, _cannot_place(exc))
             return None
         if got is None:
