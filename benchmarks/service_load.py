@@ -15,6 +15,11 @@ Figures: ``requests``, ``requests_per_s``, latency p50/p99 per route and overall
 ``jobs_lost`` (a submitted id missing from the store, or not in an end state at the end:
 goal 0), ``jobs_finished``.
 
+Then a listing at scale: a fresh store filled with 50,000 finished jobs (one transaction), a
+service on it, and ``GET /jobs?limit=1`` (and ``?state=succeeded&limit=1``) timed, the median
+of a few: ``list_limit1_ms_at_50k`` and ``list_state_limit1_ms_at_50k`` (goal: under
+:data:`LIST_GOAL_MS`; the list once read and decoded every job, 3.3-3.9 s).
+
     python benchmarks/service_load.py --quick   # 50 clients, 10 s; under a minute
     python benchmarks/service_load.py           # 200 clients, 30 s
 """
@@ -185,18 +190,94 @@ def run(clients: int, seconds: float, keep: bool) -> dict[str, Any]:
     return summary
 
 
+def fill(path: Path, n: int) -> None:
+    """A store at ``path`` with ``n`` finished jobs (of distinct names and labels), written
+    in one transaction."""
+    import sqlite3
+
+    from vramctl.jobs import JobSpec, JobStore, MemoryNeed
+
+    JobStore(path).close()  # the schema, as the service makes it
+    base = JobSpec(name="x", command=("true",), memory=MemoryNeed.of_size("1GiB")).to_dict()
+    now = time.time()
+    states = ("succeeded", "failed", "cancelled")
+    rows = []
+    for i in range(n):
+        spec = json.dumps({**base, "name": f"listed{i}", "labels": {"batch": str(i % 100)}})
+        job_id = f"{i:012x}"
+        state = states[i % len(states)]
+        log = str(path.parent / "logs" / f"{job_id}.log")
+        rows.append((job_id, f"listed{i}", spec, state, now - n + i, now, log))
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(
+            "INSERT INTO jobs (id, name, spec, state, submitted_at, finished_at, log_path)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            rows,
+        )
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def list_at_scale(n: int, repeats: int = 7, budget_s: float = 30.0) -> dict[str, Any]:
+    """Median milliseconds of ``GET /jobs?limit=1`` (and ``?state=succeeded&limit=1``) from a
+    service whose store holds ``n`` jobs; at most ``repeats`` tries or ``budget_s`` each."""
+    folder = Path(tempfile.mkdtemp(prefix="vramctl-service-list-"))
+    try:
+        fill(folder / "jobs.db", n)
+        proc, url = start(folder)
+        token = (folder / "token").read_text().strip()
+        got: dict[str, Any] = {}
+        try:
+            for key, path in (
+                ("list_limit1", "jobs?limit=1"),
+                ("list_state_limit1", "jobs?state=succeeded&limit=1"),
+            ):
+                status, page = request(url + path, token)  # the first, untimed
+                if status != 200 or page["total"] < 1 or len(page["jobs"]) != 1:
+                    raise SystemExit(f"GET /{path} answered {status}: {page!r:.200}")
+                times: list[float] = []
+                stop = time.monotonic() + budget_s
+                while len(times) < repeats and time.monotonic() < stop:
+                    t0 = time.perf_counter()
+                    request(url + path, token)
+                    times.append(time.perf_counter() - t0)
+                got[f"{key}_ms_at_{n // 1000}k"] = pct(times, 0.5)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+        return got
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+#: ``GET /jobs?limit=1`` at 50,000 jobs: the goal (milliseconds, median).
+LIST_GOAL_MS = 250.0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _common.parser(__doc__, quick="50 clients for 10 s")
     ap.add_argument("--clients", type=int, help="concurrent clients (default 200; --quick 50)")
     ap.add_argument("--seconds", type=float, help="how long they run (default 30; --quick 10)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary store and logs")
+    ap.add_argument(
+        "--list-jobs",
+        type=int,
+        default=50_000,
+        help="jobs in the store the listing is timed against (default 50,000; 0 skips it)",
+    )
     args = _common.parse(ap, argv)
     clients = args.clients or (50 if args.quick else 200)
     seconds = args.seconds or (10.0 if args.quick else 30.0)
     summary = run(clients, seconds, args.keep)
-    for key in ("requests_per_s", "latency_p99_ms", "errors", "jobs_lost"):
+    listed = list_at_scale(args.list_jobs) if args.list_jobs > 0 else {}
+    summary.update(listed)
+    for key in ("requests_per_s", "latency_p99_ms", "errors", "jobs_lost", *listed):
         print(f"{key}: {summary[key]}", file=sys.stderr)
-    summary["goal_met"] = summary["jobs_lost"] == 0 and summary["errors"] == 0
+    list_ok = all(v is not None and v < LIST_GOAL_MS for v in listed.values())
+    summary["goal_met"] = summary["jobs_lost"] == 0 and summary["errors"] == 0 and list_ok
     return _common.finish(summary, summary["goal_met"])
 
 

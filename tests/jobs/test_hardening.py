@@ -279,3 +279,22 @@ def test_a_job_that_skips_the_bootstrap_on_a_simulated_gpu_is_stopped(
         done = store.get(job.id)
     assert done.state == "failed"
     assert "of host memory, past its reservation of 256.00 MiB" in (done.reason or "")
+
+
+def test_a_delegated_cgroup_gets_the_jobs_memory_max(tmp_path: Path) -> None:
+    # A folder stands in for cgroupfs (this machine has cgroup v1): what vramctl writes, and
+    # that it gives up on a cgroup without the memory controller.
+    from vramctl.jobs._supervise import _cgroup_limit
+
+    base = tmp_path / "delegated"
+    base.mkdir()
+    (base / "cgroup.controllers").write_text("cpu io memory pids\n")
+    folder = _cgroup_limit("abc123", 5 * 2**20, str(base))
+    assert folder == str(base / "vramctl-abc123")
+    assert (base / "vramctl-abc123" / "memory.max").read_text() == str(5 * 2**20)
+    assert (base / "vramctl-abc123" / "memory.swap.max").read_text() == "0"
+    assert (base / "cgroup.subtree_control").read_text() == "+memory"
+    (base / "cgroup.controllers").write_text("cpu io pids\n")
+    assert _cgroup_limit("def456", 2**20, str(base)) is None
+    assert _cgroup_limit("def456", 2**20, str(tmp_path / "none")) is None
+    assert _cgroup_limit("def456", 2**20, None) is None

@@ -7,13 +7,16 @@ import os
 import sqlite3
 import stat
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from vramctl.server import JobServer, serve_jobs, service_token
@@ -563,3 +566,133 @@ def test_a_job_asking_for_two_devices_is_refused_at_submission(server: JobServer
     status, got = call("POST", f"{server.url}jobs", body, token=server.token)
     assert status == 422
     assert any(p.startswith("devices.count: 2 devices at once") for p in got["problems"])
+
+
+# -- estimates run in the service's worker process, never in the service ---------------
+
+#: A model priced by its estimate, small enough to run here.
+LSTM = {"model": "lstm", "batch_size": 2, "seq_len": 16, "mode": "infer"}
+
+
+@pytest.fixture(scope="module")
+def _estimates_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("estimates-config")
+
+
+@pytest.fixture
+def estimates(
+    _own_config_dir: None, _estimates_config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One config folder for the worker the service starts in these tests: a new worker
+    measures this machine's CPU once per folder (a few seconds)."""
+    monkeypatch.setenv("VRAMCTL_CONFIG_DIR", str(_estimates_config))
+
+
+def probe_module(folder: Path, body: str) -> str:
+    """A module of a name of its own in ``folder`` that writes its process id to
+    ``folder/imported`` when imported; its name."""
+    name = f"vramctl_service_probe_{uuid.uuid4().hex[:12]}"
+    marker = folder / "imported"
+    (folder / f"{name}.py").write_text(
+        f"import os\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\n{body}"
+    )
+    return name
+
+
+def rss_peak_during(work: Any) -> tuple[int, Any]:
+    """(how far this process's resident memory rose while ``work`` ran, its result)."""
+    me = psutil.Process()
+    start = peak = me.memory_info().rss
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, me.memory_info().rss)
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = work()
+    finally:
+        done.set()
+        sampler.join()
+    return peak - start, result
+
+
+@pytest.mark.usefixtures("estimates")
+def test_an_estimated_job_is_priced_as_here_and_runs(server: JobServer) -> None:
+    from vramctl.jobs import JobSpec, Ledger, price
+
+    body = job("estimated", memory={"estimate": LSTM})
+    status, made = call("POST", f"{server.url}jobs", body, token=server.token)
+    assert status == 201, made
+    done = wait_state(server, made["id"], timeout=60)
+    assert done["state"] == "succeeded"
+    need = price(JobSpec.from_dict(body), "sim:8GiB")
+    assert done["reserved_bytes"] == need + Ledger([8 << 30], margin=0.1).margin_for(need)
+
+
+@pytest.mark.usefixtures("estimates")
+def test_a_model_that_aborts_is_a_422_and_the_service_lives_on(server: JobServer) -> None:
+    body = job("aborts", memory={"estimate": {"model": "os:abort"}})
+    status, got = call("POST", f"{server.url}jobs", body, token=server.token, timeout=60)
+    assert status == 422
+    assert got == {
+        "error": "cannot price job 'aborts': memory.estimate: the estimate's worker process"
+        " died (signal 6: SIGABRT)"
+    }
+    status, health = call("GET", f"{server.url}health")
+    assert status == 200 and health["status"] == "ok"
+    # The next estimate starts a new worker.
+    status, made = call(
+        "POST", f"{server.url}jobs", job("after", memory={"estimate": LSTM}), token=server.token
+    )
+    assert status == 201, made
+
+
+@pytest.mark.usefixtures("estimates")
+def test_a_factory_is_never_imported_into_the_service(
+    server: JobServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = probe_module(tmp_path, "import torch\ndef make():\n    return torch.nn.Linear(4, 4)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the service's import path finds it
+    body = job("factory", memory={"estimate": {"model": f"{name}:make"}})
+    status, got = call("POST", f"{server.url}jobs", body, token=server.token, timeout=60)
+    assert status == 422 and "no batch for" in got["error"]  # built, in the worker
+    assert name not in sys.modules
+    assert int((tmp_path / "imported").read_text()) != os.getpid()
+
+
+@pytest.mark.usefixtures("estimates")
+def test_an_estimate_past_its_time_limit_is_a_422_and_the_next_is_priced(
+    server: JobServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = probe_module(tmp_path, "import time\ndef make():\n    time.sleep(60)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert server.service.estimator is not None
+    monkeypatch.setattr(server.service.estimator, "timeout", 2.0)
+    body = job("sleeps", memory={"estimate": {"model": f"{name}:make"}})
+    start = time.monotonic()
+    status, got = call("POST", f"{server.url}jobs", body, token=server.token, timeout=60)
+    assert time.monotonic() - start < 30
+    assert status == 422 and "the estimate took longer than 2 s" in got["error"], got
+    monkeypatch.setattr(server.service.estimator, "timeout", 60.0)
+    status, made = call(
+        "POST", f"{server.url}jobs", job("next", memory={"estimate": LSTM}), token=server.token
+    )
+    assert status == 201, made
+
+
+@pytest.mark.usefixtures("estimates")
+def test_a_huge_seq_len_is_refused_and_the_service_stays_flat(server: JobServer) -> None:
+    # Inputs of about 1 GiB built with real values: priced here, they grew the service.
+    huge = {"model": "lstm", "batch_size": 1, "seq_len": 60_000_000}
+    body = job("huge", memory={"estimate": huge})
+    grown, (status, got) = rss_peak_during(
+        lambda: call("POST", f"{server.url}jobs", body, token=server.token, timeout=60)
+    )
+    assert status == 422
+    assert got["error"].startswith("job 'huge' cannot be placed: memory: needs ")
+    assert grown < 200 * 2**20, f"the service grew by {grown / 2**20:.0f} MiB"

@@ -79,6 +79,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     cancel_requested INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state, priority, seq);
+-- A page of one state in submission order (GET /jobs?state=...&limit=): read in order.
+CREATE INDEX IF NOT EXISTS jobs_state_seq ON jobs (state, seq);
 CREATE TABLE IF NOT EXISTS learned (
     name TEXT PRIMARY KEY,
     peak_bytes INTEGER NOT NULL,
@@ -321,26 +323,20 @@ class JobStore:
         offset: int = 0,
     ) -> list[Job]:
         """Jobs in submission order, optionally only those in ``states`` and with ``label``
-        (``key`` or ``key=value``)."""
-        sql = f"SELECT {', '.join(_COLUMNS)} FROM jobs"
-        args: list[Any] = []
-        if states is not None:
-            bad = [s for s in states if s not in STATES]
-            if bad:
-                raise JobStoreError(f"unknown job state {bad[0]!r}; states: {', '.join(STATES)}")
-            sql += f" WHERE state IN ({', '.join('?' * len(states))})"
-            args += list(states)
-        sql += " ORDER BY seq"
-        jobs = [_job(r) for r in self._conn.execute(sql, args)]
-        if label is not None:
-            key, _, value = label.partition("=")
-            jobs = [
-                j
-                for j in jobs
-                if key in j.spec.labels and (not value or j.spec.labels[key] == value)
-            ]
-        end = None if limit is None else offset + limit
-        return jobs[offset:end]
+        (``key`` or ``key=value``); ``offset`` and ``limit`` page them in SQL, so that a
+        page is read (and its specs parsed) without the rest of the store."""
+        where, args = _filter(states, label)
+        sql = f"SELECT {', '.join(_COLUMNS)} FROM jobs{where} ORDER BY seq"
+        if limit is not None or offset:
+            sql += " LIMIT ? OFFSET ?"
+            args += [-1 if limit is None else _sql_int(limit), _sql_int(offset)]
+        return [_job(r) for r in self._conn.execute(sql, args)]
+
+    def count(self, states: Sequence[str] | None = None, *, label: str | None = None) -> int:
+        """How many jobs :meth:`list` would give without a limit (read in SQL alone)."""
+        where, args = _filter(states, label)
+        (n,) = self._conn.execute(f"SELECT COUNT(*) FROM jobs{where}", args).fetchone()
+        return int(n)
 
     def latest(self, states: Sequence[str], limit: int) -> builtins.list[Job]:
         """The last ``limit`` jobs in ``states`` to finish, the latest first (by
@@ -465,6 +461,36 @@ def wait_finished(
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"job {job_id} is still {job.state} after {timeout:g} s")
         time.sleep(poll)
+
+
+def _filter(states: Sequence[str] | None, label: str | None) -> tuple[str, list[Any]]:
+    """The ``WHERE`` clause (empty, or starting with a space) and its arguments for jobs in
+    ``states`` with ``label`` (``key`` or ``key=value``, matched in the stored spec)."""
+    clauses: list[str] = []
+    args: list[Any] = []
+    if states is not None:
+        bad = [s for s in states if s not in STATES]
+        if bad:
+            raise JobStoreError(f"unknown job state {bad[0]!r}; states: {', '.join(STATES)}")
+        clauses.append(f"state IN ({', '.join('?' * len(states))})")
+        args += list(states)
+    if label is not None:
+        try:
+            label.encode()
+        except UnicodeEncodeError:  # a lone surrogate: no stored label is one
+            return " WHERE 0", []
+        key, has_value, value = label.partition("=")
+        clauses.append(
+            "EXISTS (SELECT 1 FROM json_each(jobs.spec, '$.labels') AS l WHERE l.key = ?"
+            + (" AND l.value = ?)" if has_value and value else ")")
+        )
+        args += [key, value] if has_value and value else [key]
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), args
+
+
+def _sql_int(n: int) -> int:
+    """``n`` held to 0 .. SQLite's largest integer (an offset past it finds nothing)."""
+    return min(max(0, int(n)), 2**63 - 1)
 
 
 @functools.lru_cache(maxsize=8192)

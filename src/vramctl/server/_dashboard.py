@@ -32,12 +32,14 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import quote
 
+import h11
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import Headers, QueryParams
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vramctl._na import NA
 from vramctl._units import format_bytes
@@ -491,6 +493,56 @@ def create_app(
 
 # -- serving -----------------------------------------------------------------------------
 
+#: Seconds a client has to send a whole request (line, headers and body) from the
+#: connection's start, or from the end of the previous response on a kept-alive one.
+REQUEST_TIMEOUT_S = 30.0
+
+
+class _TimedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on each request: a connection whose
+    client has not sent its whole request within :attr:`request_timeout` s (of the
+    connection's start, or of the previous response's end) is closed. uvicorn times only a
+    connection idle after a response: one that sent nothing, half a request line, half its
+    headers or part of its body was held for good. Once a request is in, its answer is not
+    timed (a followed log or an event stream lasts as long as it lasts)."""
+
+    request_timeout = REQUEST_TIMEOUT_S
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        if not self.transport.is_closing():
+            self._deadline = self.loop.call_later(self.request_timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing() or self.transport.get_protocol() is not self:
+            return  # closed already, or upgraded (a websocket)
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # still waiting for the client
+            self.transport.close()
+
+
+def _timed_protocol(timeout: float) -> type[asyncio.Protocol]:
+    """:class:`_TimedH11` with ``timeout``."""
+    return type("_TimedH11", (_TimedH11,), {"request_timeout": float(timeout)})
+
 
 class DashboardServer:
     """A dashboard served on a daemon thread; :meth:`close` (or ``with``) stops it."""
@@ -581,6 +633,7 @@ def serve_dashboard(
     configure: Callable[[FastAPI], None] | None = None,
     openapi: bool = False,
     timeout: float = 10.0,
+    request_timeout: float = REQUEST_TIMEOUT_S,
 ) -> DashboardServer:
     """Serve the dashboard at ``http://HOST:PORT/`` on a daemon thread; returns the server.
 
@@ -591,7 +644,12 @@ def serve_dashboard(
     at once. ``port=0`` picks a free port (see :attr:`DashboardServer.port`).
     Starts ``monitor`` if it is not running (and stops it again on close).
     ``routers``, ``configure`` and ``openapi`` are :func:`create_app`'s.
+    ``request_timeout``: the seconds a client has to send a whole request (from the
+    connection's start, or the previous response's end) before its connection is closed;
+    a kept-alive connection idle that long (or 5 s, whichever is less) is closed too.
     """
+    if not request_timeout > 0:
+        raise ValueError(f"request_timeout must be positive, got {request_timeout!r}")
     required = check_bind(host, port, token)
     app = create_app(
         monitor,
@@ -607,6 +665,9 @@ def serve_dashboard(
     real_port = int(sock.getsockname()[1])
     config = uvicorn.Config(
         app,
+        # The h11 protocol always (not httptools where it is installed), with a deadline
+        # on each request (uvicorn has none for a request half sent).
+        http=_timed_protocol(request_timeout),
         log_level="warning",
         lifespan="off",
         timeout_graceful_shutdown=3,

@@ -33,12 +33,14 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from vramctl._errors import VramctlError
 from vramctl.device import Device
 from vramctl.jobs import (
     ACTIVE,
     STATES,
+    EstimateWorker,
     Job,
     JobSpec,
     JobSpecError,
@@ -76,6 +78,10 @@ MAX_BODY = 1 << 20
 FAILED = ("failed", "timed-out")
 #: How many of the latest failures ``GET /workers/status`` lists.
 RECENT_FAILURES = 20
+#: How long ``GET /health`` waits for the store's write lock (seconds).
+HEALTH_STORE_TIMEOUT = 1.0
+#: ``Retry-After`` (seconds) of a 503 for a store that cannot be used now.
+RETRY_AFTER_S = 5
 
 
 class ApiError(VramctlError):
@@ -135,12 +141,15 @@ class JobService:
         token: str,
         settings: Settings | None = None,
         scheduler_alive: Callable[[], bool] | None = None,
+        estimator: EstimateWorker | None = None,
     ) -> None:
         self.path = Path(store)
         self.devices = list(devices)
         self.token = token
         self.settings = settings
         self.scheduler_alive = scheduler_alive
+        #: Prices a spec's estimate at submission in a process of its own (None: here).
+        self.estimator = estimator
         self._local = threading.local()
         _ = self.store  # opened now: a bad path is an error at start, not at a request
 
@@ -184,7 +193,13 @@ class JobService:
         learned = self.store.learned_peak(spec.name) if spec.memory.kind == "learned" else None
         margin = self.settings.margin if self.settings is not None else 0.0
         try:
-            check_placeable(spec, self.devices, learned_peak=learned, margin=margin)
+            check_placeable(
+                spec,
+                self.devices,
+                learned_peak=learned,
+                margin=margin,
+                estimator=self.estimator,
+            )
         except JobSpecError as exc:
             raise ApiError(422, str(exc)) from None  # one line: what, need and largest device
         return spec
@@ -288,10 +303,31 @@ class JobService:
             "recent_failures": [_failure(j) for j in self.store.latest(FAILED, RECENT_FAILURES)],
         }
 
+    def store_writable(self, timeout: float | None = None) -> None:
+        """Take the store's write lock and let it go, on a connection of its own, within
+        ``timeout`` s (:data:`HEALTH_STORE_TIMEOUT`); :class:`sqlite3.OperationalError`
+        when another process holds it longer: submissions would wait for it, then fail.
+        A read alone misses that (readers go on beside a writer in WAL mode)."""
+        wait = HEALTH_STORE_TIMEOUT if timeout is None else timeout
+        uri = f"{self.path.absolute().as_uri()}?mode=rw"  # never makes a missing store
+        conn = sqlite3.connect(uri, uri=True, timeout=wait, isolation_level=None)
+        try:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                raise sqlite3.OperationalError(
+                    f"cannot take its write lock within {wait:g} s ({exc}): another process"
+                    " holds it; submissions wait for it, then fail"
+                ) from None
+            conn.execute("ROLLBACK")
+        finally:
+            conn.close()
+
     def health(self) -> tuple[bool, list[str]]:
         reasons = []
         try:
             self.store.counts()
+            self.store_writable()
         except sqlite3.Error as exc:
             reasons.append(f"store: {exc}")
         if not self.devices:
@@ -381,7 +417,10 @@ def jobs_router(service: JobService) -> APIRouter:
     async def submit(request: Request) -> JSONResponse:
         """Queue a job: its spec as JSON (see docs/jobs.md). Needs the token."""
         service.check_token(request)
-        body = await request.body()
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # gone, or closed for sending too slowly: no one to answer
+            raise ApiError(408, "the request's body did not arrive whole") from None
         spec = await asyncio.to_thread(service.spec_of, body)
         job = await asyncio.to_thread(service.submit, spec)
         return JSONResponse(_job_json(job), 201, headers={"Location": f"/jobs/{job.id}"})
@@ -403,11 +442,13 @@ def jobs_router(service: JobService) -> APIRouter:
         if bad:
             raise ApiError(422, f"state: unknown {bad[0]!r}; states: {', '.join(STATES)}")
         n, start = (MAX_PAGE if limit is None else limit), offset
-        jobs = service.store.list(states, label=label)
+        # The page alone is read and decoded (in SQL, by seq): 50,000 jobs read whole for
+        # one of them took 3.3-3.9 s.
+        jobs = service.store.list(states, label=label, limit=n, offset=start)
         return {
-            "total": len(jobs),
+            "total": service.store.count(states, label=label),
             "offset": start,
-            "jobs": [_job_json(j) for j in jobs[start : start + n]],
+            "jobs": [_job_json(j) for j in jobs],
         }
 
     @router.get("/jobs/{job_id}", responses=_ERRORS)
@@ -462,11 +503,14 @@ def jobs_router(service: JobService) -> APIRouter:
 
     @router.get("/health", responses={503: {"description": "degraded"}})
     def health() -> JSONResponse:
-        """``ok``, or ``degraded`` (503) with the reasons: the store, the devices, the
-        scheduler's loop."""
+        """``ok``, or ``degraded`` (503) with the reasons: the store (read, and its write
+        lock taken within a second), the devices, the scheduler's loop; ``Retry-After``
+        when the store is the reason."""
         ok, reasons = service.health()
         body = {"status": "ok" if ok else "degraded", "reasons": reasons, "time": time.time()}
-        return JSONResponse(body, 200 if ok else 503)
+        store_down = any(r.startswith("store:") for r in reasons)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if store_down else None
+        return JSONResponse(body, 200 if ok else 503, headers=headers)
 
     return router
 
@@ -585,6 +629,7 @@ JOB_SPEC_SCHEMA: dict[str, Any] = {
         "wait_timeout": _DURATION,
         "run_timeout": _DURATION,
         "retries": {"type": "integer", "minimum": 0},
+        "rerun_lost": {"type": "boolean"},
         "devices": {"type": "object"},
         "guard": {
             "oneOf": [
@@ -629,7 +674,7 @@ def install_error_handlers(app: FastAPI) -> None:
         # service cannot answer now, and says why (it once sent a plain-text 500).
         log.warning("the job store failed a request: %s", exc)
         response = ApiError(503, f"the job store is unavailable: {exc}").response()
-        response.headers["Retry-After"] = "5"
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
 
     @app.exception_handler(StarletteHTTPException)
@@ -642,13 +687,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return response
 
 
-def _methods(app: FastAPI, path: str) -> set[str]:
-    """The methods of the app's routes that match ``path``."""
-    from starlette.routing import Match, Route
+#: The methods a 405's ``Allow`` may name.
+_HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
-    scope = {"type": "http", "path": path, "method": "GET", "root_path": ""}
-    found: set[str] = set()
-    for route in app.routes:
-        if isinstance(route, Route) and route.matches(scope)[0] != Match.NONE:
-            found |= set(route.methods or ())
-    return found
+
+def _methods(app: FastAPI, path: str) -> set[str]:
+    """The methods some route of the app takes at ``path``: each asked of the app's routes
+    as a request would be (FastAPI's included routers are not flat ``Route`` objects; read
+    as such, every 405's ``Allow`` was empty)."""
+    from starlette.routing import Match
+
+    def taken(method: str) -> bool:
+        scope = {"type": "http", "path": path, "method": method, "root_path": "", "headers": []}
+        return any(route.matches(dict(scope))[0] == Match.FULL for route in app.routes)
+
+    return {m for m in _HTTP_METHODS if taken(m)}

@@ -3,7 +3,8 @@
 :func:`serve_jobs` starts, in this process, a :class:`~vramctl.jobs.Scheduler` on a
 thread of its own, the dashboard's monitor on the same devices, and one FastAPI app (the
 dashboard's, with the queue's routes of :func:`~vramctl.server.jobs_router` and the
-OpenAPI schema at ``/openapi.json``) served by uvicorn.
+OpenAPI schema at ``/openapi.json``) served by uvicorn. The estimates that price jobs run in
+a worker process (:class:`~vramctl.jobs.EstimateWorker`), never in this one.
 """
 
 from __future__ import annotations
@@ -20,9 +21,17 @@ from typing import Any
 from fastapi import FastAPI
 
 from vramctl.device import Device, gpus, resolve
-from vramctl.jobs import ACTIVE, JobStore, Scheduler, Settings, load_settings, vramctl_home
+from vramctl.jobs import (
+    ACTIVE,
+    EstimateWorker,
+    JobStore,
+    Scheduler,
+    Settings,
+    load_settings,
+    vramctl_home,
+)
 from vramctl.monitor import Monitor, is_loopback
-from vramctl.server._dashboard import DashboardServer, serve_dashboard
+from vramctl.server._dashboard import REQUEST_TIMEOUT_S, DashboardServer, serve_dashboard
 from vramctl.server._jobs import JobService, install_error_handlers, jobs_router, service_token
 
 __all__ = ["JobServer", "serve_jobs"]
@@ -59,15 +68,32 @@ class _Histogram:
         ]
 
 
+#: How long one scheduler round may take before /health calls the loop stuck: a round waits
+#: for the estimates that price its jobs (a worker's start, and a minute each at most).
+ROUND_LIMIT_S = 300.0
+
+
 class _SchedulerLoop:
     """The scheduler's rounds on a daemon thread, with a heartbeat for ``/health``."""
 
-    def __init__(self, store: Path, devices: Sequence[Device], settings: Settings) -> None:
+    def __init__(
+        self,
+        store: Path,
+        devices: Sequence[Device],
+        settings: Settings,
+        estimate_worker: EstimateWorker | None = None,
+    ) -> None:
         self.store_path = store
         self.devices = list(devices)
         self.settings = settings
+        #: Where jobs' estimates run (the submission route's too); closed with the loop.
+        self.estimate_worker = estimate_worker
         self.interval = 0.2
-        self.last_round = 0.0
+        # Starting counts as a round: /health is not degraded before the first one ends.
+        self.last_round = time.monotonic()
+        #: When the round under way began (None between rounds): a round that prices jobs
+        #: waits for their estimates (up to their time limit each).
+        self.round_since: float | None = None
         self.error: str | None = None
         #: Per admission: from the start of the round to its commit.
         self.admission = _Histogram(ADMISSION_BUCKETS)
@@ -86,27 +112,39 @@ class _SchedulerLoop:
                 margin=self.settings.margin,
                 max_concurrent_jobs=self.settings.max_concurrent_jobs,
                 interval_s=self.interval,
+                estimate_worker=self.estimate_worker,
             )
             while not self._stop.is_set():
+                self.round_since = time.monotonic()
                 try:
                     start = time.time()
                     for job in sched.run_once():
                         self.admission.observe(max(0.0, (job.admitted_at or start) - start))
                     self.error = None
                 except Exception as exc:  # reported by /health; the loop goes on
+                    if self._stop.is_set():
+                        break  # stopping: an estimate the closed worker cut short
                     if self.error is None:
                         log.exception("a scheduler round failed")
                     self.error = f"{type(exc).__name__}: {exc}"
                 self.last_round = time.monotonic()
+                self.round_since = None
                 self._stop.wait(self.interval)
 
     def alive(self) -> bool:
-        """Running, its last round fine and recent."""
-        recent = time.monotonic() - self.last_round < max(10.0, 20 * self.interval)
-        return self._thread.is_alive() and self.error is None and recent
+        """Running, its last round fine and recent, or a round under way for less than
+        :data:`ROUND_LIMIT_S`."""
+        now = time.monotonic()
+        recent = now - self.last_round < max(10.0, 20 * self.interval)
+        since = self.round_since
+        busy = since is not None and now - since < ROUND_LIMIT_S
+        return self._thread.is_alive() and self.error is None and (recent or busy)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        if self.estimate_worker is not None:
+            # An estimate running now ends at once; its job stays queued.
+            self.estimate_worker.close()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -211,6 +249,7 @@ def serve_jobs(
     token_file: str | os.PathLike[str] | None = None,
     settings: Settings | None = None,
     interval: float = 1.0,
+    request_timeout: float = REQUEST_TIMEOUT_S,
 ) -> JobServer:
     """Serve the job queue and the dashboard at ``http://HOST:PORT/``; returns the server.
 
@@ -219,15 +258,19 @@ def serve_jobs(
     the monitor's sampling. The token (``token``, else ``$VRAMCTL_TOKEN``, else
     ``token_file``, else ``$VRAMCTL_HOME/token``, created on first start) is needed to
     submit, cancel and read logs on every address, and for every route on an address
-    other than loopback.
+    other than loopback. ``request_timeout``: the seconds a client has to send a whole
+    request before its connection is closed (see :func:`serve_dashboard`).
     """
     settings = settings if settings is not None else load_settings()
     chosen_store = store if store is not None else settings.store
     path = Path(chosen_store) if chosen_store is not None else vramctl_home() / "jobs.db"
     secret = token or service_token(token_file=token_file)
     chosen = _resolve(devices)
-    service = JobService(path, chosen, token=secret, settings=settings)
-    loop = _SchedulerLoop(path, chosen, settings)
+    # One worker process runs every estimate (the submission's check, the scheduler's
+    # pricing): a user's model is never imported or run in the service's process.
+    estimates = EstimateWorker()
+    service = JobService(path, chosen, token=secret, settings=settings, estimator=estimates)
+    loop = _SchedulerLoop(path, chosen, settings, estimates)
     service.scheduler_alive = loop.alive
     monitor = Monitor(chosen, interval)
     # On loopback the read-only routes stay open (the job routes check the token
@@ -241,6 +284,7 @@ def serve_jobs(
         routers=[jobs_router(service)],
         configure=lambda app: _configure(app, _JobsCollector(service, loop)),
         openapi=True,
+        request_timeout=request_timeout,
     )
     loop.start()
     return JobServer(dashboard, service, loop, monitor, secret)
