@@ -232,6 +232,38 @@ def test_the_scheduler_prints_each_jobs_events(home: Path, tmp_path: Path) -> No
     assert proc.returncode == 0
 
 
+def test_the_scheduler_prices_estimates_outside_its_process(home: Path) -> None:
+    # A job whose model aborts the process that builds it fails alone; the scheduler goes on.
+    argv = [PY, "-m", "vramctl", "scheduler", "--devices", "sim:4GiB"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with JobStore(home / "jobs.db") as s:
+            boom = s.submit(
+                JobSpec(
+                    name="boom",
+                    command=(PY, "-c", "pass"),
+                    memory=MemoryNeed.from_value({"estimate": {"model": "os:abort"}}),
+                )
+            )
+            ok = s.submit(_spec("ok", "pass"))
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                if {s.get(boom.id).state, s.get(ok.id).state} <= {"failed", "succeeded"}:
+                    break
+                time.sleep(0.1)
+            failed = s.get(boom.id)
+            assert failed.state == "failed", failed.reason
+            assert "worker process died" in (failed.reason or "")
+            assert s.get(ok.id).state == "succeeded"
+        assert proc.poll() is None  # the scheduler lives on
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        finally:
+            proc.kill()
+
+
 def _spec(name: str, code: str, need: str = "1GiB", **kw: Any) -> JobSpec:
     return JobSpec(name=name, command=(PY, "-c", code), memory=MemoryNeed.of_size(need), **kw)
 

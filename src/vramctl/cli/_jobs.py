@@ -646,7 +646,7 @@ def scheduler(
         vramctl scheduler --devices cuda:0,cuda:1
         vramctl scheduler --ray auto
     """
-    from vramctl.jobs import RayRunner, Scheduler, connect, ray_devices
+    from vramctl.jobs import EstimateWorker, RayRunner, Scheduler, connect, ray_devices
 
     runner: Runner | None = None
     placed_on = _devices(devices)
@@ -661,12 +661,15 @@ def scheduler(
                 'ray start --resources "$(vramctl ray resources)"'
             )
         placed_on, runner = list(found), RayRunner(found)
-    with _store(store) as s, _interrupted() as stop:
+    # Estimates that price jobs run in a worker process: a job's model (a module:factory
+    # of its submitter's) is never imported into the scheduler.
+    with _store(store) as s, _interrupted() as stop, EstimateWorker() as worker:
         settings = load_settings()
         sched = Scheduler(
             s,
             devices=placed_on,
             runner=runner,
+            estimate_worker=worker,
             policy=policy if policy is not None else settings.policy,
             margin=margin if margin is not None else settings.margin,
             max_concurrent_jobs=(

@@ -45,6 +45,14 @@ def serve_cmd(
     open_browser: Annotated[
         bool, typer.Option("--open/--no-open", help="Open the dashboard in a browser.")
     ] = False,
+    request_timeout: Annotated[
+        float,
+        typer.Option(
+            "--request-timeout",
+            help="Seconds a client has to send a whole request; a slower or half-sent "
+            "one is closed.",
+        ),
+    ] = 30.0,
 ) -> None:
     """Serve the job queue over HTTP, run its scheduler, and show the dashboard.
 
@@ -63,6 +71,7 @@ def serve_cmd(
            http://127.0.0.1:8765/jobs
     """
     check_seconds("--interval", interval, "0.5")
+    check_seconds("--request-timeout", request_timeout, "30")
     _need_server()
     from vramctl.server import serve_jobs
 
@@ -73,6 +82,7 @@ def serve_cmd(
         devices=_devices(devices),
         token_file=token_file,
         interval=interval,
+        request_timeout=request_timeout,
     )
     try:
         console.print(f"vramctl serve: [bold]{server.url}[/]", highlight=False)
