@@ -259,25 +259,48 @@ def test_a_cpu_job_whose_processes_pass_its_share_together_is_stopped(
     )
 
 
-@pytest.mark.parametrize("escape", [("-S",), ("-I",)])
-def test_a_job_that_skips_the_bootstrap_on_a_simulated_gpu_is_stopped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, escape: tuple[str, ...]
+#: Ways out of the simulated share, each then allocating 600 MiB of the host's memory.
+ALLOCATE = "import time; x = bytearray(b'\\1') * (600 * 2**20); time.sleep(30)"
+LEAVES_THE_SIMULATION = """
+import time, torch
+from vramctl.jobs import _run
+_run._HELD[0].__exit__(None, None, None)   # out of vramctl.simulate
+x = torch.ones(600 * 2**20, dtype=torch.uint8)
+time.sleep(30)
+"""
+REMOVES_THE_HOOK = """
+import sys, time
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_After"]
+import torch                                # never held
+x = torch.ones(600 * 2**20, dtype=torch.uint8)
+time.sleep(30)
+"""
+ESCAPES = {
+    "python -S": ("-S", "-c", ALLOCATE),
+    "python -I": ("-I", "-c", ALLOCATE),
+    "leaves the simulation": ("-c", LEAVES_THE_SIMULATION),
+    "removes the import hook": ("-c", REMOVES_THE_HOOK),
+}
+
+
+@pytest.mark.parametrize("escape", list(ESCAPES))
+def test_a_job_that_escapes_its_simulated_share_is_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, escape: str
 ) -> None:
-    # Without the bootstrap nothing simulates its share; its memory is the host's, and the
+    # Out of the simulation nothing counts its share; its memory is the host's, and the
     # supervisor watches that.
-    monkeypatch.setenv("VRAMCTL_PROCESS_ALLOWANCE", "64MiB")
-    code = "import time; x = bytearray(b'\\1') * (600 * 2**20); time.sleep(30)"
+    monkeypatch.setenv("VRAMCTL_PROCESS_ALLOWANCE", "128MiB")
     with JobStore(tmp_path / "jobs.db") as store, vramctl.simulate("4GiB") as gpu:
         job = store.submit(
             JobSpec(
                 name="escape",
-                command=(PY, *escape, "-c", code),
+                command=(PY, *ESCAPES[escape]),
                 memory=MemoryNeed.of_size("256MiB"),
             )
         )
         _run_jobs(store, [gpu])
         done = store.get(job.id)
-    assert done.state == "failed"
+    assert done.state == "failed", Path(done.log_path or "").read_text()
     assert "of host memory, past its reservation of 256.00 MiB" in (done.reason or "")
 
 

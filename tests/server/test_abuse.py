@@ -224,3 +224,87 @@ def _raw(
 
 def _raw_status(server: JobServer, method: str, path: str, headers: dict[str, str]) -> int:
     return _raw(server, method, path, headers)[0]
+
+
+def test_a_damaged_store_is_a_json_503_on_every_route(tmp_path: Path) -> None:
+    import sqlite3
+
+    from vramctl.jobs import JobSpec, JobStore, MemoryNeed
+
+    db = tmp_path / "jobs.db"
+    with JobStore(db) as store:
+        for i in range(300):
+            spec = JobSpec(
+                name=f"j{i}",
+                command=("true",),
+                memory=MemoryNeed.of_size("1GiB"),
+                env={"K": "v" * 200},
+            )
+            store.submit(spec)
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    size = db.stat().st_size
+    with open(db, "r+b") as f:  # garbage over every third page past the first
+        for offset in range(4096 * 2, size, 4096 * 3):
+            f.seek(offset + 100)
+            f.write(b"\xa5" * 2000)
+    with serve_jobs(port=0, store=db, devices=["sim:8GiB"], token=TOKEN) as srv:
+        for method, path, body in (
+            ("GET", "jobs", None),
+            ("GET", "jobs?state=queued", None),
+            ("GET", "workers/status", None),
+            ("POST", "jobs", job("x")),
+        ):
+            status, answer = call(method, srv.url + path, body, token=TOKEN)
+            assert status == 503, (path, answer)
+            assert "database disk image is malformed" in answer["error"], path
+        status, answer = call("GET", srv.url + "health")
+        assert status == 503 and any(r.startswith("store:") for r in answer["reasons"])
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another local user")
+def test_another_local_user_can_neither_read_nor_lock_the_store() -> None:
+    import shutil
+    import subprocess
+    import tempfile
+
+    python = "/usr/bin/python3"  # another user cannot run this environment's Python
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system Python for another user to run")
+    probe = """
+import fcntl, sys
+for path in sys.argv[1:]:
+    try:
+        with open(path, "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        print("OPENED", path)
+    except OSError as exc:
+        print("refused", path, exc.errno)
+"""
+
+    def as_nobody(*paths: Path) -> str:
+        argv = [python, "-S", "-c", probe, *map(str, paths)]
+        return subprocess.run(argv, user="nobody", capture_output=True, text=True).stdout
+
+    # A store in a folder open to all (one that existed before the store, so left as it
+    # was): only the files' own modes keep other users out.
+    folder = Path(tempfile.mkdtemp())
+    try:
+        folder.chmod(0o755)
+        loose = folder / "loose"
+        loose.write_text("x")
+        loose.chmod(0o644)
+        assert as_nobody(loose).startswith("OPENED")  # the probe itself works
+        with serve_jobs(port=0, store=folder / "jobs.db", devices=["sim:8GiB"], token=TOKEN) as srv:
+            secret = job("secret", "print('the output')", env={"API_KEY": "hunter2"})
+            _, made = call("POST", f"{srv.url}jobs", secret, token=TOKEN)
+            wait_state(srv, made["id"])
+            names = ("jobs.db", "jobs.db-wal", "jobs.db-shm", "jobs.db.lock")
+            files = [folder / n for n in names if (folder / n).exists()]
+            files += sorted((folder / "logs").glob("*.log"))
+            assert len(files) >= 5
+            got = as_nobody(*files)
+        assert "OPENED" not in got and got.count("refused") == len(files), got
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
