@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.server._service import job_service
 from tests.server.test_jobs_api import call, job, wait_state
 from vramctl.server import JobServer, serve_jobs
 
@@ -29,20 +30,10 @@ TOKEN = "abuse-test-token-0123456789"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobServer]:
-    home = tmp_path_factory.mktemp("abuse")
-    saved = {k: os.environ.get(k) for k in ("VRAMCTL_HOME", "VRAMCTL_PROCESS_ALLOWANCE")}
-    os.environ["VRAMCTL_HOME"] = str(home)
     # A small allowance per process, so the escapes below pass it in megabytes, not gigabytes.
-    os.environ["VRAMCTL_PROCESS_ALLOWANCE"] = "96MiB"
-    try:
-        with serve_jobs(port=0, store=home / "jobs.db", devices=["sim:8GiB"], token=TOKEN) as srv:
-            yield srv
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    allowance = {"VRAMCTL_PROCESS_ALLOWANCE": "96MiB"}
+    with job_service(tmp_path_factory.mktemp("abuse"), env=allowance, token=TOKEN) as srv:
+        yield srv
 
 
 def healthy(server: JobServer) -> bool:

@@ -4,7 +4,6 @@ a real uvicorn server on 127.0.0.1, real sockets, a real second SQLite connectio
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sqlite3
 import time
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 
 import vramctl.jobs._store as store_module
+from tests.server._service import job_service
 from vramctl.jobs import JobSpec, JobStore, MemoryNeed
 from vramctl.server import JobServer, serve_jobs
 
@@ -28,22 +28,8 @@ TOKEN = "t0ken-for-the-hardening-tests"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobServer]:
     home = tmp_path_factory.mktemp("home")
-    old = os.environ.get("VRAMCTL_HOME")
-    os.environ["VRAMCTL_HOME"] = str(home)
-    try:
-        with serve_jobs(
-            port=0,
-            store=home / "jobs.db",
-            devices=["sim:8GiB"],
-            token=TOKEN,
-            request_timeout=TIMEOUT,
-        ) as srv:
-            yield srv
-    finally:
-        if old is None:
-            os.environ.pop("VRAMCTL_HOME", None)
-        else:
-            os.environ["VRAMCTL_HOME"] = old
+    with job_service(home, token=TOKEN, request_timeout=TIMEOUT) as srv:
+        yield srv
 
 
 def call(

@@ -19,6 +19,8 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.jobs.test_pricing import peak_rss_during
+from tests.server._service import job_service
 from vramctl.server import JobServer, serve_jobs, service_token
 
 PY = sys.executable
@@ -53,18 +55,8 @@ def call(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobServer]:
-    home = tmp_path_factory.mktemp("home")
-    old = os.environ.get("VRAMCTL_HOME")
-    os.environ["VRAMCTL_HOME"] = str(home)
-    os.environ.pop("VRAMCTL_TOKEN", None)
-    try:
-        with serve_jobs(port=0, store=home / "jobs.db", devices=["sim:8GiB"]) as srv:
-            yield srv
-    finally:
-        if old is None:
-            os.environ.pop("VRAMCTL_HOME", None)
-        else:
-            os.environ["VRAMCTL_HOME"] = old
+    with job_service(tmp_path_factory.mktemp("home")) as srv:
+        yield srv
 
 
 def job(name: str, code: str = "print('hello')", memory: str = "1GiB", **kw: Any) -> dict[str, Any]:
@@ -497,9 +489,6 @@ def test_health_is_degraded_with_the_reasons(tmp_path: Path) -> None:
 def test_a_huge_log_is_sent_in_pieces_and_the_server_stays_flat(server: JobServer) -> None:
     """A 1 GiB log (sparse, so it costs no disk) read whole: the server holds a piece at a
     time. It once read the whole file into memory (300 MiB took it from 260 to 1,444 MiB)."""
-    import threading
-
-    import psutil
 
     _, made = call("POST", f"{server.url}jobs", job("quiet", "pass"), token=server.token)
     assert wait_state(server, made["id"])["state"] == "succeeded"
@@ -599,28 +588,6 @@ def probe_module(folder: Path, body: str) -> str:
     return name
 
 
-def rss_peak_during(work: Any) -> tuple[int, Any]:
-    """(how far this process's resident memory rose while ``work`` ran, its result)."""
-    me = psutil.Process()
-    start = peak = me.memory_info().rss
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, me.memory_info().rss)
-            time.sleep(0.01)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        result = work()
-    finally:
-        done.set()
-        sampler.join()
-    return peak - start, result
-
-
 @pytest.mark.usefixtures("estimates")
 def test_an_estimated_job_is_priced_as_here_and_runs(server: JobServer) -> None:
     from vramctl.jobs import JobSpec, Ledger, price
@@ -690,7 +657,7 @@ def test_a_huge_seq_len_is_refused_and_the_service_stays_flat(server: JobServer)
     # Inputs of about 1 GiB built with real values: priced here, they grew the service.
     huge = {"model": "lstm", "batch_size": 1, "seq_len": 60_000_000}
     body = job("huge", memory={"estimate": huge})
-    grown, (status, got) = rss_peak_during(
+    grown, (status, got) = peak_rss_during(
         lambda: call("POST", f"{server.url}jobs", body, token=server.token, timeout=60)
     )
     assert status == 422

@@ -4,7 +4,6 @@ no response that breaks the schema (a real server, store and supervisors)."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,24 +14,14 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
 
-from vramctl.server import JobServer, serve_jobs  # noqa: E402
+from tests.server._service import job_service  # noqa: E402
+from vramctl.server import JobServer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobServer]:
-    home = tmp_path_factory.mktemp("fuzz")
-    old = os.environ.get("VRAMCTL_HOME")
-    os.environ["VRAMCTL_HOME"] = str(home)
-    try:
-        with serve_jobs(
-            port=0, store=Path(home) / "jobs.db", devices=["sim:8GiB"], token="fuzz-token"
-        ) as srv:
-            yield srv
-    finally:
-        if old is None:
-            os.environ.pop("VRAMCTL_HOME", None)
-        else:
-            os.environ["VRAMCTL_HOME"] = old
+    with job_service(tmp_path_factory.mktemp("fuzz"), token="fuzz-token") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
