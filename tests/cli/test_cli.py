@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import vramctl
 from tests.fake_nvml import FakeGpu, FakeProcess, GiB
 from vramctl.cli._app import app
-from vramctl.device._cpu import cgroup_memory
+from vramctl.device import cgroup_memory
 
 runner = CliRunner()
 
@@ -75,7 +75,7 @@ def test_status_json_lists_the_cpu_with_the_hosts_memory() -> None:
     check_status_schema(doc)
     cpu = doc["devices"][-1]
     assert cpu["id"] == "cpu" and cpu["kind"] == "cpu"
-    limit, _ = cgroup_memory()
+    limit = cgroup_memory().limit
     host = psutil.virtual_memory().total
     assert cpu["memory"]["total"] == (min(host, limit) if limit else host)
     assert cpu["memory"]["allocated"] is None  # not available, not zero

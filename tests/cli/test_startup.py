@@ -38,6 +38,7 @@ HEAVY = (
     "vramctl.batching",
     "vramctl.monitor",
     "vramctl.optimize",
+    "vramctl.doctor",
     "vramctl.cache",
     "vramctl.server",
     "vramctl.device._simulate",

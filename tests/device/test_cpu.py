@@ -7,18 +7,18 @@ import psutil
 
 import vramctl
 from vramctl import NA
-from vramctl.device._cpu import cgroup_memory
+from vramctl.device import cgroup_memory
 
 
 def test_cpu_memory_is_the_hosts() -> None:
     cpu = vramctl.get_device("cpu")
     mem = cpu.memory()
     vm = psutil.virtual_memory()
-    limit, _ = cgroup_memory()
-    expected_total = min(vm.total, limit) if limit is not NA else vm.total
+    limit = cgroup_memory().limit
+    expected_total = min(vm.total, limit) if limit is not None else vm.total
     assert mem.total == expected_total
     assert mem.used + mem.free == mem.total  # type: ignore[operator]
-    assert abs(mem.free - vm.available) < 2**30 or limit is not NA  # type: ignore[operator]
+    assert abs(mem.free - vm.available) < 2**30 or limit is not None  # type: ignore[operator]
     rss = psutil.Process().memory_info().rss
     assert abs(mem.process_used - rss) < 64 * 2**20  # type: ignore[operator]
     assert mem.allocated is NA and mem.temperature_c is NA  # no allocator, no sensor: not zero
@@ -34,9 +34,16 @@ def test_cpu_processes_include_this_one() -> None:
 
 
 def test_cgroup_limit_parsing(tmp_path: Path) -> None:
+    # A cgroup v2 mount that is this process's own cgroup (its root), as in a container.
+    (tmp_path / "cgroup.controllers").write_text("memory\n")
     (tmp_path / "memory.max").write_text("max\n")
     (tmp_path / "memory.current").write_text("1234\n")
-    assert cgroup_memory(tmp_path) == (NA, 1234)
+    own = tmp_path / "self_cgroup"
+    own.write_text("0::/\n")
+    got = cgroup_memory(tmp_path, own)
+    assert (got.limit, got.usage) == (None, 1234)
     (tmp_path / "memory.max").write_text("8589934592\n")
-    assert cgroup_memory(tmp_path) == (8589934592, 1234)
-    assert cgroup_memory(tmp_path / "missing") == (NA, NA)
+    got = cgroup_memory(tmp_path, own)
+    assert (got.limit, got.usage) == (8589934592, 1234)
+    got = cgroup_memory(tmp_path / "missing", tmp_path / "missing")
+    assert (got.limit, got.usage) == (None, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -391,6 +392,24 @@ def test_cpu_threads_capped_at_the_usable_cores(monkeypatch: pytest.MonkeyPatch)
     assert report["cpu_threads"].reason == "OMP_NUM_THREADS=1 sets the threads"
     _, _, report = optimize(mlp(), device=FakeCuda())
     assert report["cpu_threads"].reason == "the step runs on the GPU"
+
+
+def test_usable_cores_read_the_cgroup_quota_of_any_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The quota is read by the device layer: v1's cfs files and a nested cgroup count (only
+    # the root's v2 cpu.max did before).
+    from vramctl.device import _host
+
+    (tmp_path / "cpu" / "docker" / "abc").mkdir(parents=True)
+    (tmp_path / "cpu" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("50000\n")
+    (tmp_path / "cpu" / "docker" / "abc" / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "self_cgroup").write_text("3:cpu,cpuacct:/docker/abc\n0::/\n")
+    monkeypatch.setattr(_host, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(_host, "SELF_CGROUP", tmp_path / "self_cgroup")
+    assert _apply.usable_cores() == 1  # half a CPU: one core, never none
+    (tmp_path / "cpu" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert _apply.usable_cores() == _host.affinity_cpus()
 
 
 # -- quantization -------------------------------------------------------------------

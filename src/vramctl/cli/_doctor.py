@@ -12,8 +12,8 @@ from rich.table import Table
 
 from vramctl.cli._common import app, check_can_write, console, emit_json, user_errors
 
-if TYPE_CHECKING:  # the optimize layer (and PyTorch) is imported by the command, not by --help
-    from vramctl.optimize import DoctorReport
+if TYPE_CHECKING:  # the doctor (and PyTorch) is imported by the command, not by --help
+    from vramctl.doctor import DoctorReport
 
 __all__ = ["doctor_cmd"]
 
@@ -91,7 +91,7 @@ def doctor_cmd(
     """
     if report is not None:
         check_can_write("--report", report)
-    from vramctl.optimize import doctor
+    from vramctl.doctor import doctor
 
     result = doctor(devices=device or None)
     if report is not None:

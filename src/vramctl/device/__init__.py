@@ -12,6 +12,10 @@ from vramctl.device._cpu import CpuDevice
 from vramctl.device._cuda import CudaDevice
 from vramctl.device._discover import devices, get_device, gpus
 from vramctl.device._health import DeviceHealth, HealthPolicy, HealthState
+
+# The host's limits (cgroup memory, CPU quota, affinity), read here once for the packages
+# above; internal: not in the documented surface.
+from vramctl.device._host import affinity_cpus, cgroup_memory, cpu_quota
 from vramctl.device._memory import MemoryState, ProcessMemory
 from vramctl.device._select import (
     Policy,
@@ -65,8 +69,11 @@ __all__ = [
     "SimulatedDevice",
     "SimulatedOutOfMemoryError",
     "active_simulation",
+    "affinity_cpus",
     "available_bytes",
     "catalog",
+    "cgroup_memory",
+    "cpu_quota",
     "current_device",
     "devices",
     "driver_info",

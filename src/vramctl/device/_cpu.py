@@ -9,32 +9,16 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from vramctl._na import NA, Bytes
+from vramctl._na import NA
 from vramctl.device._base import Device
 from vramctl.device._health import DeviceHealth, ReadingFailed
+from vramctl.device._host import cgroup_memory
 from vramctl.device._memory import MemoryState, ProcessMemory
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CpuDevice", "cgroup_memory"]
-
-_CGROUP = Path("/sys/fs/cgroup")
-
-
-def cgroup_memory(root: Path = _CGROUP) -> tuple[Bytes, Bytes]:
-    """(limit, current) of this container's cgroup v2 memory; ``NA`` where there is none."""
-    try:
-        raw_limit = (root / "memory.max").read_text().strip()
-        current = int((root / "memory.current").read_text().strip())
-    except (OSError, ValueError):
-        return NA, NA
-    if raw_limit == "max":
-        return NA, current
-    try:
-        return int(raw_limit), current
-    except ValueError:
-        return NA, current
+__all__ = ["CpuDevice"]
 
 
 def _cpu_name() -> str:
@@ -48,7 +32,8 @@ def _cpu_name() -> str:
 
 
 class CpuDevice(Device):
-    """Host memory as a device; a cgroup limit lower than the RAM is the total."""
+    """Host memory as a device; a cgroup limit lower than the RAM is the total (the smallest
+    limit from this process's cgroup up, v1 or v2: :func:`cgroup_memory`)."""
 
     kind = "cpu"
     id = "cpu"
@@ -89,9 +74,12 @@ class CpuDevice(Device):
     def _read(self) -> MemoryState:
         vm = psutil.virtual_memory()
         total, free = int(vm.total), int(vm.available)
-        limit, current = cgroup_memory()
-        if limit is not NA and current is not NA and limit < total:
-            total, free = limit, max(0, min(free, limit - current))
+        cgroup = cgroup_memory()
+        if cgroup.limit is not None and cgroup.limit < total:
+            total = cgroup.limit
+            if cgroup.headroom is not None:
+                free = min(free, cgroup.headroom)
+            free = min(free, total)
         return MemoryState(
             device=self.id,
             total=total,

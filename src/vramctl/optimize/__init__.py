@@ -1,9 +1,10 @@
 """The optimize layer: making a step fit and run fast on its device.
 
 ``optimize`` applies memory and speed settings to a model and reports each one,
-``plan`` searches precision, checkpointing, micro-batch, optimizer and offload
-for the fastest step that fits, and ``doctor`` checks the environment. It sits
-above the estimator (which prices memory and time) and the guard.
+and ``plan`` searches precision, checkpointing, micro-batch, optimizer and offload
+for the fastest step that fits. It sits above the estimator (which prices memory
+and time) and the guard. ``doctor``, the environment's check, is the package
+:mod:`vramctl.doctor`'s; its names are re-exported here as they were before it moved.
 
 The function ``vramctl.optimize`` shadows this package as an attribute of ``vramctl``;
 import the package's names from it (``from vramctl.optimize import OptimizationReport``).
@@ -11,10 +12,10 @@ import the package's names from it (``from vramctl.optimize import OptimizationR
 
 from __future__ import annotations
 
+from vramctl.doctor import DoctorReport, Finding, doctor
 from vramctl.optimize._apply import Optimized, optimize
 from vramctl.optimize._apply_plan import AppliedPlan, apply_plan
 from vramctl.optimize._checkpoint import apply_checkpointing, find_blocks
-from vramctl.optimize._doctor import DoctorReport, Finding, doctor
 from vramctl.optimize._errors import OptimizeError
 from vramctl.optimize._helper import StepHelper
 from vramctl.optimize._offload import OffloadedOptimizer

@@ -3,13 +3,11 @@ and report each one, applied or skipped with the reason, with its predicted effe
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +15,7 @@ from torch import nn
 
 from vramctl._na import NA
 from vramctl._units import format_bytes
-from vramctl.device import Device, resolve
+from vramctl.device import Device, affinity_cpus, cpu_quota, resolve
 from vramctl.estimator import Estimate, estimate
 from vramctl.optimize._checkpoint import KINDS, apply_checkpointing, find_blocks, is_checkpointed
 from vramctl.optimize._checkpoint import has_transformers_checkpointing as _hf_checkpointing
@@ -79,15 +77,11 @@ class Optimized:
 
 def usable_cores() -> int:
     """The CPU cores this process may use: its CPU affinity, capped by a cgroup CPU quota
-    (a container's ``--cpus``)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        n = os.cpu_count() or 1
-    with contextlib.suppress(OSError, ValueError):
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    (a container's ``--cpus``; v1 or v2, the smallest from its cgroup up)."""
+    n = affinity_cpus()
+    quota = cpu_quota()
+    if quota is not None:
+        n = min(n, max(1, math.ceil(quota)))
     return n
 
 

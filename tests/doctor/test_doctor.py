@@ -16,9 +16,8 @@ from typer.testing import CliRunner
 import vramctl
 from tests.fake_nvml import FakeGpu, FakeNvml, GiB, MiB
 from vramctl.cli._app import app
-from vramctl.device import driver_info
-from vramctl.optimize import DoctorReport, Finding, doctor
-from vramctl.optimize import _doctor as d
+from vramctl.device import cgroup_memory, cpu_quota, driver_info
+from vramctl.doctor import DoctorReport, Finding, _doctor, _gpu, _host, _packages, _torch, doctor
 
 runner = CliRunner()
 
@@ -222,7 +221,7 @@ def test_a_cuda_torch_that_cannot_see_the_gpus(
     ],
 )
 def test_arch_support(cc: tuple[int, int], arch: list[str], ok: bool) -> None:
-    assert d._arch_supported(cc, arch) is ok
+    assert _gpu._arch_supported(cc, arch) is ok
 
 
 # -- no GPU --------------------------------------------------------------------------------
@@ -291,7 +290,7 @@ def test_unset_alloc_conf_on_a_gpu_suggests_expandable_segments(gpus: list[FakeG
 
 
 def test_unset_alloc_conf_without_a_gpu_is_fine() -> None:
-    [f] = d.check_alloc_conf({}, gpu=False)
+    [f] = _torch.check_alloc_conf({}, gpu=False)
     assert f.level == "ok" and f.details["variable"] == "PYTORCH_CUDA_ALLOC_CONF"
 
 
@@ -307,7 +306,7 @@ def test_unset_alloc_conf_without_a_gpu_is_fine() -> None:
     ],
 )
 def test_good_alloc_conf(value: str) -> None:
-    [f] = d.check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": value}, gpu=True)
+    [f] = _torch.check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": value}, gpu=True)
     assert f.level == "ok" and f.action == "" and f.details["problems"] == []
 
 
@@ -328,21 +327,21 @@ def test_good_alloc_conf(value: str) -> None:
     ],
 )
 def test_bad_alloc_conf(value: str, level: str, needle: str) -> None:
-    found = d.check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": value}, gpu=True)
+    found = _torch.check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": value}, gpu=True)
     assert [f.level for f in found] == [level]
     assert needle in found[0].message and found[0].action
 
 
 def test_a_bad_alloc_conf_without_a_gpu_is_a_warning() -> None:
-    [f] = d.check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:1"}, gpu=False)
+    [f] = _torch.check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:1"}, gpu=False)
     assert f.level == "warning" and "would refuse it" in f.message
 
 
 def test_the_generic_variable_and_two_that_differ() -> None:
-    [f] = d.check_alloc_conf({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, gpu=True)
+    [f] = _torch.check_alloc_conf({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, gpu=True)
     assert f.level == "ok" and f.details["variable"] == "PYTORCH_ALLOC_CONF"
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": "x:1"}
-    found = d.check_alloc_conf(env, gpu=True)
+    found = _torch.check_alloc_conf(env, gpu=True)
     assert found[0].level == "warning" and "both set" in found[0].message
 
 
@@ -358,7 +357,7 @@ def test_doctor_reads_the_environment(gpus: list[FakeGpu], monkeypatch: pytest.M
 def test_tf32_off_on_an_ampere_gpu(gpus: list[FakeGpu], monkeypatch: pytest.MonkeyPatch) -> None:
     # Set directly, not with monkeypatch: torch's cuBLAS settings object answers through
     # __getattr__, and pytest 9.2's undo deletes such an attribute instead of setting it
-    # back (and stops undoing there). The optimize conftest puts the flag back.
+    # back (and stops undoing there). The doctor's conftest puts the flag back.
     torch.backends.cuda.matmul.allow_tf32 = False
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
     f = one(doctor(env={}), "torch.tf32")
@@ -382,14 +381,14 @@ def test_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cudnn, "is_available", lambda: True)
     monkeypatch.setattr(cudnn, "version", lambda: 90100)
     monkeypatch.setattr(cudnn, "deterministic", True)
-    found = d.check_cudnn("12.4", gpu=True)
+    found = _torch.check_cudnn("12.4", gpu=True)
     assert [f.level for f in found] == ["info", "ok"]
     assert "deterministic" in found[0].message and found[0].action
     assert "cuDNN 9.1.0" in found[1].message
     monkeypatch.setattr(cudnn, "is_available", lambda: False)
-    [missing] = d.check_cudnn("12.4", gpu=True)
+    [missing] = _torch.check_cudnn("12.4", gpu=True)
     assert missing.level == "warning" and "reinstall torch" in missing.action
-    assert d._cudnn_text(8902) == "8.9.2"
+    assert _torch._cudnn_text(8902) == "8.9.2"
 
 
 # -- the host, through temporary files --------------------------------------------------------
@@ -397,18 +396,18 @@ def test_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_shm_too_small(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     small = SimpleNamespace(f_frsize=4096, f_blocks=64 * MiB // 4096, f_bavail=60 * MiB // 4096)
-    monkeypatch.setattr(d.os, "statvfs", lambda path: small)
-    [f] = d.check_shm(tmp_path)
+    monkeypatch.setattr(_host.os, "statvfs", lambda path: small)
+    [f] = _host.check_shm(tmp_path)
     assert f.level == "warning" and "is 64.00 MiB" in f.message
     assert "--shm-size" in f.action and "--ipc=host" in f.action
 
 
 def test_shm_large_enough_or_missing(tmp_path: Path) -> None:
-    [f] = d.check_shm(tmp_path, need=1)
+    [f] = _host.check_shm(tmp_path, need=1)
     assert f.level == "ok" and f.details["size"] > 0
-    [f] = d.check_shm(tmp_path, need=2**62)
+    [f] = _host.check_shm(tmp_path, need=2**62)
     assert f.level == "warning"
-    [f] = d.check_shm(tmp_path / "missing")
+    [f] = _host.check_shm(tmp_path / "missing")
     assert f.level == "warning" and "no " in f.message and "--shm-size" in f.action
 
 
@@ -434,8 +433,12 @@ def test_cgroup_v2_limit_below_the_host(tmp_path: Path) -> None:
             "job/step/memory.current": str(2 * GiB),
         },
     )
-    assert d.read_cgroup_memory(root, own) == {"version": "v2", "limit": 8 * GiB, "usage": 2 * GiB}
-    [f] = d.check_cgroup(root, own, host_total=64 * GiB)
+    assert cgroup_memory(root, own).to_dict() == {
+        "version": "v2",
+        "limit": 8 * GiB,
+        "usage": 2 * GiB,
+    }
+    [f] = _host.check_cgroup(root, own, host_total=64 * GiB)
     assert f.level == "info" and "8.00 GiB of the host's 64.00 GiB" in f.message
     assert "docker run --memory" in f.action
 
@@ -444,15 +447,15 @@ def test_cgroup_v2_near_its_limit(tmp_path: Path) -> None:
     root, own = _cgroup_v2(
         tmp_path, "/", {"memory.max": str(4 * GiB), "memory.current": str(int(3.8 * GiB))}
     )
-    [f] = d.check_cgroup(root, own, host_total=64 * GiB)
+    [f] = _host.check_cgroup(root, own, host_total=64 * GiB)
     assert f.level == "warning" and "95%" in f.message and "137" in f.action
 
 
 def test_cgroup_without_a_limit(tmp_path: Path) -> None:
     root, own = _cgroup_v2(tmp_path, "/", {"memory.max": "max", "memory.current": "100"})
-    [f] = d.check_cgroup(root, own, host_total=64 * GiB)
+    [f] = _host.check_cgroup(root, own, host_total=64 * GiB)
     assert f.level == "ok" and f.action == ""
-    [f] = d.check_cgroup(tmp_path / "none", tmp_path / "none", host_total=64 * GiB)
+    [f] = _host.check_cgroup(tmp_path / "none", tmp_path / "none", host_total=64 * GiB)
     assert f.level == "ok" and "no cgroup" in f.message
 
 
@@ -464,24 +467,24 @@ def test_cgroup_v1(tmp_path: Path) -> None:
     (root / "memory" / "docker" / "abc" / "memory.usage_in_bytes").write_text(str(GiB))
     own = tmp_path / "self_cgroup"
     own.write_text("5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n")
-    assert d.read_cgroup_memory(root, own) == {"version": "v1", "limit": 16 * GiB, "usage": GiB}
-    [f] = d.check_cgroup(root, own, host_total=128 * GiB)
+    assert cgroup_memory(root, own).to_dict() == {"version": "v1", "limit": 16 * GiB, "usage": GiB}
+    [f] = _host.check_cgroup(root, own, host_total=128 * GiB)
     assert f.level == "info" and "16.00 GiB" in f.message
 
 
 def test_cpu_quota(tmp_path: Path) -> None:
     root, own = _cgroup_v2(tmp_path, "/", {"cpu.max": "150000 100000\n"})
-    assert d.read_cpu_quota(root, own) == 1.5
+    assert cpu_quota(root, own) == 1.5
     (root / "cpu.max").write_text("max 100000\n")
-    assert d.read_cpu_quota(root, own) is None
+    assert cpu_quota(root, own) is None
 
 
 def test_threads() -> None:
-    [f] = d.check_threads(threads=8, cpus=2)
+    [f] = _host.check_threads(threads=8, cpus=2)
     assert f.level == "warning" and "torch.set_num_threads(2)" in f.action
-    [f] = d.check_threads(threads=4, cpus=8, quota=1.5)
+    [f] = _host.check_threads(threads=4, cpus=8, quota=1.5)
     assert f.level == "warning" and "quota of 1.5" in f.message and "(1)" in f.action
-    [f] = d.check_threads(threads=4, cpus=8)
+    [f] = _host.check_threads(threads=4, cpus=8)
     assert f.level == "ok" and f.action == ""
 
 
@@ -496,22 +499,24 @@ def _meminfo(tmp_path: Path, swap_total_kb: int, swap_free_kb: int) -> Path:
 
 
 def test_swap(tmp_path: Path) -> None:
-    [f] = d.check_swap(_meminfo(tmp_path, 8 * 2**20, 2 * 2**20))
+    [f] = _host.check_swap(_meminfo(tmp_path, 8 * 2**20, 2 * 2**20))
     assert f.level == "warning" and "6.00 GiB of 8.00 GiB" in f.message
     assert "DataLoader workers" in f.action
-    [f] = d.check_swap(_meminfo(tmp_path, 8 * 2**20, 8 * 2**20))
+    [f] = _host.check_swap(_meminfo(tmp_path, 8 * 2**20, 8 * 2**20))
     assert f.level == "ok" and f.details["swap_total"] == 8 * GiB
-    [f] = d.check_swap(_meminfo(tmp_path, 0, 0))
+    [f] = _host.check_swap(_meminfo(tmp_path, 0, 0))
     assert f.level == "ok" and "no swap" in f.message
-    assert d.read_meminfo(_meminfo(tmp_path, 0, 0))["MemTotal"] == 65536000 * 1024
+    assert _host.read_meminfo(_meminfo(tmp_path, 0, 0))["MemTotal"] == 65536000 * 1024
 
 
 def test_packages() -> None:
-    found = d.check_packages({"torch": "2.5.0", "pynvml": "11.5.0", "nvidia-ml-py": "12.560.30"})
+    found = _packages.check_packages(
+        {"torch": "2.5.0", "pynvml": "11.5.0", "nvidia-ml-py": "12.560.30"}
+    )
     assert [f.level for f in found] == ["warning", "ok"]
     assert "pip uninstall pynvml" in found[0].action
     assert "torch 2.5.0" in found[1].message and "not installed: transformers" in found[1].message
-    [real] = d.check_packages()
+    [real] = _packages.check_packages()
     assert real.level == "ok" and f"torch {torch.__version__}" in real.message
 
 
@@ -524,8 +529,8 @@ def test_a_check_that_raises_becomes_a_finding(
     def boom(*args: Any, **kwargs: Any) -> list[Finding]:
         raise RuntimeError("the swap file exploded")
 
-    monkeypatch.setattr(d, "check_swap", boom)
-    monkeypatch.setattr(d, "check_ecc", boom)
+    monkeypatch.setattr(_doctor, "check_swap", boom)
+    monkeypatch.setattr(_doctor, "check_ecc", boom)
     report = doctor(env={})
     f = one(report, "host.swap")
     assert (
@@ -567,7 +572,14 @@ def test_report_views() -> None:
 
 
 def test_the_public_names() -> None:
-    assert vramctl.doctor is doctor
+    # The names kept where they were before the doctor had a package of its own.
+    from vramctl.optimize import DoctorReport as OldReport
+    from vramctl.optimize import Finding as OldFinding
+    from vramctl.optimize import doctor as old_doctor
+
+    assert vramctl.doctor is doctor and old_doctor is doctor
+    assert OldReport is DoctorReport and OldFinding is Finding
+    assert doctor.__module__ == "vramctl.doctor._doctor"
     assert driver_info().to_dict()["nvml"] in (True, False)
 
 
