@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import json
 import pkgutil
 import re
 from pathlib import Path
@@ -50,3 +51,20 @@ def test_docstring_examples(name: str) -> None:
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+
+
+def test_readme_states_the_monitor_overhead_the_benchmark_measured() -> None:
+    """The README's figure for the monitor's cost is the benchmark page's full run's, linked."""
+    page = (ROOT / "docs" / "benchmarks" / "monitor_overhead.md").read_text()
+    full = json.loads(
+        next(
+            line
+            for line in page.splitlines()
+            if line.startswith('{"benchmark": "monitor_') and '"quick": false' in line
+        )
+    )
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `Monitor`"))
+    assert f"{full['overhead_pct_1hz']}%" in row, row
+    assert "(docs/benchmarks/monitor_overhead.md)" in row
+    assert "no measurable" not in row

@@ -180,12 +180,41 @@ def test_process_on_several_simulated_devices_counts_each_one(
 def test_a_model_given_as_a_module_is_copied_per_device_not_shared(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torch import nn
+    import torch
 
-    from vramctl.batching import load_model
+    from vramctl.batching._worker import Worker
 
     (tmp_path / "tinyinstance.py").write_text(FACTORY + "\nmodel = frames()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    # The module itself, which process copies for each further device (and for a CPU
-    # fallback): a factory returning this one module would give every worker the same one.
-    assert isinstance(load_model("tinyinstance:model").model, nn.Module)
+    # Each device's worker, as process makes them: the model each one runs.
+    workers: list[Worker] = []
+    init = Worker.__init__
+
+    def record(self: Worker, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        workers.append(self)
+
+    monkeypatch.setattr(Worker, "__init__", record)
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(
+        "".join(json.dumps({"id": f"c{i}", "duration": 1.0}) + "\n" for i in range(2))
+    )
+    out = tmp_path / "out.jsonl"
+    args = ["process", "tinyinstance:model", str(manifest), str(out), "--loader", "synthetic"]
+    result = runner.invoke(
+        app, [*args, "-d", "sim:8MiB", "-d", "sim:16MiB", "--budget", "24s", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["done"] == 2
+    # The one module given is copied for the second device: two models, no tensor shared,
+    # so a change to one (a device moving it, a step updating it) does not show in the other.
+    first, second = (w.model for w in workers)
+    assert first is not second
+    one, other = dict(first.named_parameters()), dict(second.named_parameters())
+    assert one.keys() == other.keys() and one
+    assert all(one[n].data_ptr() != other[n].data_ptr() for n in one)
+    assert all(torch.equal(one[n], other[n]) for n in one)  # copies: the same weights
+    with torch.no_grad():
+        for p in second.parameters():
+            p.add_(1.0)
+    assert not any(torch.equal(one[n], other[n]) for n in one)

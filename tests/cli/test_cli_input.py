@@ -96,6 +96,29 @@ def test_usage_errors_are_one_line_and_exit_2(args: list[str], needle: str) -> N
     assert f"{command} --help" in result.stderr
 
 
+def test_a_guard_error_reaches_the_user_as_one_line() -> None:
+    """The guard's bad-argument errors are vramctl's: a command that gives the guard a value
+    of the user's prints what is wrong as one line, through the CLI's handler. (No command
+    passes an option of its own to the guard's checks today; ``process`` builds its guard
+    itself.)"""
+    import typer
+    from torch import nn
+
+    from vramctl.cli._common import user_errors
+    from vramctl.guard import Guard
+
+    cli = typer.Typer()
+
+    @cli.command()
+    @user_errors
+    def step(patience: int = 3, factor: float = 0.5) -> None:
+        Guard(nn.Linear(2, 2), patience=patience).shrink(factor)
+
+    result = runner.invoke(cli, ["--patience", "0"])
+    one_line_error(result, "patience must be an integer of at least 1, got 0")
+    one_line_error(runner.invoke(cli, ["--factor", "2"]), "factor must be between 0 and 1")
+
+
 def test_a_usage_error_is_one_line_from_the_installed_command() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "vramctl", "dashboard", "--port", "99999"],

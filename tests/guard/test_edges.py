@@ -13,7 +13,15 @@ from torch import nn
 import vramctl
 from tests.guard.models import loss_fn, make
 from tests.guard.test_guard import FWD, _full_grads, _grads, _pressured, _rel, _tanh_need
-from vramctl.guard import Guard, StepDoesNotFitError, guarded, merge_outputs, split_batch
+from vramctl import VramctlError
+from vramctl.guard import (
+    Guard,
+    GuardError,
+    StepDoesNotFitError,
+    guarded,
+    merge_outputs,
+    split_batch,
+)
 
 
 def _grads_or_none(model: nn.Module) -> list[torch.Tensor | None]:
@@ -316,8 +324,29 @@ def test_the_split_step_equals_the_whole_one_after_a_real_oom_with_a_dict_batch(
 def test_bad_arguments_are_clear_value_errors(kwargs: dict[str, Any], match: str) -> None:
     args = {"model": nn.Linear(2, 2), **kwargs}
     model, optimizer = args.pop("model"), args.pop("optimizer", None)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as raised:
         Guard(model, optimizer, **args)
+    # vramctl's bad-input error (the CLI prints it as one line), still a ValueError.
+    assert isinstance(raised.value, GuardError) and isinstance(raised.value, VramctlError)
+    assert "\n" not in str(raised.value)
+
+
+def test_every_guard_error_is_vramctls_one_line_error() -> None:
+    model = nn.Linear(2, 2)
+    for call in (
+        lambda: Guard(None).step(torch.ones(2, 2)),
+        lambda: Guard(None).infer(torch.ones(2, 2)),
+        lambda: Guard(model).shrink(1.5),
+        lambda: guarded(lambda b: b, train=True),
+        lambda: merge_outputs([torch.ones(1)], [1, 1]),
+        lambda: Guard(model, torch.optim.SGD(model.parameters(), lr=0.1)).step(
+            torch.ones(2, 2)  # the output is no loss, and no loss_fn was given
+        ),
+    ):
+        with pytest.raises(GuardError) as raised:
+            call()
+        assert isinstance(raised.value, VramctlError) and isinstance(raised.value, ValueError)
+        assert "\n" not in str(raised.value)
 
 
 def test_giving_up_when_the_host_itself_is_out_of_memory_still_says_why(

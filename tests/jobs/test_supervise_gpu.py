@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -388,6 +389,69 @@ def test_under_mps_a_cuda_job_gets_its_pinned_memory_limit(
     for device in ("sim:8GiB", "cpu"):
         other = admitted(store, "pass", device=device)
         assert sup.MPS_LIMIT not in _environment(store, other)
+
+
+# -- the allocator's configuration ---------------------------------------------------------
+
+
+def test_the_job_runs_under_the_allocator_setting_its_admission_priced(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vramctl.estimator import AllocatorConfig
+    from vramctl.jobs import _need
+
+    for name in _need._ALLOC_CONF_ENV:
+        monkeypatch.delenv(name, raising=False)
+    priced: list[object] = []
+
+    def estimator(*args: object, **kwargs: object) -> int:
+        priced.append(kwargs.get("allocator_config"))
+        return GiB
+
+    def in_process(*args: object, **kwargs: object) -> object:
+        priced.append(kwargs["allocator_config"])
+        return types.SimpleNamespace(judged_peak=GiB)
+
+    monkeypatch.setattr(_need, "estimate", in_process)
+
+    def check(job_id: str) -> None:
+        """Admission's estimate is given the configuration the job's environment sets."""
+        env = _environment(store, job_id)
+        need = JobSpec.from_dict(
+            {
+                "name": "job",
+                "command": [PY, "-c", "pass"],
+                "memory": {"estimate": {"model": "gpt2"}},
+                "env": dict(store.get(job_id).spec.env),
+            }
+        )
+        priced.clear()
+        _need.price(need, "cuda:0", estimator=estimator)  # in a worker (the job service's)
+        _need.price(need, "cuda:0")  # in this process
+        want = AllocatorConfig.from_conf(env.get("PYTORCH_CUDA_ALLOC_CONF"))
+        assert priced == [want, want]
+
+    # No setting: the job gets none forced on it (it once got expandable segments,
+    # which the estimate does not price), and it is priced with the defaults.
+    plain = admitted(store, "pass")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in _environment(store, plain)
+    check(plain)
+    # The spec's setting is the job's, and priced: max_split_size_mb.
+    split = admitted(store, "pass", env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})
+    assert _environment(store, split)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    check(split)
+    assert priced == [AllocatorConfig(max_split_size=128 * MiB)] * 2
+    # Expandable segments are the spec's to choose, and kept; priced as fixed segments, the
+    # only kind the allocator model has (docs/jobs.md, "The allocator").
+    grow = admitted(store, "pass", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert _environment(store, grow)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    check(grow)
+    assert priced == [None, None]
+    # The scheduler's setting is passed on, and priced the same.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    assert _environment(store, plain)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+    check(plain)
+    assert priced == [AllocatorConfig(max_split_size=64 * MiB)] * 2
 
 
 # -- the device's peak ----------------------------------------------------------------------

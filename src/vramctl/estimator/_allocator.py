@@ -54,6 +54,41 @@ class AllocatorConfig:
     #: Bytes the allocator may reserve in all (None: unlimited).
     capacity: int | None = None
 
+    @classmethod
+    def from_conf(cls, text: str | None) -> AllocatorConfig | None:
+        """The configuration a ``PYTORCH_CUDA_ALLOC_CONF`` value sets, as far as this model
+        follows it; None where it sets nothing the model follows (the defaults apply, or a
+        calibration profile's constants).
+
+        The model follows ``max_split_size_mb``. Its segments are fixed: with
+        ``expandable_segments:True`` it still prices fixed segments (expandable ones map
+        memory as it is needed and fragment less, so they usually reserve less).
+        ``roundup_power2_divisions``, ``garbage_collection_threshold`` and the
+        ``cudaMallocAsync`` backend are not modelled: ignored, as is a value PyTorch refuses.
+
+        >>> conf = "expandable_segments:True,max_split_size_mb:128"
+        >>> AllocatorConfig.from_conf(conf).max_split_size // MiB
+        128
+        >>> AllocatorConfig.from_conf("expandable_segments:True") is None
+        True
+        """
+        items, item, depth = [], "", 0
+        for ch in text or "":
+            depth += (ch == "[") - (ch == "]")
+            if ch == "," and depth == 0:
+                items.append(item)
+                item = ""
+            else:
+                item += ch
+        items.append(item)
+        split: int | None = None
+        for entry in items:
+            key, _, value = entry.replace(" ", "").partition(":")
+            # PyTorch refuses 20 MiB or less (its large segment) at the first allocation.
+            if key == "max_split_size_mb" and value.isdigit() and int(value) > 20:
+                split = int(value) * MiB
+        return None if split is None else cls(max_split_size=split)
+
     def round_size(self, nbytes: int) -> int:
         if nbytes < self.min_block:
             return self.min_block

@@ -22,10 +22,18 @@ from vramctl.guard._guard import (
 from vramctl.guard._offload import can_offload, offload_activations
 from vramctl.guard._oom import OomCounters, is_oom, release, requested_bytes
 from vramctl.guard._report import MemoryReport, StepDoesNotFitError, memory_report
-from vramctl.guard._split import batch_size_of, merge_outputs, piece_sizes, slice_batch, split_batch
+from vramctl.guard._split import (
+    GuardError,
+    batch_size_of,
+    merge_outputs,
+    piece_sizes,
+    slice_batch,
+    split_batch,
+)
 
 __all__ = [
     "Guard",
+    "GuardError",
     "GuardEvent",
     "GuardedFunction",
     "MemoryReport",

@@ -50,6 +50,7 @@ from vramctl.guard._offload import can_offload, offload_activations
 from vramctl.guard._oom import OomCounters, is_oom, release, requested_bytes
 from vramctl.guard._report import StepDoesNotFitError, memory_report
 from vramctl.guard._split import (
+    GuardError,
     batch_size_of,
     merge_outputs,
     piece_sizes,
@@ -288,13 +289,13 @@ class Guard:
     def step(self, batch: Any, *, update: bool = True) -> StepResult:
         """One training step on ``batch``; ``update=False`` only accumulates gradients."""
         if self.model is None:
-            raise ValueError("Guard.step needs a model; use guarded(fn, optimizer=...) otherwise")
+            raise GuardError("Guard.step needs a model; use guarded(fn, optimizer=...) otherwise")
         return self._train(batch, None, update)
 
     def infer(self, batch: Any) -> Any:
         """The model's outputs for ``batch`` under ``torch.no_grad``, whole or in pieces."""
         if self.model is None:
-            raise ValueError("Guard.infer needs a model; use guarded(fn) otherwise")
+            raise GuardError("Guard.infer needs a model; use guarded(fn) otherwise")
         model = self.model
 
         def run(piece: Any) -> Any:
@@ -315,7 +316,7 @@ class Guard:
         Returns the new limit (None before the first step: nothing to shrink).
         """
         if not 0.0 < factor < 1.0:
-            raise ValueError(f"factor must be between 0 and 1, got {factor}")
+            raise GuardError(f"factor must be between 0 and 1, got {factor}")
         current = self.piece_limit or self._last_n
         if current is None:
             return None
@@ -615,7 +616,7 @@ class Guard:
         if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
             loss = out
         if not isinstance(loss, torch.Tensor):
-            raise ValueError(
+            raise GuardError(
                 "the model's output has no loss: pass loss_fn=(output, batch) -> scalar tensor"
             )
         return loss
@@ -870,7 +871,7 @@ def guarded(
     def wrap(f: Callable[..., Any]) -> GuardedFunction:
         is_train = optimizer is not None if train is None else train
         if is_train and optimizer is None and model is None:
-            raise ValueError("a guarded training function needs optimizer= (or model=)")
+            raise GuardError("a guarded training function needs optimizer= (or model=)")
         return GuardedFunction(f, Guard(model, optimizer, **options), is_train)
 
     return wrap(fn) if fn is not None else wrap
@@ -911,15 +912,18 @@ def _check_arguments(
     history: Any,
     callables: dict[str, Any],
 ) -> None:
-    """Clear ``ValueError``s for arguments that would otherwise fail later, or silently."""
+    """A one-line :class:`GuardError` for an argument that would otherwise fail later, or
+    silently."""
     if model is not None and not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise GuardError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not (
         hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None))
     ):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        raise GuardError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        raise GuardError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     for name, value, least in (
         ("piece_limit", piece_limit, 1),
         ("patience", patience, 1),
@@ -928,16 +932,16 @@ def _check_arguments(
         if value is None and name == "piece_limit":
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be an integer of at least {least}, got {value!r}")
+            raise GuardError(f"{name} must be an integer of at least {least}, got {value!r}")
     if clip_grad_norm is not None and (
         isinstance(clip_grad_norm, bool)
         or not isinstance(clip_grad_norm, int | float)
         or not clip_grad_norm > 0  # a negative norm would flip the gradients' sign
     ):
-        raise ValueError(f"clip_grad_norm must be a positive number, got {clip_grad_norm!r}")
+        raise GuardError(f"clip_grad_norm must be a positive number, got {clip_grad_norm!r}")
     for name, fn in callables.items():
         if fn is not None and not callable(fn):
-            raise ValueError(f"{name} must be callable, got {fn!r}")
+            raise GuardError(f"{name} must be callable, got {fn!r}")
 
 
 def _available(device: Device) -> int | None:

@@ -28,7 +28,21 @@ import torch
 
 from vramctl._errors import VramctlError
 
-__all__ = ["batch_size_of", "merge_outputs", "piece_sizes", "slice_batch", "split_batch"]
+__all__ = [
+    "GuardError",
+    "batch_size_of",
+    "merge_outputs",
+    "piece_sizes",
+    "slice_batch",
+    "split_batch",
+]
+
+
+class GuardError(VramctlError, ValueError):
+    """A guard's argument, or a step's input or output, that the guard cannot use.
+
+    A ``ValueError`` too, so ``except ValueError`` still catches it.
+    """
 
 
 def _first_tensor(tree: Any) -> torch.Tensor | None:
@@ -170,7 +184,7 @@ def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int], *, reduction: st
     values must be equal in every piece, or they are returned as a list.
     """
     if len(outputs) != len(sizes):
-        raise ValueError("one size per output")
+        raise GuardError(f"one size per output: {len(outputs)} outputs, {len(sizes)} sizes")
     if len(outputs) == 1:
         return outputs[0]
     first = outputs[0]

@@ -12,11 +12,12 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 
 from vramctl._units import format_bytes
 from vramctl.device import ComputeCapability, Device, gpus
-from vramctl.estimator import EstimateError, estimate
+from vramctl.estimator import AllocatorConfig, EstimateError, estimate
 from vramctl.jobs._spec import DeviceConstraints, JobSpec, JobSpecError
 
 __all__ = [
@@ -31,13 +32,32 @@ __all__ = [
 ]
 
 #: Runs an estimate elsewhere than in this process (an :class:`~vramctl.jobs.EstimateWorker`):
-#: ``(model, device, mode=, precision=, batch_size=, seq_len=)`` to the estimate's judged peak
+#: ``(model, device, mode=, precision=, batch_size=, seq_len=)``, and ``allocator_config=``
+#: where the job's environment sets one the estimate follows, to the estimate's judged peak
 #: in bytes; an :class:`~vramctl.estimator.EstimateError` says why it cannot.
 Estimator = Callable[..., int]
 
 #: The variables that tell a job the batch and gradient accumulation it was admitted with.
 BATCH_SIZE_ENV = "VRAMCTL_BATCH_SIZE"
 GRAD_ACCUM_ENV = "VRAMCTL_GRAD_ACCUM"
+
+
+#: The variables PyTorch's caching allocator reads its configuration from, in order.
+_ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def _allocator_config(spec: JobSpec) -> AllocatorConfig | None:
+    """The allocator configuration ``spec``'s job runs under, as :func:`price` prices it.
+
+    Its environment is this process's (the scheduler's, which a supervisor passes on)
+    with the spec's ``env`` over it; the supervisor adds no allocator setting of its own.
+    None where it sets nothing the allocator model follows.
+    """
+    env = {**os.environ, **spec.env}
+    for name in _ALLOC_CONF_ENV:
+        if name in env:
+            return AllocatorConfig.from_conf(env[name])
+    return None
 
 
 def price(
@@ -54,7 +74,11 @@ def price(
     - an estimate: :func:`vramctl.estimate` of the model step on the device, at the
       peak its ``fits`` judges by (``Estimate.judged_peak``: on a GPU, what
       ``nvidia-smi`` may show at the safe end, CUDA context included); ``batch_size``
-      prices another batch than the spec's (a lowered one);
+      prices another batch than the spec's (a lowered one). The caching allocator is
+      priced as the job will run it: with the ``PYTORCH_CUDA_ALLOC_CONF`` (else
+      ``PYTORCH_ALLOC_CONF``) of its environment, the spec's ``env`` over this process's
+      (the scheduler's, which the job inherits), as far as the allocator model follows it
+      (:meth:`~vramctl.estimator.AllocatorConfig.from_conf`);
     - learned: ``learned_peak × (1 + margin)`` where earlier runs recorded a peak,
       else the declared ``first``.
 
@@ -78,6 +102,9 @@ def price(
     model = need.estimate
     assert model is not None
     batch = batch_size or model.batch_size or spec.batch_size
+    allocator = _allocator_config(spec)
+    # Only where the environment sets one: an estimator of the older signature still works.
+    extra = {} if allocator is None else {"allocator_config": allocator}
     try:
         if estimator is not None:
             return estimator(
@@ -87,6 +114,7 @@ def price(
                 precision=model.precision,
                 batch_size=batch,
                 seq_len=model.seq_len,
+                **extra,
             )
         est = estimate(
             model.model,
@@ -95,6 +123,7 @@ def price(
             precision=model.precision,
             batch_size=batch,
             seq_len=model.seq_len,
+            allocator_config=allocator,
         )
     except EstimateError as exc:
         raise JobSpecError(

@@ -40,12 +40,15 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from vramctl._errors import InvalidSizeError, VramctlError
 from vramctl._units import format_bytes, parse_size
 from vramctl.device import Device
 from vramctl.jobs._spec import JobSpecError, parse_duration
+
+if TYPE_CHECKING:
+    from vramctl.estimator import AllocatorConfig
 
 __all__ = [
     "ESTIMATE_MEMORY_ENV",
@@ -79,12 +82,12 @@ class _Died(Exception):
 class EstimateWorker:
     """Runs :func:`vramctl.estimate` for job pricing in one child process (see the module).
 
-    Call it as ``worker(model, device, mode=, precision=, batch_size=, seq_len=)``: the
-    estimate's ``judged_peak`` in bytes (what :func:`~vramctl.jobs.price` returns), or
-    :class:`~vramctl.estimator.EstimateError` with the reason. ``timeout`` (seconds) and
-    ``memory`` (bytes or a size) default to ``$VRAMCTL_ESTIMATE_TIMEOUT`` and
-    ``$VRAMCTL_ESTIMATE_MEMORY``, else 60 s and 4 GiB. :meth:`close` (or ``with``) stops
-    the worker. Thread-safe: estimates run one at a time.
+    Call it as ``worker(model, device, mode=, precision=, batch_size=, seq_len=,
+    allocator_config=)``: the estimate's ``judged_peak`` in bytes (what
+    :func:`~vramctl.jobs.price` returns), or :class:`~vramctl.estimator.EstimateError` with
+    the reason. ``timeout`` (seconds) and ``memory`` (bytes or a size) default to
+    ``$VRAMCTL_ESTIMATE_TIMEOUT`` and ``$VRAMCTL_ESTIMATE_MEMORY``, else 60 s and 4 GiB.
+    :meth:`close` (or ``with``) stops the worker. Thread-safe: estimates run one at a time.
     """
 
     def __init__(self, *, timeout: float | None = None, memory: int | str | None = None) -> None:
@@ -114,6 +117,7 @@ class EstimateWorker:
         precision: str = "fp32",
         batch_size: int | None = None,
         seq_len: int | None = None,
+        allocator_config: AllocatorConfig | None = None,
     ) -> int:
         from vramctl.estimator import EstimateError, resolve_target
 
@@ -124,6 +128,7 @@ class EstimateWorker:
             "precision": precision,
             "batch_size": batch_size,
             "seq_len": seq_len,
+            "allocator_config": allocator_config,
             # Where `module:factory` is imported from, as in this process.
             "cwd": os.getcwd(),
             "path": list(sys.path),
@@ -380,6 +385,7 @@ def _answer(request: dict[str, Any], memory: int) -> tuple[str, Any]:
             precision=request["precision"],
             batch_size=request["batch_size"],
             seq_len=request["seq_len"],
+            allocator_config=request.get("allocator_config"),
         )
     except BaseException as exc:  # the model's own code: any error is the estimate's
         if isinstance(exc, EstimateError):

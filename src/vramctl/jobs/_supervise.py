@@ -394,7 +394,8 @@ def _environment(
     if device.startswith("cuda:"):
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        # No allocator setting of vramctl's: the job runs under what its spec and the
+        # scheduler's environment say, which is what admission priced (jobs.price).
         limit = mps_limit(reserved)
         if limit is not None and MPS_LIMIT not in spec.get("env", {}) and mps_in_use(env):
             env[MPS_LIMIT] = limit

@@ -317,9 +317,13 @@ class CensusResult:
 
 
 class Census:
-    """One census: record ``CENSUS_RECORD_STEPS`` steps, then check what outlived them."""
+    """One census: record ``CENSUS_RECORD_STEPS`` steps, then check what outlived them.
 
-    def __init__(self, device: torch.device, started: int) -> None:
+    ``cuda``: the watched device's tensors are CUDA memory (its ``Device.is_cuda``), and the
+    CUDA allocator's own record is read too.
+    """
+
+    def __init__(self, device: torch.device, started: int, *, cuda: bool) -> None:
         self.device = device
         self.first = started + 1  # the first recorded step
         self.last = started + CENSUS_RECORD_STEPS  # moved on while recording goes on
@@ -329,7 +333,7 @@ class Census:
         self.failed = ""
         self.mode = _CensusMode(self)
         self.entered = False
-        self.allocator = _AllocatorCensus(device.index or 0) if device.type == "cuda" else None
+        self.allocator = _AllocatorCensus(device.index or 0) if cuda else None
 
     # recording
 

@@ -44,7 +44,7 @@ import torch
 
 from vramctl._errors import VramctlError
 from vramctl._units import format_bytes, parse_size
-from vramctl.device import resolve
+from vramctl.device import Device, resolve
 from vramctl.monitor._census import (
     CENSUS_MAX_RECORD_STEPS,
     CENSUS_SURVIVE_STEPS,
@@ -127,8 +127,8 @@ class LeakReport:
 # -- the device ----------------------------------------------------------------------
 
 
-def _resolve_device(device: str | torch.device | None) -> torch.device:
-    """The torch device to watch: resolved by :func:`vramctl.device.resolve`'s rules."""
+def _resolve_device(device: str | torch.device | None) -> Device:
+    """The device to watch: resolved by :func:`vramctl.device.resolve`'s rules."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if isinstance(device, torch.device):
@@ -143,7 +143,7 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
         raise LeakDetectorError(
             f"the leak detector reads CPU and CUDA memory, not {dev.id}: use 'cpu' or 'cuda:N'"
         )
-    return dev.torch_device
+    return dev
 
 
 # -- the detector ----------------------------------------------------------------------------
@@ -234,7 +234,10 @@ class LeakDetector:
             )
         if on_leak is not None and not callable(on_leak):
             raise LeakDetectorError(f"on_leak={on_leak!r}: use a function of one LeakReport")
-        self.device = _resolve_device(device)
+        watched = _resolve_device(device)
+        #: The torch device whose memory is read (its tensors are the census's).
+        self.device = watched.torch_device
+        self._cuda = watched.is_cuda
         self.min_rate = rate
         self.window = window
         self.warmup = warmup
@@ -249,7 +252,7 @@ class LeakDetector:
         self._alpha = 1.0 - self.confidence
         self._census_alpha = max(self._alpha, min(0.05, 20 * self._alpha))
         self._min_points = max(_CENSUS_MIN_POINTS, window // 2)
-        if self.device.type == "cuda":
+        if self._cuda:
             index = self.device.index or 0
             self.signal = f"torch.cuda.memory_allocated({index})"
             self._read = cuda_reader(index)
@@ -404,7 +407,7 @@ class LeakDetector:
         self.censuses += 1
         self._last_census_start = k
         self._census_result = None
-        census = Census(self.device, k)
+        census = Census(self.device, k, cuda=self._cuda)
         before = self._read()
         try:
             census.start()
