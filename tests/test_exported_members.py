@@ -16,6 +16,7 @@ import vramctl.batching
 import vramctl.cache
 import vramctl.cli
 import vramctl.device
+import vramctl.doctor
 import vramctl.estimator
 import vramctl.fit
 import vramctl.guard
@@ -37,6 +38,7 @@ EXPECTED = {
     "GuardEvent",
     "MemoryReport",
     "SplitBatchNormWarning",
+    "Step",
     "StepDoesNotFitError",
     "StepResult",
     "guarded",
@@ -91,7 +93,8 @@ def test_top_level_exports_are_the_intended_ones() -> None:
 
 def test_public_names_are_listed_by_dir() -> None:
     # The packages import their heavy names on first use (PEP 562); dir() still lists them.
-    for package in (vramctl, vramctl.device, vramctl.jobs):
+    doctor_package = importlib.import_module("vramctl.doctor")
+    for package in (vramctl, vramctl.device, vramctl.jobs, doctor_package):
         assert set(package.__all__) <= set(dir(package)), package.__name__
 
 
@@ -117,6 +120,20 @@ def test_optimize_stays_the_function_when_its_package_is_imported_first() -> Non
         "from vramctl.optimize import plan\n"
         "assert vramctl.optimize is sys.modules['vramctl.optimize'].optimize, vramctl.optimize\n"
         "assert vramctl.plan is plan"
+    )
+
+
+def test_doctor_stays_the_function_when_its_package_is_imported_first() -> None:
+    # As for optimize: the package vramctl.doctor must not replace the function, and
+    # importing it (for the report's types) imports no PyTorch.
+    _fresh(
+        "import sys, vramctl\n"
+        "from vramctl.doctor import DoctorReport\n"
+        "assert 'torch' not in sys.modules, 'vramctl.doctor imported torch'\n"
+        "d = sys.modules['vramctl.doctor']\n"
+        "assert vramctl.doctor is d.doctor and callable(vramctl.doctor), vramctl.doctor\n"
+        "from vramctl.optimize import doctor\n"
+        "assert vramctl.doctor is doctor"
     )
 
 
@@ -254,8 +271,11 @@ DEVICE = {
     "SimulatedDevice",
     "SimulatedOutOfMemoryError",
     "active_simulation",
+    "affinity_cpus",
     "available_bytes",
     "catalog",
+    "cgroup_memory",
+    "cpu_quota",
     "current_device",
     "devices",
     "driver_info",
@@ -301,6 +321,7 @@ ESTIMATOR = {
     "EstimateError",
     "MaxBatch",
     "ResolvedSource",
+    "Step",
     "StepSpec",
     "Target",
     "builtin_calibration",
@@ -324,6 +345,7 @@ ESTIMATOR = {
 }
 GUARD = {
     "Guard",
+    "GuardError",
     "GuardEvent",
     "GuardedFunction",
     "MemoryReport",
@@ -384,6 +406,7 @@ OPTIMIZE = {
     "optimize",
     "plan",
 }
+DOCTOR = {"DoctorReport", "Finding", "doctor"}
 CLI = {"main"}
 
 JOBS = {
@@ -472,6 +495,8 @@ PACKAGES = {
     vramctl.cache: CACHE,
     vramctl.cli: CLI,
     vramctl.device: DEVICE,
+    # ``vramctl.doctor`` is the function: the package is the module of that name.
+    importlib.import_module("vramctl.doctor"): DOCTOR,
     vramctl.estimator: ESTIMATOR,
     vramctl.fit: FIT,
     vramctl.guard: GUARD,

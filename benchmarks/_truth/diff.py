@@ -57,19 +57,13 @@ def predicted_stream(
     spec: dict[str, Any], device: Any, calibration: Any = False
 ) -> list[tuple[str, int]]:
     """The allocations, in order, of the estimator's trace of the case on ``device``."""
+    from vramctl import Step
+    from vramctl.estimator._rates import RATES
     from vramctl.estimator._session import make_batch_for, open_session
 
     source, batch, lengths, opts = estimate_args(spec)
-    opts = {"loss_fn": None, **opts}
-    session = open_session(
-        source,
-        device=device,
-        calibration=calibration,
-        target_utilization=0.9,
-        optimizer="adamw",
-        allocator_config=None,
-        **opts,
-    )
+    step = Step(device=device, calibration=calibration, **opts)
+    session = open_session(source, step, RATES)
     try:
         real, size = make_batch_for(
             session, batch, spec["batch_size"], lengths.get("seq_len"), lengths.get("seconds")

@@ -42,11 +42,13 @@ if TYPE_CHECKING:
         simulate,
         use_device,
     )
+    from vramctl.doctor import doctor
     from vramctl.estimator import (
         Estimate,
         EstimateError,
         MaxBatch,
         Parallel,
+        Step,
         estimate,
         max_batch_size,
     )
@@ -62,7 +64,7 @@ if TYPE_CHECKING:
         is_oom,
     )
     from vramctl.monitor import Monitor
-    from vramctl.optimize import OptimizationReport, Plan, PlanResult, doctor, optimize, plan
+    from vramctl.optimize import OptimizationReport, Plan, PlanResult, optimize, plan
 
 # Each public name's package, imported on first use (PEP 562): ``import vramctl`` takes
 # milliseconds, and PyTorch is imported by what needs it, not by ``vramctl --help``.
@@ -95,7 +97,7 @@ _LAZY = {
         "vramctl.device",
     ),
     **dict.fromkeys(
-        ("Estimate", "EstimateError", "MaxBatch", "Parallel", "estimate", "max_batch_size"),
+        ("Estimate", "EstimateError", "MaxBatch", "Parallel", "Step", "estimate", "max_batch_size"),
         "vramctl.estimator",
     ),
     **dict.fromkeys(("FitError", "FitResult", "fit_batch_size"), "vramctl.fit"),
@@ -114,9 +116,10 @@ _LAZY = {
     ),
     "Monitor": "vramctl.monitor",
     **dict.fromkeys(
-        ("OptimizationReport", "Plan", "PlanResult", "doctor", "optimize", "plan"),
+        ("OptimizationReport", "Plan", "PlanResult", "optimize", "plan"),
         "vramctl.optimize",
     ),
+    "doctor": "vramctl.doctor",
 }
 
 __all__ = [
@@ -149,6 +152,7 @@ __all__ = [
     "SimulatedDevice",
     "SimulatedOutOfMemoryError",
     "SplitBatchNormWarning",
+    "Step",
     "StepDoesNotFitError",
     "StepResult",
     "TensorCache",
@@ -182,16 +186,21 @@ if not TYPE_CHECKING:  # mypy sees the imports above
     __getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
 
 
+#: The functions that share their name with their package.
+_SHADOWED = ("doctor", "optimize")
+
+
 class _Package(types.ModuleType):
-    """``vramctl.optimize`` is the function, not the package of that name.
+    """``vramctl.optimize`` and ``vramctl.doctor`` are the functions, not the packages of
+    those names.
 
     Importing a subpackage binds it on its parent; the package ``vramctl.optimize``,
     imported on its own (``from vramctl.optimize import plan``), must not replace
-    the function, which :func:`__getattr__` then finds in it.
+    the function, which :func:`__getattr__` then finds in it (and so for ``doctor``).
     """
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "optimize" and isinstance(value, types.ModuleType):
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)
 

@@ -34,6 +34,13 @@ from vramctl.estimator._maxbatch import (
     max_batch_size,
 )
 from vramctl.estimator._parallel import STRATEGIES, Parallel, ParallelError, parallelize
+from vramctl.estimator._rates import (
+    cpu_profile_path,
+    cpu_throughput,
+    measure_throughput,
+    target_throughput,
+)
+from vramctl.estimator._request import Step
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._spec import (
     MODES,
@@ -52,11 +59,7 @@ from vramctl.estimator._timing import (
     GPU_EFFICIENCY,
     StepTime,
     Throughput,
-    cpu_profile_path,
-    cpu_throughput,
     gpu_throughput,
-    measure_throughput,
-    target_throughput,
 )
 
 __all__ = [
@@ -80,6 +83,7 @@ __all__ = [
     "Parallel",
     "ParallelError",
     "ResolvedSource",
+    "Step",
     "StepSpec",
     "StepTime",
     "Target",

@@ -52,7 +52,7 @@ from torch import nn
 from vramctl.device import ComputeCapability, Device
 from vramctl.estimator import _cuda_model
 from vramctl.estimator._calibration import Calibration, CalibrationError, fit_constants
-from vramctl.estimator._timing import measure_throughput
+from vramctl.estimator._rates import measure_throughput
 
 __all__ = ["calibrate", "measure"]
 

@@ -15,6 +15,8 @@ from vramctl.estimator._allocator import (
 )
 from vramctl.estimator._calibration import CalibrationSource
 from vramctl.estimator._parallel import Parallel
+from vramctl.estimator._rates import RATES
+from vramctl.estimator._request import STEP_FIELDS, Step, step_request
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._session import (
     open_session,
@@ -24,8 +26,9 @@ from vramctl.estimator._spec import (
     ModelSource,
 )
 from vramctl.estimator._target import Target
+from vramctl.estimator._timing import Throughput
 
-__all__ = ["estimate"]
+__all__ = ["estimate", "estimate_step"]
 
 
 def estimate(
@@ -52,6 +55,9 @@ def estimate(
     offload_optimizer: bool = False,
     grad_accumulation: bool = False,
     parallel: Parallel | str | None = None,
+    tf32: bool | None = None,
+    throughput: Throughput | None = None,
+    step: Step | None = None,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
 
@@ -100,7 +106,13 @@ def estimate(
 
     The estimate also predicts the step's time (``step_seconds``, from its FLOPs and
     bytes per operator and the target's rates: the CPU's measured here, a GPU's from
-    ``vramctl calibrate`` or its data sheet).
+    ``vramctl calibrate`` or its data sheet; ``throughput`` gives others). ``tf32``: fp32
+    matrix multiplies run on a GPU's TF32 tensor cores (None: as this process is set).
+
+    ``step`` gives all of these options at once as a :class:`~vramctl.estimator.Step`
+    (then give none of them one by one): the request this call makes of its options,
+    which a caller that prices many steps builds once and varies with ``step.replace``.
+    Nothing else of this process's state is read, so two threads may estimate at once.
 
     Those constants differ by driver, CUDA version, module loading and
     ``cudnn.benchmark``, so ``nvidia-smi`` may read up to ``device_uncertainty``
@@ -108,27 +120,21 @@ def estimate(
     :class:`~vramctl.estimator.Estimate`). ``fits`` judges at that safe end;
     ``safe=False`` judges at the point estimate ``peak_device`` instead.
     """
+    request = step_request(step, {k: v for k, v in locals().items() if k in STEP_FIELDS})
+    return estimate_step(model, request, batch, batch_size, seq_len, seconds)
+
+
+def estimate_step(
+    model: ModelSource,
+    step: Step,
+    batch: BatchSource = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    seconds: float | None = None,
+) -> Estimate:
+    """:func:`estimate` of one request (what :func:`estimate` calls once it has made it)."""
     t0 = time.perf_counter()
-    session = open_session(
-        model,
-        device=device,
-        target_utilization=target_utilization,
-        mode=mode,
-        optimizer=optimizer,
-        precision=precision,
-        checkpointing=checkpointing,
-        loss_fn=loss_fn,
-        allocator_config=allocator_config,
-        calibration=calibration,
-        safe=safe,
-        task=task,
-        image_size=image_size,
-        trust_remote_code=trust_remote_code,
-        offload_activations=offload_activations,
-        offload_optimizer=offload_optimizer,
-        grad_accumulation=grad_accumulation,
-        parallel=parallel,
-    )
+    session = open_session(model, step, RATES)
     try:
         est = session.estimate(batch, batch_size, seq_len, seconds)
     finally:

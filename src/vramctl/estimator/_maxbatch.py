@@ -26,10 +26,13 @@ from vramctl.device import Device
 from vramctl.estimator._allocator import AllocatorConfig
 from vramctl.estimator._calibration import CalibrationSource
 from vramctl.estimator._parallel import Parallel
+from vramctl.estimator._rates import RATES
+from vramctl.estimator._request import STEP_FIELDS, Step, step_request
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._session import Session, open_session
 from vramctl.estimator._spec import EstimateError, ModelSource
 from vramctl.estimator._target import Target
+from vramctl.estimator._timing import Throughput
 
 __all__ = ["BATCH_BOUND", "LENGTH_BOUND", "SEARCH_INPUT_BYTES", "MaxBatch", "max_batch_size"]
 
@@ -163,6 +166,9 @@ def max_batch_size(
     offload_optimizer: bool = False,
     grad_accumulation: bool = False,
     parallel: Parallel | str | None = None,
+    tf32: bool | None = None,
+    throughput: Throughput | None = None,
+    step: Step | None = None,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.
 
@@ -177,7 +183,8 @@ def max_batch_size(
     size up to there fits, ``limit_found`` is False and ``batch_size`` is the
     largest traced. With ``lengths=True`` (built-in and config text and speech models) the
     largest ``seq_len`` or ``seconds`` at batch 1 is found the same way from a
-    quadratic fit. ``calibration`` and ``safe`` are as for
+    quadratic fit. ``step`` gives the step's options at once, as for
+    :func:`~vramctl.estimator.estimate`. ``calibration`` and ``safe`` are as for
     :func:`~vramctl.estimator.estimate`: by default a size fits when the safe
     end of its device range does. With ``parallel`` the answer is the largest micro-batch
     per rank.
@@ -187,28 +194,13 @@ def max_batch_size(
         raise EstimateError("probe needs at least two distinct batch sizes of 1 or more")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise EstimateError(f"limit must be a positive integer, got {limit!r}")
-    session = open_session(
-        model,
-        device=device,
-        target_utilization=target_utilization,
-        mode=mode,
-        optimizer=optimizer,
-        precision=precision,
-        checkpointing=checkpointing,
-        loss_fn=loss_fn,
-        allocator_config=allocator_config,
-        calibration=calibration,
-        safe=safe,
-        task=task,
-        image_size=image_size,
-        trust_remote_code=trust_remote_code,
-        offload_activations=offload_activations,
-        offload_optimizer=offload_optimizer,
-        grad_accumulation=grad_accumulation,
-        parallel=parallel,
-    )
+    options = {k: v for k, v in locals().items() if k in STEP_FIELDS}
+    request = step_request(step, options)
+    session = open_session(model, request, RATES)
     try:
-        return _search(session, t0, model, batch, seq_len, seconds, probe, limit, lengths, safe)
+        return _search(
+            session, t0, model, batch, seq_len, seconds, probe, limit, lengths, request.safe
+        )
     finally:
         session.close()
 

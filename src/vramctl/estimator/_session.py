@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from vramctl._errors import VramctlError
 from vramctl._step import call_model
 from vramctl._units import format_bytes
-from vramctl.device import Device, catalog
+from vramctl.device import catalog
 from vramctl.estimator import _cuda_model
 from vramctl.estimator._allocator import (
     AllocatorConfig,
@@ -33,7 +33,7 @@ from vramctl.estimator._allocator import (
     CachingAllocatorModel,
 )
 from vramctl.estimator._autocast import cuda_autocast
-from vramctl.estimator._calibration import CalibrationSource, measured_on
+from vramctl.estimator._calibration import measured_on
 from vramctl.estimator._cpu_kernels import (
     cpu_output_bytes,
     cpu_workspace,
@@ -52,6 +52,7 @@ from vramctl.estimator._distributed import (
 from vramctl.estimator._hub import check_positions, eager_masks
 from vramctl.estimator._opcost import OpCost
 from vramctl.estimator._parallel import Parallel
+from vramctl.estimator._request import Step
 from vramctl.estimator._result import CATEGORIES, Estimate, no_bf16_note, uncalibrated_note
 from vramctl.estimator._spec import (
     BatchSource,
@@ -65,7 +66,7 @@ from vramctl.estimator._spec import (
     warm_optimizer,
 )
 from vramctl.estimator._target import Target, resolve_target
-from vramctl.estimator._timing import cpu_throughput, predict, target_throughput, tf32_matmul
+from vramctl.estimator._timing import Rates, predict
 from vramctl.estimator._trace import (
     DataDependentError,
     EagerLinear,
@@ -110,6 +111,10 @@ class Session:
     allocator_config: AllocatorConfig | None = None
     #: Whether verdicts judge at the safe end of the device peak's range.
     safe: bool = True
+    #: The request it was opened for, and the rates its steps are timed with (None: not
+    #: timed; a session of the tests, opened by hand).
+    request: Step | None = None
+    rates: Rates | None = None
     #: Host bytes of the tensors of the last batch traced (the search bounds its batches).
     last_batch_bytes: int = 0
     #: How a named model's batches are made (a built-in model, or one from its config).
@@ -820,7 +825,10 @@ def build_estimate(
                 f"kernel scratch measured with {threads} thread(s) a rank, as torchrun starts "
                 f"{ranks} rank(s) on a host"
             )
-    tp = target_throughput(target)
+    request, rates = session.request, session.rates
+    tp = request.throughput if request is not None and request.throughput else None
+    if tp is None and rates is not None:
+        tp = rates.target(target)
     timed = None
     if tp is None:
         notes.append(
@@ -829,11 +837,12 @@ def build_estimate(
         )
     else:
         on_host = target.cuda and any(c.phase == "host" for c in trace.costs)
+        tf32 = bool(request is not None and request.tf32)
         timed = predict(
             trace.costs,
             tp,
-            tf32=target.cuda and _tf32_capable(target) and tf32_matmul(),
-            host=cpu_throughput() if on_host else None,
+            tf32=target.cuda and _tf32_capable(target) and tf32,
+            host=rates.host() if on_host and rates is not None else None,
         )
     cc = target.capability
     bf16 = torch.bfloat16 in (spec.param_dtype, spec.autocast_dtype)
@@ -896,60 +905,44 @@ def _tf32_capable(target: Target) -> bool:
     return cc is not None and cc.major >= 8
 
 
-def open_session(
-    model: ModelSource,
-    *,
-    device: Target | Device | str | int | None,
-    target_utilization: float,
-    mode: str,
-    optimizer: str | Callable[..., torch.optim.Optimizer] | None,
-    precision: str,
-    checkpointing: bool,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    allocator_config: AllocatorConfig | None,
-    calibration: CalibrationSource = None,
-    safe: bool = True,
-    task: str | None = None,
-    image_size: int | tuple[int, int] | None = None,
-    trust_remote_code: bool = False,
-    offload_activations: bool = False,
-    offload_optimizer: bool = False,
-    grad_accumulation: bool = False,
-    parallel: Parallel | str | None = None,
-) -> Session:
-    """Check the arguments, resolve the device and build the model on fake tensors."""
-    check_utilization(target_utilization)
-    target = resolve_target(device, calibration)
+def open_session(model: ModelSource, step: Step, rates: Rates) -> Session:
+    """Check the request, resolve its device and build the model on fake tensors; its steps
+    are timed with ``rates`` (``step.throughput`` first)."""
+    check_utilization(step.target_utilization)
+    target = resolve_target(step.device, step.calibration)
+    parallel = step.parallel
     spec = StepSpec(
-        mode=mode,
-        precision=precision,
-        optimizer=optimizer,
-        checkpointing=checkpointing,
-        loss_fn=loss_fn,
+        mode=step.mode,
+        precision=step.precision,
+        optimizer=step.optimizer,
+        checkpointing=step.checkpointing,
+        loss_fn=step.loss_fn,
         autocast_device="cpu",
         # Tensor parallel mixes sharded and whole parameters, which the multi-tensor
         # (foreach) kernels refuse: its optimizer steps one parameter at a time.
         foreach=True if target.cuda and not _is_tp(parallel) else None,
-        offload_activations=offload_activations,
-        offload_optimizer=offload_optimizer,
-        grad_accumulation=grad_accumulation,
+        offload_activations=step.offload_activations,
+        offload_optimizer=step.offload_optimizer,
+        grad_accumulation=step.grad_accumulation,
     )
     if isinstance(parallel, str):
         parallel = Parallel.parse(parallel)
-    if parallel is not None and mode != "train":
+    if parallel is not None and step.mode != "train":
         raise EstimateError("parallel= estimates a training step; pass mode='train'")
     session = Session.open(
         model,
         spec,
         target,
         parallel,
-        task=task,
-        image_size=image_size,
-        trust_remote_code=trust_remote_code,
+        task=step.task,
+        image_size=step.image_size,
+        trust_remote_code=step.trust_remote_code,
     )
-    session.target_utilization = target_utilization
-    session.allocator_config = allocator_config
-    session.safe = safe
+    session.request = step
+    session.rates = rates
+    session.target_utilization = step.target_utilization
+    session.allocator_config = step.allocator_config
+    session.safe = step.safe
     return session
 
 

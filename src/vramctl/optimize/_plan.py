@@ -22,10 +22,9 @@ other was rejected (does not fit, or slower than the best by so much).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -244,17 +243,6 @@ def eight_bit_available() -> str | None:
         if importlib.util.find_spec(name) is not None:
             return name
     return None
-
-
-@contextlib.contextmanager
-def _tf32(on: bool) -> Iterator[None]:
-    """TF32 for fp32 matrix multiplies while pricing (the time model reads the setting)."""
-    saved = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if on else "highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(saved)
 
 
 def _step_seconds(est: Estimate, accumulation: int) -> float | None:
@@ -558,116 +546,117 @@ def _price(
     )
     undo = apply_checkpointing(module, kind) if kind != "none" else (lambda: None)
     try:
-        with _tf32(tf32):
+        # TF32 is a field of each step's request (the time model reads nothing global).
 
-            def search(optimizer: str) -> Any:
-                return max_batch_size(
-                    module,
-                    batch_fn,
-                    device=target,
-                    mode=mode,
-                    precision=precision,
-                    optimizer=optimizer if mode == "train" else None,
-                    target_utilization=target_utilization,
-                    loss_fn=loss_fn,
-                    limit=effective_batch,
-                    offload_activations="activations" in offload,
-                    offload_optimizer="optimizer" in offload,
-                    # a micro-batch after the first holds the earlier ones' gradients
-                    grad_accumulation=mode == "train" and effective_batch > 1,
-                    parallel=layout,
-                )
+        def search(optimizer: str) -> Any:
+            return max_batch_size(
+                module,
+                batch_fn,
+                device=target,
+                mode=mode,
+                precision=precision,
+                optimizer=optimizer if mode == "train" else None,
+                target_utilization=target_utilization,
+                loss_fn=loss_fn,
+                limit=effective_batch,
+                offload_activations="activations" in offload,
+                offload_optimizer="optimizer" in offload,
+                # a micro-batch after the first holds the earlier ones' gradients
+                grad_accumulation=mode == "train" and effective_batch > 1,
+                parallel=layout,
+                tf32=tf32,
+            )
 
-            try:
-                found = search(base.optimizer)
-            except VramctlError as exc:
-                return [replace(base, rejected=f"could not be priced: {exc}")]
-            micro = max((d for d in _divisors(effective_batch) if d <= found.batch_size), default=0)
-            whole: Plan | None = None
-            if micro < effective_batch:
-                # one micro-batch of the whole effective batch holds no earlier gradients
-                whole = _at(
-                    module,
-                    batch_fn,
-                    target,
+        try:
+            found = search(base.optimizer)
+        except VramctlError as exc:
+            return [replace(base, rejected=f"could not be priced: {exc}")]
+        micro = max((d for d in _divisors(effective_batch) if d <= found.batch_size), default=0)
+        whole: Plan | None = None
+        if micro < effective_batch:
+            # one micro-batch of the whole effective batch holds no earlier gradients
+            whole = _at(
+                module,
+                batch_fn,
+                target,
+                base,
+                base.optimizer,
+                effective_batch,
+                effective_batch,
+                None,
+                mode=mode,
+                precision=precision,
+                offload=offload,
+                target_utilization=target_utilization,
+                loss_fn=loss_fn,
+            )
+            if whole.fits:
+                micro = effective_batch
+        if micro == 0:
+            one = next((peak for b, peak, _ in found.curve if b == 1), None)
+            why = "not even a micro-batch of 1 fits"
+            if one is not None and one > base.budget_bytes:
+                why += f" (peak {format_bytes(one)} > {format_bytes(base.budget_bytes)})"
+            elif one is not None:
+                why += (
+                    f" with the estimate's uncertainty (peak {format_bytes(one)} of "
+                    f"{format_bytes(base.budget_bytes)} before it; `vramctl calibrate` "
+                    "on the GPU narrows it)"
+                )
+            return [
+                replace(
                     base,
-                    base.optimizer,
-                    effective_batch,
-                    effective_batch,
-                    None,
-                    mode=mode,
-                    precision=precision,
-                    offload=offload,
-                    target_utilization=target_utilization,
-                    loss_fn=loss_fn,
+                    micro_batch=1,
+                    accumulation=effective_batch,
+                    rejected=why,
+                    peak_bytes=one or 0,
                 )
-                if whole.fits:
-                    micro = effective_batch
-            if micro == 0:
-                one = next((peak for b, peak, _ in found.curve if b == 1), None)
-                why = "not even a micro-batch of 1 fits"
-                if one is not None and one > base.budget_bytes:
-                    why += f" (peak {format_bytes(one)} > {format_bytes(base.budget_bytes)})"
-                elif one is not None:
-                    why += (
-                        f" with the estimate's uncertainty (peak {format_bytes(one)} of "
-                        f"{format_bytes(base.budget_bytes)} before it; `vramctl calibrate` "
-                        "on the GPU narrows it)"
-                    )
-                return [
-                    replace(
-                        base,
-                        micro_batch=1,
-                        accumulation=effective_batch,
-                        rejected=why,
-                        peak_bytes=one or 0,
-                    )
-                ]
-            out: list[Plan] = []
-            others = [o for o in optimizers if o != "adamw"]
-            if "optimizer" in offload:
-                # 8-bit states in host memory save the device nothing more
-                others = [o for o in others if o != "adamw-8bit"]
-            for opt in [base.optimizer, *others]:
-                plan_ = _at(
-                    module,
-                    batch_fn,
-                    target,
+            ]
+        out: list[Plan] = []
+        others = [o for o in optimizers if o != "adamw"]
+        if "optimizer" in offload:
+            # 8-bit states in host memory save the device nothing more
+            others = [o for o in others if o != "adamw-8bit"]
+        for opt in [base.optimizer, *others]:
+            plan_ = _at(
+                module,
+                batch_fn,
+                target,
+                base,
+                opt,
+                micro,
+                effective_batch,
+                found.estimate
+                if found.batch_size == micro < effective_batch and opt == "adamw"
+                else None,
+                mode=mode,
+                precision=precision,
+                offload=offload,
+                target_utilization=target_utilization,
+                loss_fn=loss_fn,
+            )
+            out.append(plan_)
+        larger = [d for d in _divisors(effective_batch) if d > micro]
+        if larger:
+            nxt = larger[0]
+            traced = {b: peak for b, peak, _ in found.curve}
+            if whole is not None:
+                traced[effective_batch] = whole.peak_bytes
+            peak = traced.get(nxt)
+            why = f"micro-batch {nxt} does not fit"
+            if peak is not None:
+                why += f" (peak {format_bytes(peak)} > {format_bytes(base.budget_bytes)})"
+            out.append(
+                replace(
                     base,
-                    opt,
-                    micro,
-                    effective_batch,
-                    found.estimate
-                    if found.batch_size == micro < effective_batch and opt == "adamw"
-                    else None,
-                    mode=mode,
-                    precision=precision,
-                    offload=offload,
-                    target_utilization=target_utilization,
-                    loss_fn=loss_fn,
+                    micro_batch=nxt,
+                    accumulation=effective_batch // nxt,
+                    rejected=why,
+                    peak_bytes=peak or 0,
+                    priced="search",
                 )
-                out.append(plan_)
-            larger = [d for d in _divisors(effective_batch) if d > micro]
-            if larger:
-                nxt = larger[0]
-                traced = {b: peak for b, peak, _ in found.curve}
-                if whole is not None:
-                    traced[effective_batch] = whole.peak_bytes
-                peak = traced.get(nxt)
-                why = f"micro-batch {nxt} does not fit"
-                if peak is not None:
-                    why += f" (peak {format_bytes(peak)} > {format_bytes(base.budget_bytes)})"
-                out.append(
-                    replace(
-                        base,
-                        micro_batch=nxt,
-                        accumulation=effective_batch // nxt,
-                        rejected=why,
-                        peak_bytes=peak or 0,
-                        priced="search",
-                    )
-                )
-            return out
+            )
+        return out
     finally:
         undo()
 
@@ -685,22 +674,21 @@ def _refused_optimizer(
     """``p`` again with another optimizer (its checkpointing applied for the trace)."""
     undo = apply_checkpointing(module, p.checkpointing) if p.checkpointing != "none" else None
     try:
-        with _tf32(p.tf32):
-            return _at(
-                module,
-                batch_fn,
-                target,
-                replace(p, estimate=None),
-                optimizer,
-                p.micro_batch,
-                p.effective_batch,
-                None,
-                mode=mode,
-                precision=p.precision,
-                offload=p.offload,
-                target_utilization=target_utilization,
-                loss_fn=loss_fn,
-            )
+        return _at(
+            module,
+            batch_fn,
+            target,
+            replace(p, estimate=None),
+            optimizer,
+            p.micro_batch,
+            p.effective_batch,
+            None,
+            mode=mode,
+            precision=p.precision,
+            offload=p.offload,
+            target_utilization=target_utilization,
+            loss_fn=loss_fn,
+        )
     finally:
         if undo is not None:
             undo()
@@ -742,6 +730,7 @@ def _at(
                 offload_optimizer="optimizer" in offload,
                 grad_accumulation=mode == "train" and micro < effective_batch,
                 parallel=base.layout,
+                tf32=base.tf32,
             )
         except VramctlError as exc:
             return replace(

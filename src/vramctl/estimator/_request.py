@@ -1,0 +1,98 @@
+"""``vramctl.Step``: one step to estimate, as one value.
+
+:func:`vramctl.estimate` and :func:`vramctl.max_batch_size` take its fields as keyword
+arguments, build the value once and pass only it inward; a caller that prices many
+steps (a fit, a plan, the job queue) builds one and changes what it varies
+(``step.replace(precision="bf16")``). Everything an estimate depends on is a field here:
+nothing is read from this process's global state while it runs (TF32 and the throughput
+its time is predicted with included), so two threads may estimate at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vramctl.device import Device
+from vramctl.estimator._allocator import AllocatorConfig
+from vramctl.estimator._calibration import CalibrationSource
+from vramctl.estimator._parallel import Parallel
+from vramctl.estimator._spec import EstimateError
+from vramctl.estimator._target import Target
+from vramctl.estimator._timing import Throughput, tf32_matmul
+
+__all__ = ["STEP_FIELDS", "Step", "step_request"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one estimated step runs, how, and on what device (the model and its batch
+    aside). The fields are :func:`vramctl.estimate`'s options, with their defaults.
+
+    >>> import vramctl
+    >>> step = vramctl.Step(device="A10G-24GB", precision="bf16")
+    >>> step.replace(mode="inference").mode, step.precision
+    ('inference', 'bf16')
+    """
+
+    mode: str = "train"
+    optimizer: str | Callable[..., torch.optim.Optimizer] | None = "adamw"
+    precision: str = "fp32"
+    device: Target | Device | str | int | None = None
+    checkpointing: bool = False
+    target_utilization: float = 0.9
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    allocator_config: AllocatorConfig | None = None
+    calibration: CalibrationSource = None
+    safe: bool = True
+    task: str | None = None
+    image_size: int | tuple[int, int] | None = None
+    trust_remote_code: bool = False
+    offload_activations: bool = False
+    offload_optimizer: bool = False
+    grad_accumulation: bool = False
+    parallel: Parallel | str | None = None
+    #: fp32 matrix multiplies on a GPU's TF32 tensor cores (its time; memory is the same).
+    #: None: as this process is set (``torch.backends.cuda.matmul.allow_tf32``, or a
+    #: ``float32_matmul_precision`` other than ``"highest"``), read when the step is made.
+    tf32: bool | None = None
+    #: The rates its time is predicted with; None: its device's (the CPU's measured here,
+    #: a GPU's calibrated profile or data sheet).
+    throughput: Throughput | None = None
+
+    def __post_init__(self) -> None:
+        if self.tf32 is None:
+            object.__setattr__(self, "tf32", tf32_matmul())
+
+    def replace(self, **changes: Any) -> Step:
+        """This step with ``changes`` (field names as for the constructor)."""
+        return dataclasses.replace(self, **changes)
+
+
+#: The fields and their defaults, as ``estimate``'s keyword arguments have them.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Step)}
+#: The names of the fields (the options of ``estimate`` that make its request).
+STEP_FIELDS = frozenset(_DEFAULTS)
+
+
+def step_request(step: Step | None, options: dict[str, Any]) -> Step:
+    """The request of a call given ``step=`` or the options one by one (``options``:
+    the call's values of :class:`Step`'s fields): not both.
+
+    Raises :class:`~vramctl.estimator.EstimateError` for a step given with options too.
+    """
+    if step is None:
+        return Step(**options)
+    if not isinstance(step, Step):
+        raise EstimateError(f"step must be a vramctl.Step, got {type(step).__name__}")
+    given = sorted(k for k, v in options.items() if v is not _DEFAULTS[k] and v != _DEFAULTS[k])
+    if given:
+        raise EstimateError(
+            f"give the step's options in step= or as arguments, not both: {', '.join(given)} "
+            f"(use step.replace({given[0]}=...))"
+        )
+    return step
