@@ -151,7 +151,11 @@ def test_the_cpu_profile_is_measured_once_and_kept() -> None:
 
 
 def test_measure_throughput_reports_every_group() -> None:
+    torch.manual_seed(1234)
+    seeded = torch.get_rng_state()
     tp = measure_throughput("cpu", scale=0.25)
+    # The first estimate on a machine measures it: a seeded run must not see that.
+    assert torch.equal(torch.get_rng_state(), seeded)
     assert set(tp.rates) == {"matmul", "convolution", "attention"}
     assert {"fp32", "bf16"} <= set(tp.rates["matmul"])
     assert tp.op_overhead > 0 and not tp.asynchronous
