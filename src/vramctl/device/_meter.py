@@ -29,15 +29,26 @@ from __future__ import annotations
 import threading
 import weakref
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vramctl._tensors import storage, tensor_parts, tensors
 
-if TYPE_CHECKING:
-    from vramctl.device._base import Device
+
+class Metered(Protocol):
+    """What a meter reads of a device (a :class:`~vramctl.Device` is one): the meter
+    depends on these readings, not on the device's class."""
+
+    def _peak_begin(self) -> Any: ...
+
+    def _peak_end(self, token: Any) -> tuple[int, int, int]: ...
+
+    def capacity(self) -> int: ...
+
+    def available(self) -> int: ...
+
 
 __all__ = ["HostCount", "PeakMeter", "available_bytes", "total_bytes"]
 
@@ -45,7 +56,7 @@ __all__ = ["HostCount", "PeakMeter", "available_bytes", "total_bytes"]
 class PeakMeter:
     """Context manager: the peak memory of the code inside the ``with`` block on ``device``."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Metered) -> None:
         self.device = device
         self.peak_used = 0
         self.peak_allocated = 0
@@ -66,12 +77,12 @@ class PeakMeter:
         self.peak_used, self.peak_allocated, self.net_allocated = self.device._peak_end(token)
 
 
-def total_bytes(device: Device) -> int:
+def total_bytes(device: Metered) -> int:
     """The device's capacity as a process sees it (``device.capacity()``)."""
     return device.capacity()
 
 
-def available_bytes(device: Device) -> int:
+def available_bytes(device: Metered) -> int:
     """Bytes this process could allocate now (``device.available()``)."""
     return device.available()
 

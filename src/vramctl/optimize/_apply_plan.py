@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -18,8 +18,26 @@ from vramctl.optimize._helper import StepHelper
 from vramctl.optimize._offload import OffloadedOptimizer
 from vramctl.optimize._optimizer import fast_kernel, rebuild_optimizer
 
-if TYPE_CHECKING:
-    from vramctl.optimize._plan import Plan
+
+class Plan(Protocol):
+    """What applying a plan reads of it (a :class:`~vramctl.optimize.Plan` is one; the
+    plan's class calls this module, so this module names only the choices it applies)."""
+
+    @property
+    def precision(self) -> str: ...
+    @property
+    def checkpointing(self) -> str: ...
+    @property
+    def offload(self) -> str: ...
+    @property
+    def optimizer(self) -> str: ...
+    @property
+    def tf32(self) -> bool: ...
+    @property
+    def micro_batch(self) -> int: ...
+    @property
+    def accumulation(self) -> int: ...
+
 
 __all__ = ["AppliedPlan", "apply_plan"]
 
