@@ -38,6 +38,7 @@ from vramctl.estimator import (
     Estimate,
     EstimateError,
     Parallel,
+    Step,
     Target,
     max_batch_size,
     resolve_source,
@@ -245,6 +246,39 @@ def eight_bit_available() -> str | None:
     return None
 
 
+def _combination(
+    step: Step, precision: str, offload: str, layout: Parallel | None, tf32: bool
+) -> Step:
+    """The request of one combination of the plan's axes."""
+    return step.replace(
+        precision=precision,
+        offload_activations="activations" in offload,
+        offload_optimizer="optimizer" in offload,
+        parallel=layout,
+        tf32=tf32,
+    )
+
+
+def _offload_of(step: Step) -> str:
+    """The offload axis's value of a combination's request (the inverse of
+    :func:`_combination`'s)."""
+    parts = [
+        name
+        for name, on in (
+            ("activations", step.offload_activations),
+            ("optimizer", step.offload_optimizer),
+        )
+        if on
+    ]
+    return "+".join(parts) or "none"
+
+
+def _budget(step: Step) -> int:
+    """The bytes a plan may peak at: the share of its device the request allows."""
+    assert isinstance(step.device, Target)
+    return int(step.device.capacity * step.target_utilization)
+
+
 def _step_seconds(est: Estimate, accumulation: int) -> float | None:
     if est.step_seconds is None:
         return None
@@ -321,15 +355,23 @@ def plan(
             skipped.append("adamw-8bit: needs torchao or bitsandbytes (pip install torchao)")
             opts.remove("adamw-8bit")
     tf32 = target.cuda and target.capability is not None and target.capability.major >= 8
+    # Every combination is this request with what it varies (precision, offload, layout,
+    # TF32, optimizer) replaced.
+    step = Step(
+        device=target,
+        mode=mode,
+        target_utilization=target_utilization,
+        loss_fn=loss_fn,
+        tf32=False,
+    )
 
     plans: list[Plan] = []
     first_opts = [o for o in opts if o != "adamw-fused"] if len(opts) > 1 else opts
     layouts = _layouts(parallel, mode, effective_batch, skipped)
     for layout in layouts:
         plans += _price_layout(
-            layout, module, batch_fn, target, precs, kinds, offloads, first_opts,
-            mode=mode, effective_batch=effective_batch, tf32=tf32,
-            target_utilization=target_utilization, loss_fn=loss_fn, progress=progress,
+            layout, module, batch_fn, step, precs, kinds, offloads, first_opts,
+            effective_batch=effective_batch, tf32=tf32, progress=progress,
         )  # fmt: skip
     if "adamw-fused" in opts and len(opts) > 1:
         # the fused kernel changes the optimizer step alone: priced for the fastest three
@@ -340,11 +382,7 @@ def plan(
         for p in top:
             if progress is not None:
                 progress(f"{p.label} with adamw-fused")
-            plans.append(
-                _refused_optimizer(
-                    module, batch_fn, target, p, "adamw-fused", mode, target_utilization, loss_fn
-                )
-            )
+            plans.append(_refused_optimizer(module, batch_fn, step, p, "adamw-fused"))
         notes.append(
             "adamw-fused priced for the three fastest combinations (it changes the "
             "optimizer step alone)"
@@ -413,17 +451,14 @@ def _price_layout(
     layout: Parallel | None,
     module: nn.Module,
     batch_fn: Callable[[int], Any],
-    target: Target,
+    step: Step,
     precs: list[str],
     kinds: list[str],
     offloads: list[str],
     first_opts: list[str],
     *,
-    mode: str,
     effective_batch: int,
     tf32: bool,
-    target_utilization: float,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     progress: Callable[[str], None] | None,
 ) -> list[Plan]:
     """Every (precision, checkpointing, offload) of one layout, at each rank's share of the
@@ -450,7 +485,7 @@ def _price_layout(
                             micro_batch=share,
                             accumulation=1,
                             tf32=tf32 and prec == "fp32",
-                            budget_bytes=int(target.capacity * target_utilization),
+                            budget_bytes=_budget(step),
                             rejected=f"not priced: {whole} already runs the whole effective "
                             "batch at once, and this adds recomputation or copies",
                             priced="pruned",
@@ -464,17 +499,10 @@ def _price_layout(
                 priced = _price(
                     module,
                     batch_fn,
-                    target,
-                    mode=mode,
-                    precision=prec,
+                    _combination(step, prec, off, layout, tf32 and prec == "fp32"),
                     kind=kind,
-                    offload=off,
                     optimizers=first_opts,
                     effective_batch=share,
-                    tf32=tf32 and prec == "fp32",
-                    target_utilization=target_utilization,
-                    loss_fn=loss_fn,
-                    layout=layout,
                 )
                 plans += priced
                 if any(p.fits and p.accumulation == 1 for p in priced):
@@ -516,55 +544,44 @@ def _materialize(
 def _price(
     module: nn.Module,
     batch_fn: Callable[[int], Any],
-    target: Target,
+    step: Step,
     *,
-    mode: str,
-    precision: str,
     kind: str,
-    offload: str,
     optimizers: list[str],
     effective_batch: int,
-    tf32: bool,
-    target_utilization: float,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    layout: Parallel | None = None,
 ) -> list[Plan]:
-    """The plans of one (precision, checkpointing, offload): the largest micro-batch that
-    fits with AdamW, then each other optimizer at that micro-batch."""
+    """The plans of one combination (``step``: its precision, offload, layout and TF32;
+    ``kind``: its checkpointing): the largest micro-batch that fits with AdamW, then each
+    other optimizer at that micro-batch."""
+    layout = step.parallel if isinstance(step.parallel, Parallel) else None
+    train = step.mode == "train"
     base = Plan(
-        precision=precision,
+        precision=step.precision,
         checkpointing=kind,
-        offload=offload,
-        optimizer="adamw" if mode == "train" else "none",
+        offload=_offload_of(step),
+        optimizer="adamw" if train else "none",
         micro_batch=0,
         accumulation=0,
-        tf32=tf32,
-        budget_bytes=int(target.capacity * target_utilization),
+        tf32=bool(step.tf32),
+        budget_bytes=_budget(step),
         parallel=layout.describe() if layout is not None else None,
         data_parallel=_data_parallel(layout),
         layout=layout,
     )
+    offload = base.offload
     undo = apply_checkpointing(module, kind) if kind != "none" else (lambda: None)
     try:
-        # TF32 is a field of each step's request (the time model reads nothing global).
 
         def search(optimizer: str) -> Any:
             return max_batch_size(
                 module,
                 batch_fn,
-                device=target,
-                mode=mode,
-                precision=precision,
-                optimizer=optimizer if mode == "train" else None,
-                target_utilization=target_utilization,
-                loss_fn=loss_fn,
                 limit=effective_batch,
-                offload_activations="activations" in offload,
-                offload_optimizer="optimizer" in offload,
-                # a micro-batch after the first holds the earlier ones' gradients
-                grad_accumulation=mode == "train" and effective_batch > 1,
-                parallel=layout,
-                tf32=tf32,
+                step=step.replace(
+                    optimizer=optimizer if train else None,
+                    # a micro-batch after the first holds the earlier ones' gradients
+                    grad_accumulation=train and effective_batch > 1,
+                ),
             )
 
         try:
@@ -576,19 +593,7 @@ def _price(
         if micro < effective_batch:
             # one micro-batch of the whole effective batch holds no earlier gradients
             whole = _at(
-                module,
-                batch_fn,
-                target,
-                base,
-                base.optimizer,
-                effective_batch,
-                effective_batch,
-                None,
-                mode=mode,
-                precision=precision,
-                offload=offload,
-                target_utilization=target_utilization,
-                loss_fn=loss_fn,
+                module, batch_fn, step, base, base.optimizer, effective_batch, effective_batch, None
             )
             if whole.fits:
                 micro = effective_batch
@@ -621,7 +626,7 @@ def _price(
             plan_ = _at(
                 module,
                 batch_fn,
-                target,
+                step,
                 base,
                 opt,
                 micro,
@@ -629,11 +634,6 @@ def _price(
                 found.estimate
                 if found.batch_size == micro < effective_batch and opt == "adamw"
                 else None,
-                mode=mode,
-                precision=precision,
-                offload=offload,
-                target_utilization=target_utilization,
-                loss_fn=loss_fn,
             )
             out.append(plan_)
         larger = [d for d in _divisors(effective_batch) if d > micro]
@@ -662,32 +662,21 @@ def _price(
 
 
 def _refused_optimizer(
-    module: nn.Module,
-    batch_fn: Callable[[int], Any],
-    target: Target,
-    p: Plan,
-    optimizer: str,
-    mode: str,
-    target_utilization: float,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    module: nn.Module, batch_fn: Callable[[int], Any], step: Step, p: Plan, optimizer: str
 ) -> Plan:
     """``p`` again with another optimizer (its checkpointing applied for the trace)."""
     undo = apply_checkpointing(module, p.checkpointing) if p.checkpointing != "none" else None
     try:
+        combination = _combination(step, p.precision, p.offload, p.layout, p.tf32)
         return _at(
             module,
             batch_fn,
-            target,
+            combination,
             replace(p, estimate=None),
             optimizer,
             p.micro_batch,
             p.effective_batch,
             None,
-            mode=mode,
-            precision=p.precision,
-            offload=p.offload,
-            target_utilization=target_utilization,
-            loss_fn=loss_fn,
         )
     finally:
         if undo is not None:
@@ -697,40 +686,30 @@ def _refused_optimizer(
 def _at(
     module: nn.Module,
     batch_fn: Callable[[int], Any],
-    target: Target,
+    step: Step,
     base: Plan,
     optimizer: str,
     micro: int,
     effective_batch: int,
     known: Estimate | None,
-    *,
-    mode: str,
-    precision: str,
-    offload: str,
-    target_utilization: float,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
 ) -> Plan:
+    """``base`` with ``optimizer`` at micro-batch ``micro``, priced as ``step`` (its
+    combination's request), or from ``known`` (an estimate of it already made)."""
     from vramctl.estimator import estimate
 
     priced = "traced"
     traced_opt = "adamw" if optimizer == "adamw-8bit" else optimizer
+    train = step.mode == "train"
     est = known
     if est is None:
         try:
             est = estimate(
                 module,
                 batch_fn(micro),
-                device=target,
-                mode=mode,
-                precision=precision,
-                optimizer=traced_opt if mode == "train" else None,
-                target_utilization=target_utilization,
-                loss_fn=loss_fn,
-                offload_activations="activations" in offload,
-                offload_optimizer="optimizer" in offload,
-                grad_accumulation=mode == "train" and micro < effective_batch,
-                parallel=base.layout,
-                tf32=base.tf32,
+                step=step.replace(
+                    optimizer=traced_opt if train else None,
+                    grad_accumulation=train and micro < effective_batch,
+                ),
             )
         except VramctlError as exc:
             return replace(
