@@ -225,7 +225,6 @@ MONITOR = {
     "check_bind",
     "cleanup",
     "default_rules",
-    "host_allowed",
     "load_jsonl",
     "metrics_text",
     "parse_address",
@@ -234,8 +233,6 @@ MONITOR = {
     "profiler",
     "serve_prometheus",
     "static_file",
-    "token_ok",
-    "is_loopback",
 }
 SERVER = {
     "ApiError",

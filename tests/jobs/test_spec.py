@@ -133,6 +133,26 @@ def test_round_trips_through_dict_json_and_toml(spec: JobSpec, tmp_path: Path) -
     assert load_spec(path) == spec
 
 
+def test_the_json_schema_has_every_field_and_takes_every_written_spec() -> None:
+    # The job service's OpenAPI schema comes from the spec's own field table.
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = JobSpec.json_schema()
+    assert list(schema["properties"]) == list(JobSpec.FIELDS)
+    assert schema["required"] == ["name", "memory"] and schema["additionalProperties"] is False
+    guard = schema["properties"]["guard"]["oneOf"][1]
+    assert list(guard["properties"]) == list(GuardOptions.FIELDS)
+    validator = jsonschema.Draft202012Validator(schema)
+    for spec in [
+        JobSpec.from_toml(FULL_TOML),
+        JobSpec.from_dict(base(guard="lib.steps:embed", rerun_lost=True, retries=2)),
+        JobSpec.from_dict(base(command=None, entry_point="m:f", wait_timeout="90s")),
+    ]:
+        assert not list(validator.iter_errors(spec.to_dict()))
+    assert list(validator.iter_errors({"name": "x", "memory": "1GiB", "retries": -1}))
+    schema["properties"]["args"]["items"]["type"] = "integer"  # a copy: the next one is whole
+    assert JobSpec.json_schema()["properties"]["args"]["items"] == {"type": "string"}
+
+
 def test_a_guard_is_a_function_or_a_table() -> None:
     short = JobSpec.from_dict(base(guard="lib.steps:embed"))
     assert short.guard == GuardOptions("lib.steps:embed")

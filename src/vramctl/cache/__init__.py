@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
-from vramctl.cache._cache import TIERS, CacheError, TensorCache, ValueTooLargeError
+from vramctl.cache._cache import CacheError, TensorCache, ValueTooLargeError
 from vramctl.cache._codec import Compressor, Layout, PartMeta, checksum, compressible
 from vramctl.cache._disk import CorruptItemError, DiskStore, encode_key
+from vramctl.cache._ledger import TIERS
 from vramctl.cache._policy import LFU, LRU, POLICIES, SLRU, EvictionPolicy, make_policy
 from vramctl.cache._pool import ALIGN, Block, HostPool
 

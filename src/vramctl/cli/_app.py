@@ -445,33 +445,44 @@ def estimate_cmd(
         from vramctl.estimator import load_model_source
 
         _, batch_source = load_model_source(batch_fn)
-    common: dict[str, Any] = {
-        "mode": mode,
-        "precision": precision,
-        "optimizer": None if optimizer == "none" else optimizer,
-        "seq_len": seq_len,
-        "seconds": seconds,
-        "device": device,
-        "checkpointing": checkpointing,
-        "target_utilization": target_utilization,
-        "calibration": _calibration_arg(calibration),
-        "safe": not optimistic,
-        "task": task,
-        "image_size": image_size,
-        "trust_remote_code": trust_remote_code,
-        "parallel": _parallel_arg(parallel, world_size, ranks_per_node, tp_plan),
-    }
+    step = vramctl.Step(
+        mode=mode,
+        precision=precision,
+        optimizer=None if optimizer == "none" else optimizer,
+        device=device,
+        checkpointing=checkpointing,
+        target_utilization=target_utilization,
+        calibration=_calibration_arg(calibration),
+        safe=not optimistic,
+        task=task,
+        image_size=image_size,
+        trust_remote_code=trust_remote_code,
+        parallel=_parallel_arg(parallel, world_size, ranks_per_node, tp_plan),
+    )
     results = []
     with err.status("tracing", spinner="dots") as spin:
         for b in sizes:
             spin.update(f"tracing {model} at batch {b}")
-            results.append(vramctl.estimate(model, batch_source, batch_size=b, **common))
+            results.append(
+                vramctl.estimate(
+                    model, batch_source, batch_size=b, seq_len=seq_len, seconds=seconds, step=step
+                )
+            )
         best = None
         if max_batch or max_length:
             spin.update(f"searching the largest batch for {model}")
-            best = vramctl.max_batch_size(model, batch_source, lengths=max_length, **common)
+            best = vramctl.max_batch_size(
+                model,
+                batch_source,
+                lengths=max_length,
+                seq_len=seq_len,
+                seconds=seconds,
+                step=step,
+            )
     first = results[0]
     if as_json:
+        from vramctl.estimator import Parallel
+
         emit_json(
             {
                 "schema": "vramctl.estimate/1",
@@ -497,7 +508,7 @@ def estimate_cmd(
                     "max_batch": max_batch,
                     "max_length": max_length,
                     "parallel": (
-                        common["parallel"].to_dict() if common["parallel"] is not None else None
+                        step.parallel.to_dict() if isinstance(step.parallel, Parallel) else None
                     ),
                 },
                 "estimates": [e.to_dict() for e in results],

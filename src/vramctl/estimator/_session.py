@@ -1,59 +1,39 @@
-"""One estimate session: the model built on fake tensors, traced at one or more batches, and
-each trace replayed through the CUDA caching-allocator model into an :class:`Estimate`."""
+"""One estimate session: the model built once on fake tensors (:mod:`._build`), given a batch,
+traced at one or more batches (:mod:`._trace_step`) and each trace judged into an
+:class:`Estimate` (:mod:`._verdict`)."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import inspect
-import logging
 import numbers
 import time
-import warnings
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from vramctl._errors import VramctlError
-from vramctl._step import call_model
 from vramctl._units import format_bytes
 from vramctl.device import catalog
-from vramctl.estimator import _cuda_model
-from vramctl.estimator._allocator import (
-    AllocatorConfig,
-    AllocatorOutOfMemory,
-    CachingAllocatorModel,
+from vramctl.estimator._allocator import AllocatorConfig
+from vramctl.estimator._build import (
+    build_module,
+    fake_state,
+    largest_block,
+    private_copy,
+    trainable,
 )
-from vramctl.estimator._autocast import cuda_autocast
-from vramctl.estimator._calibration import measured_on
-from vramctl.estimator._cpu_kernels import (
-    cpu_output_bytes,
-    cpu_workspace,
-    rank_thread_count,
-    rank_threads,
-)
-from vramctl.estimator._distributed import (
-    DDPStandIn,
-    FakeWorld,
-    fsdp_categories,
-    local,
-    wrap_fake,
-    zero_model_states,
-    zero_trace,
-)
-from vramctl.estimator._hub import check_positions, eager_masks
-from vramctl.estimator._opcost import OpCost
+from vramctl.estimator._distributed import DDPStandIn, FakeWorld, wrap_fake
+from vramctl.estimator._hub import check_positions
 from vramctl.estimator._parallel import Parallel
 from vramctl.estimator._request import Step
-from vramctl.estimator._result import CATEGORIES, Estimate, no_bf16_note, uncalibrated_note
+from vramctl.estimator._result import Estimate
 from vramctl.estimator._spec import (
     BatchSource,
     EstimateError,
@@ -61,37 +41,16 @@ from vramctl.estimator._spec import (
     StepSpec,
     flat_tensors,
     resolve_source,
-    run_step,
     step_mode,
     warm_optimizer,
 )
 from vramctl.estimator._target import Target, resolve_target
-from vramctl.estimator._timing import Rates, predict
-from vramctl.estimator._trace import (
-    DataDependentError,
-    EagerLinear,
-    Trace,
-    Tracer,
-    no_op_module_to,
-    storage_resizes,
-)
+from vramctl.estimator._timing import Rates
+from vramctl.estimator._trace import Tracer
+from vramctl.estimator._trace_step import Traced, trace_step
+from vramctl.estimator._verdict import build_estimate
 
-__all__ = ["NCCL_UNCERTAINTY", "Session", "build_estimate", "make_batch_for", "open_session"]
-
-#: What NCCL's communicator buffers may add on a GPU, outside PyTorch's allocator.
-NCCL_UNCERTAINTY = 1 << 30
-
-
-# -- one session: a fake model, traced at one or more batches ------------------------
-
-
-@dataclass
-class _Traced:
-    trace: Trace
-    categories: dict[int, str]
-    batch_size: int | None
-    #: Whether the step ran convolutions (cuDNN's kernels join the CUDA context).
-    convolutions: bool = False
+__all__ = ["Session", "make_batch_for", "open_session"]
 
 
 @dataclass
@@ -128,8 +87,6 @@ class Session:
     ddp: DDPStandIn | None = None
     #: Parameters of the largest repeated block (what ZeRO-3 gathers at once).
     largest_block: int = 0
-    #: Host bytes one rank keeps under ZeRO's offload (set by the last trace).
-    zero_host: int = 0
 
     @classmethod
     def open(
@@ -149,18 +106,8 @@ class Session:
         builder = Tracer(s.fake_mode)
         builder.record = False
         with s.fake_mode, builder:
-            try:
-                model = obj if isinstance(obj, nn.Module) else _build(obj)
-            except VramctlError:
-                raise
-            except Exception as exc:
-                raise EstimateError(
-                    f"model {name} failed to build: {type(exc).__name__}: {exc}"
-                ) from exc
-            if not isinstance(model, nn.Module):
-                raise EstimateError(f"model {name}'s factory returned a {type(model).__name__}")
-            s.model = model
-            s.state = _fake_state(model, spec.param_dtype)
+            model = s.model = build_module(name, obj)
+            s.state = fake_state(model, spec.param_dtype)
             if parallel is not None:
                 s._wrap(parallel)
                 model = s.model
@@ -168,11 +115,7 @@ class Session:
                 _reparametrize_module(model, s.state, tie_weights=True, strict=False),
                 step_mode(model, spec),
             ):
-                seen: set[int] = set()
-                for p in model.parameters():
-                    if p.requires_grad and id(p) not in seen:
-                        seen.add(id(p))
-                        s.params.append(p)
+                s.params = trainable(model)
                 s.optimizer = spec.make_optimizer(s.params)
                 if s.optimizer is not None:
                     warm_optimizer(s.optimizer, s.params)
@@ -181,17 +124,12 @@ class Session:
 
     def _wrap(self, parallel: Parallel) -> None:
         """Give the model its fake state for good, then apply ``parallel`` to it."""
-        from vramctl._blocks import find_blocks
-
         assert self.model is not None
         model = self.model
-        blocks = find_blocks(model)
-        self.largest_block = max(
-            (sum(p.numel() for p in b.parameters()) for b in blocks), default=0
-        )
+        self.largest_block = largest_block(model)
         if parallel.strategy not in ("ddp", "fsdp", "tp"):
             return  # ZeRO: the model states are priced after the trace
-        model = self.model = _private_copy(model, self.state)
+        model = self.model = private_copy(model, self.state)
         self.state = {}
         if parallel.strategy in ("fsdp", "tp"):
             self.world = FakeWorld(parallel.world_size)
@@ -270,639 +208,9 @@ class Session:
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.params) if self.params else 0
 
-    def trace(self, batch: Any, batch_size: int | None) -> _Traced:
-        assert self.model is not None
-        model, spec = self.model, self.spec
-        tracer = Tracer(self.fake_mode)
-        consts = self.target.constants
-        cudnn = _CudnnWorkspace(
-            consts.cudnn_workspace_ratio, consts.cudnn_workspace_cap, consts.cudnn_workspace_fixed
-        )
-        tracer.workspace = cudnn if self.target.cuda else cpu_workspace
-        tracer.output_bytes = None if self.target.cuda else cpu_output_bytes
-        names = {id(m): n for n, m in model.named_modules()}
-        root = type(model).__name__
-        stack: list[str] = []
-
-        def pre(mod: nn.Module, _args: Any) -> None:
-            stack.append(tracer.module)
-            n = names.get(id(mod))
-            if n is not None:
-                tracer.module = f"{root}.{n}" if n else root
-
-        def post(mod: nn.Module, _args: Any, out: Any) -> None:
-            if tracer.phase == "forward" and torch.is_grad_enabled():
-                _claim_nodes(out, tracer.module, tracer.node_module)
-            tracer.module = stack.pop() if stack else ""
-
-        def phase(p: str) -> None:
-            tracer.phase = p
-            tracer.module = "" if p != "optimizer" else "optimizer"
-
-        param_ids = set()
-        grads: set[int] = set()
-        states: set[int] = set()
-        inputs: set[int] = set()
-        with contextlib.ExitStack() as es:
-            # FakeTensorMode logs every refused operator; the error we raise says it once.
-            fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-            es.callback(fake_log.setLevel, fake_log.level)
-            fake_log.setLevel(logging.CRITICAL)
-            # FSDP2 warns of the views a fake forward returns; a real one returns the same.
-            es.enter_context(warnings.catch_warnings())
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-            es.enter_context(self.fake_mode)
-            if self.state:
-                es.enter_context(
-                    _reparametrize_module(model, self.state, tie_weights=True, strict=False)
-                )
-            es.enter_context(step_mode(model, spec))
-            fake_batch = _fake_batch(batch, self.fake_mode, tracer, spec)
-            es.enter_context(EagerLinear())
-            es.enter_context(eager_masks())
-            es.enter_context(no_op_module_to())
-            if self.target.cuda and spec.autocast_dtype is not None:
-                es.enter_context(cuda_autocast())
-            es.enter_context(tracer)
-            es.enter_context(storage_resizes(tracer))
-            if self.parallel is not None and self.parallel.strategy == "fsdp":
-                es.enter_context(fsdp_categories(tracer, gloo=not self.target.cuda))
-            if self.parallel is not None and not self.target.cuda:
-                es.enter_context(
-                    rank_threads(self.parallel.ranks_per_node or self.parallel.world_size)
-                )
-            if self.target.cuda:
-                handles = consts.train_handles if spec.mode == "train" else 1
-                for _ in range(handles):
-                    _pseudo(tracer, consts.cublas_workspace_bytes, "cublas workspace", "workspaces")
-            held = (
-                self.state.values()
-                if self.state
-                else [local(t) for t in (*model.parameters(), *model.buffers())]
-            )
-            for t in held:
-                sid = tracer.register(t)
-                if sid is not None:
-                    param_ids.add(sid)
-            if self.ddp is not None:
-                tracer.category = "buckets"
-                for t in self.ddp.buckets:
-                    tracer.register(t)
-                tracer.category = ""
-            if self.optimizer is not None and not spec.offload_optimizer:
-                for t in _optimizer_tensors(self.optimizer):
-                    sid = tracer.register(t)
-                    if sid is not None:
-                        states.add(sid)
-            for t in flat_tensors(fake_batch):
-                sid = tracer.register(t)
-                if sid is not None:
-                    inputs.add(sid)
-            h1 = nn.modules.module.register_module_forward_pre_hook(pre)
-            h2 = nn.modules.module.register_module_forward_hook(post)
-            es.callback(h1.remove)
-            es.callback(h2.remove)
-            try:
-                if spec.mode == "train":
-                    self._train(fake_batch, tracer, phase, grads, states)
-                else:
-                    run_step(model, fake_batch, spec, None, phase)
-            except VramctlError:
-                raise
-            except DataDependentError as exc:
-                raise EstimateError(
-                    f"could not trace {self.name}: {exc}; pass a smaller batch, or supply the "
-                    "values with a real batch (token ids, lengths, masks)"
-                ) from exc
-            except Exception as exc:
-                where = tracer.module or "the step"
-                if tracer.failed_op is None:  # raised by the model's (or loss's) own code
-                    raise EstimateError(
-                        f"{self.name} raised {type(exc).__name__} at {where} ({tracer.phase}): "
-                        f"{exc}"
-                    ) from exc
-                raise EstimateError(
-                    f"could not trace {self.name} at {where}, op {tracer.failed_op} "
-                    f"({tracer.phase}): {type(exc).__name__}: {exc}; hint: pass a batch the "
-                    "model's forward accepts, a loss_fn=(output, batch) -> loss, or "
-                    "mode='infer' to estimate the forward alone"
-                ) from exc
-            del fake_batch
-        categories = _categorize(tracer.trace, param_ids, grads, states, inputs)
-        if self.parallel is not None and self.parallel.zero_stage is not None:
-            return self._zero(tracer.trace, categories, batch_size, cudnn.calls > 0)
-        return _Traced(tracer.trace, categories, batch_size, cudnn.calls > 0)
-
-    def _zero(
-        self, trace: Trace, categories: dict[int, str], batch_size: int | None, conv: bool
-    ) -> _Traced:
-        """The single-process trace with one rank's model states under a ZeRO stage."""
-        assert self.parallel is not None
-        params = self.parameter_count
-        param_bytes = self.params[0].element_size() if self.params else 4
-        state_elements = 0
-        if self.optimizer is not None and params:
-            state_elements = round(
-                sum(t.numel() for t in _optimizer_tensors(self.optimizer)) / params
-            )
-        half = self.spec.param_dtype is not None
-        states = zero_model_states(
-            self.parallel,
-            parameters=params,
-            param_bytes=param_bytes,
-            state_elements=state_elements,
-            largest_block=self.largest_block,
-            half=half,
-        )
-        self.zero_host = states.host
-        out = zero_trace(trace, categories, states)
-        cats = {sid: rec.category for sid, rec in enumerate(out.records)}
-        return _Traced(out, cats, batch_size, conv)
-
-    def _train(
-        self,
-        batch: Any,
-        tracer: Tracer,
-        phase: Callable[[str], None],
-        grads: set[int],
-        states: set[int],
-    ) -> None:
-        assert self.model is not None
-        spec = self.spec
-        if spec.grad_accumulation:
-            # the earlier micro-batches' gradients: backward adds into them in place
-            for p in self.params:
-                p.grad = torch.zeros_like(p)
-                sid = tracer.sid_of(p.grad)
-                if sid is not None:
-                    grads.add(sid)
-        phase("forward")
-        with spec.forward_context(), _saved_on_host(tracer, spec.offload_activations):
-            out = call_model(self.model, batch)
-            loss = spec.loss(out, batch)
-        phase("backward")
-        tracer.module = "loss"
-        loss.backward()
-        tracer.settle()
-        del out, loss
-        for p in self.params:
-            if p.grad is not None:
-                sid = tracer.sid_of(local(p.grad))
-                if sid is not None:
-                    grads.add(sid)
-        if self.optimizer is not None and spec.offload_optimizer:
-            phase("optimizer")
-            _host_step(tracer, self.optimizer, self.params)
-        elif self.optimizer is not None:
-            phase("optimizer")
-            self.optimizer.step()
-            for t in _optimizer_tensors(self.optimizer):
-                sid = tracer.sid_of(t)
-                if sid is not None:
-                    states.add(sid)
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            for p in self.params:
-                p.grad = None
-
-
-@contextlib.contextmanager
-def _saved_on_host(tracer: Tracer, on: bool) -> Iterator[None]:
-    """The saved tensors leave device memory in forward and come back in backward, as
-    ``torch.autograd.graph.save_on_cpu`` does: packing drops autograd's reference (the
-    tensor is freed where nothing else holds it) and unpacking allocates its copy."""
-    if not on:
-        yield
-        return
-
-    def pack(t: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-        nbytes = t.numel() * t.element_size()
-        tracer.trace.costs.append(OpCost("transfer", tracer.phase, "other", 0, nbytes, True))
-        return t.shape, t.dtype
-
-    def unpack(packed: tuple[torch.Size, torch.dtype]) -> torch.Tensor:
-        shape, dtype = packed
-        t = torch.empty(shape, dtype=dtype)
-        tracer.trace.costs.append(
-            OpCost("transfer", tracer.phase, "other", 0, t.numel() * t.element_size(), True)
-        )
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
-def _host_step(tracer: Tracer, optimizer: torch.optim.Optimizer, params: list[Any]) -> None:
-    """The optimizer step of an offloaded optimizer: the gradients are copied to the host,
-    the step runs there (its operators priced as the host's, its memory not the
-    device's) and the parameters are copied back in place."""
-    grads = [p.grad for p in params if p.grad is not None]
-    moved = sum(g.numel() * g.element_size() for g in grads)
-    tracer.trace.costs.append(OpCost("transfer", tracer.phase, "other", 0, moved, True))
-    tracer.host = True
-    try:
-        optimizer.step()
-    finally:
-        tracer.host = False
-    moved = sum(p.numel() * p.element_size() for p in params if p.grad is not None)
-    tracer.trace.costs.append(OpCost("transfer", tracer.phase, "other", 0, moved, True))
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _build(factory: Callable[[], Any]) -> Any:
-    """Call ``factory`` under the fake mode; if it converts a parameter (``.to(dtype)``
-    in ``__init__``), which a fake parameter refuses (``Module._apply`` swaps a fake
-    tensor, and the fake mode holds a weak reference to it), build it on the meta device
-    instead: the session gives every parameter and buffer a fresh fake tensor anyway."""
-    try:
-        return factory()
-    except RuntimeError as exc:
-        if "Couldn't swap" not in str(exc):
-            raise
-    with _disable_current_modes(), torch.device("meta"):
-        return factory()
-
-
-def _optimizer_name(session: Session) -> str | None:
-    if session.optimizer is None:
-        return None
-    opt = session.spec.optimizer
-    if isinstance(opt, str):
-        return opt
-    return str(getattr(opt, "__qualname__", None) or type(session.optimizer).__name__)
-
-
-def _pseudo(tracer: Tracer, nbytes: int, op: str, category: str) -> None:
-    from vramctl.estimator._trace import StorageRecord
-
-    sid = len(tracer.trace.records)
-    tracer.trace.records.append(StorageRecord(nbytes, op, "", "setup", category=category))
-    tracer.trace.events.append(sid)
-
-
-_CONV_OPS = {
-    torch.ops.aten.convolution.default,
-    torch.ops.aten.convolution_backward.default,
-}
-
-
-class _CudnnWorkspace:
-    """A convolution's cuDNN workspace: ``fixed`` plus ``ratio`` times its largest output,
-    at most ``cap``."""
-
-    def __init__(self, ratio: float, cap: int, fixed: int = 0) -> None:
-        self.ratio, self.cap, self.fixed, self.calls = ratio, cap, fixed, 0
-
-    def __call__(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
-    ) -> int:
-        if func not in _CONV_OPS or not outs:
-            return 0
-        self.calls += 1
-        biggest = max(t.untyped_storage().nbytes() for t in outs)
-        return min(self.fixed + int(biggest * self.ratio), self.cap)
-
-
-def _claim_nodes(out: Any, module: str, table: dict[int, str]) -> None:
-    """Attribute the autograd nodes a module's forward made to it (children claimed theirs)."""
-    todo = [t.grad_fn for t in flat_tensors(out) if t.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        seq = node._sequence_nr()
-        if seq in table:
-            continue
-        table[seq] = module
-        todo.extend(n for n, _ in node.next_functions if n is not None)
-
-
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    for st in opt.state.values():
-        for k, v in st.items():
-            # Adam's ``step`` counter stays on the host unless ``capturable``.
-            if isinstance(v, torch.Tensor) and not (k == "step" and v.numel() == 1):
-                yield local(v)
-
-
-def _fake_state(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Fresh fake parameters and buffers for ``model`` (tied ones stay tied), cast to ``dtype``."""
-    made: dict[int, torch.Tensor] = {}
-    state: dict[str, torch.Tensor] = {}
-    named: list[tuple[str, torch.Tensor]] = [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]
-    for name, t in named:
-        if id(t) not in made:
-            dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
-            f = torch.empty_strided(t.size(), t.stride(), dtype=dt, device="cpu")
-            if isinstance(t, nn.Parameter):
-                f.requires_grad_(t.requires_grad)
-            made[id(t)] = f
-        state[name] = made[id(t)]
-    return state
-
-
-def _private_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are ``state``'s fake tensors (tied
-    ones stay tied), for a wrapper that changes the model it wraps (FSDP2 swaps in its
-    shards, DDP's stand-in adds hooks): the model given is left as it was, and no weight is
-    copied."""
-    memo: dict[int, Any] = {}
-    named: list[tuple[str, torch.Tensor]] = [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]
-    for name, t in named:
-        if id(t) not in memo and name in state:
-            fake = state[name]
-            memo[id(t)] = (
-                nn.Parameter(fake, requires_grad=t.requires_grad)
-                if isinstance(t, nn.Parameter)
-                else fake
-            )
-    try:
-        return copy.deepcopy(model, memo)
-    except Exception as exc:
-        raise EstimateError(
-            f"could not copy {type(model).__name__} to wrap it: {type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def _offloaded(trace: Trace, categories: dict[int, str]) -> tuple[Trace, int]:
-    """One FSDP2 rank with CPU offload: its sharded parameters, gradients and optimizer
-    state (and the optimizer's step) are in host memory; the device keeps the rest."""
-    host = 0
-    records = []
-    for sid, rec in enumerate(trace.records):
-        cat = categories.get(sid, rec.category)
-        if cat in ("parameters", "gradients", "optimizer") or (
-            rec.phase == "optimizer" and cat == "temporaries"
-        ):
-            if cat != "temporaries":
-                host += rec.nbytes
-            rec = dataclasses.replace(rec, nbytes=0)
-        records.append(rec)
-    out = dataclasses.replace(trace, records=records)
-    return out, host
-
-
-def _fake_batch(batch: Any, mode: FakeTensorMode, tracer: Tracer, spec: StepSpec) -> Any:
-    from torch.utils._pytree import tree_map
-
-    def fake(x: Any) -> Any:
-        f: torch.Tensor
-        if not isinstance(x, torch.Tensor):
-            return x
-        if x.is_meta:  # no values and no device: a fake CPU tensor of its shape
-            with mode:
-                f = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="cpu")
-            return f.requires_grad_(x.requires_grad) if f.is_floating_point() else f
-        if isinstance(x, FakeTensor):
-            f = x
-        elif x.device.type != "cpu":
-            # A batch already on the GPU is traced on the host, as the model is: only its
-            # shape counts, and the values of integer tensors (token ids, lengths).
-            if x.is_floating_point():
-                with mode:
-                    f = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="cpu")
-                f.requires_grad_(x.requires_grad)
-            else:
-                with _disable_current_modes():  # a real copy, made outside the fake mode
-                    host = x.detach().cpu()
-                f = mode.from_tensor(host)
-                tracer.known[f] = host
-        else:
-            f = mode.from_tensor(x)
-            if not x.is_floating_point():
-                tracer.known[f] = x
-        if spec.param_dtype is not None and f.is_floating_point():
-            f = f.to(spec.param_dtype)
-        return f
-
-    return tree_map(fake, batch)
-
-
-def _categorize(
-    trace: Trace, params: set[int], grads: set[int], states: set[int], inputs: set[int]
-) -> dict[int, str]:
-    cats: dict[int, str] = {}
-    for sid, rec in enumerate(trace.records):
-        if rec.category and sid not in grads and sid not in states:
-            cats[sid] = rec.category
-        elif sid in params:
-            cats[sid] = "parameters"
-        elif sid in grads:
-            cats[sid] = "gradients"
-        elif sid in states:
-            cats[sid] = "optimizer"
-        elif sid in inputs:
-            cats[sid] = "inputs"
-        elif rec.phase == "forward" and rec.freed_phase != "forward":
-            cats[sid] = "activations"
-        else:
-            cats[sid] = "temporaries"
-        rec.category = cats[sid]
-    return cats
-
-
-# -- from a trace to an Estimate ----------------------------------------------------
-
-
-def _replay(
-    trace: Trace, capacity: int | None, config: AllocatorConfig | None
-) -> CachingAllocatorModel:
-    cfg = config or AllocatorConfig()
-    if capacity is not None:
-        cfg = AllocatorConfig(**{**cfg.__dict__, "capacity": capacity})
-    alloc = CachingAllocatorModel(cfg)
-    handles: dict[int, int] = {}
-    records = trace.records
-    for e in trace.events:
-        if e >= 0:
-            handles[e] = alloc.malloc(records[e].nbytes)
-        else:
-            h = handles.pop(~e, None)
-            if h is not None:
-                alloc.free(h)
-    return alloc
-
-
-def build_estimate(
-    session: Session,
-    traced: _Traced,
-    *,
-    target_utilization: float,
-    seq_len: int | None,
-    seconds: float | None,
-    elapsed: float,
-    allocator_config: AllocatorConfig | None = None,
-) -> Estimate:
-    trace, target, spec = traced.trace, session.target, session.spec
-    par = session.parallel
-    host = 0
-    if par is not None and par.strategy == "fsdp" and par.offload:
-        trace, host = _offloaded(trace, traced.categories)
-    elif par is not None and par.zero_stage is not None:
-        host = session.zero_host
-    logical, at = trace.peak()
-    by_cat = dict.fromkeys(CATEGORIES, 0)
-    for sid in trace.live_at(at):
-        by_cat[traced.categories[sid]] += trace.records[sid].nbytes
-    peak_rec = trace.records[trace.events[at]] if at >= 0 else None
-    budget = int(target.capacity * target_utilization)
-    notes: list[str] = []
-    retries = {False: 0, True: 0}
-    fits = {False: False, True: False}  # at the point estimate, at the safe end
-    uncertainty = 0
-    calibrated = True
-    profile = None
-    if target.cuda:
-        consts = target.constants
-        context = consts.context_bytes + (consts.cudnn_context_bytes if traced.convolutions else 0)
-        if allocator_config is None and target.calibration is not None:
-            allocator_config = consts.allocator
-        alloc = _replay(trace, None, allocator_config)
-        allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
-        cal = target.calibration
-        same_gpu = cal is not None and measured_on(cal, target.name)
-        calibrated = same_gpu
-        profile = cal.describe() if cal is not None else None
-        uncertainty = _cuda_model.device_uncertainty(cal, same_gpu, traced.convolutions)
-        if par is not None and par.world_size > 1:
-            uncertainty += NCCL_UNCERTAINTY
-            notes.append(
-                f"NCCL's own buffers are outside PyTorch's allocator and not modelled: "
-                f"nvidia-smi may read up to {format_bytes(NCCL_UNCERTAINTY)} more per rank "
-                "(NVLS and many channels take the most)"
-            )
-        for safe in (False, True):
-            extra = context + (uncertainty if safe else 0)
-            fits[safe] = reserved + extra <= budget
-            if not fits[safe] and budget > extra:
-                try:
-                    tight = _replay(trace, budget - extra, allocator_config)
-                except AllocatorOutOfMemory:
-                    pass
-                else:
-                    fits[safe], retries[safe] = True, tight.alloc_retries
-        if retries[session.safe]:
-            notes.append(
-                f"fits only because the allocator frees its cache {retries[session.safe]} "
-                "time(s) (alloc retries slow a step)"
-            )
-        by_cat["allocator"] = reserved - logical
-        by_cat["context"] = context
-        peak_device = reserved + context
-        if cal is None:
-            varies = (
-                "the CUDA context and cuDNN's kernels and workspaces vary"
-                if traced.convolutions
-                else "the CUDA context varies"
-            )
-            notes.append(
-                f"CUDA constants: built-in values; nvidia-smi may read up to "
-                f"{format_bytes(uncertainty)} more ({varies} with the driver, CUDA version "
-                "and module loading)"
-            )
-        elif same_gpu:
-            notes.append(f"CUDA constants measured on {cal.describe()}")
-        else:
-            notes.append(
-                f"CUDA constants measured on {cal.describe()}, another GPU than "
-                f"{target.name}; nvidia-smi may read up to {format_bytes(uncertainty)} more"
-            )
-        if not calibrated:
-            notes.append(uncalibrated_note(target.name, target.capability is None))
-    else:
-        allocated = reserved = peak_device = logical
-        fits[False] = fits[True] = peak_device <= budget
-        notes.append("CPU target: live tensor bytes, no CUDA context or allocator modelled")
-        if par is not None and par.world_size > 1:
-            ranks = par.ranks_per_node or par.world_size
-            threads = rank_thread_count(ranks)
-            notes.append(
-                f"a CPU rank over gloo: its reduce-scatter's copy of the input is counted; "
-                f"kernel scratch measured with {threads} thread(s) a rank, as torchrun starts "
-                f"{ranks} rank(s) on a host"
-            )
-    request, rates = session.request, session.rates
-    tp = request.throughput if request is not None and request.throughput else None
-    if tp is None and rates is not None:
-        tp = rates.target(target)
-    timed = None
-    if tp is None:
-        notes.append(
-            f"step time: not predicted for a GPU known only by its size ({target.name}); "
-            "name a catalog GPU"
-        )
-    else:
-        on_host = target.cuda and any(c.phase == "host" for c in trace.costs)
-        tf32 = bool(request is not None and request.tf32)
-        timed = predict(
-            trace.costs,
-            tp,
-            tf32=target.cuda and _tf32_capable(target) and tf32,
-            host=rates.host() if on_host and rates is not None else None,
-        )
-    cc = target.capability
-    bf16 = torch.bfloat16 in (spec.param_dtype, spec.autocast_dtype)
-    if bf16 and target.cuda and cc is not None and not cc.bf16:
-        notes.append(no_bf16_note(target.name, str(cc)))
-    if spec.autocast_dtype is not None and target.cuda:
-        notes.append(
-            "autocast: CUDA's fp32 rules (norms, softmax, exp/log/pow, sums, losses) applied "
-            "to a CPU trace"
-        )
-    return Estimate(
-        model=session.name,
-        device=target.name,
-        capacity=target.capacity,
-        mode=spec.mode,
-        precision=spec.precision,
-        batch_size=traced.batch_size,
-        seq_len=seq_len,
-        seconds=seconds,
-        logical_peak=logical,
-        peak_allocated=allocated,
-        peak_reserved=reserved,
-        peak_device=peak_device,
-        breakdown=by_cat,
-        peak_op=peak_rec.op if peak_rec else "",
-        peak_module=peak_rec.module if peak_rec else "",
-        peak_phase=peak_rec.phase if peak_rec else "",
-        target_utilization=target_utilization,
-        fits=fits[session.safe],
-        assumptions=tuple(trace.assumptions),
-        notes=tuple(notes),
-        alloc_retries=retries[session.safe],
-        ops=trace.ops,
-        elapsed=elapsed,
-        parameters=session.parameter_count,
-        optimizer=_optimizer_name(session),
-        checkpointing=spec.checkpointing,
-        cuda=target.cuda,
-        calibration=profile,
-        calibrated=calibrated,
-        device_uncertainty=uncertainty,
-        safe=session.safe,
-        fits_point=fits[False],
-        fits_safe=fits[True],
-        flops=timed.flops if timed else sum(c.flops for c in trace.costs),
-        bytes_moved=timed.bytes if timed else sum(c.bytes for c in trace.costs),
-        step_seconds=timed.seconds if timed else None,
-        time_breakdown=dict(timed.by_group) if timed else {},
-        phase_seconds=dict(timed.by_phase) if timed else {},
-        throughput=tp.source if tp else None,
-        parallel=par.describe() if par is not None else None,
-        world_size=par.world_size if par is not None else 1,
-        host_per_rank=host,
-        host_per_node=host * ((par.ranks_per_node or par.world_size) if par else 1),
-    )
-
-
-def _tf32_capable(target: Target) -> bool:
-    cc = target.capability
-    return cc is not None and cc.major >= 8
+    def trace(self, batch: Any, batch_size: int | None) -> Traced:
+        """One step's trace on ``batch`` (:func:`trace_step`)."""
+        return trace_step(self, batch, batch_size)
 
 
 def open_session(model: ModelSource, step: Step, rates: Rates) -> Session:

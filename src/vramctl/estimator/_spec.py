@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from vramctl._errors import VramctlError
-from vramctl._step import call_model
+from vramctl._step import call_model, model_loss
 from vramctl._tensors import tensors
 from vramctl.estimator import zoo
 from vramctl.estimator._hub import config_model, is_config_source
@@ -137,12 +137,8 @@ class StepSpec:
         return stack
 
     def loss(self, out: Any, batch: Any) -> torch.Tensor:
-        if self.loss_fn is not None:
-            return self.loss_fn(out, batch)
-        loss = getattr(out, "loss", None)
-        if loss is None and isinstance(out, Mapping):
-            loss = out.get("loss")
-        if isinstance(loss, torch.Tensor):
+        loss = model_loss(out, batch, self.loss_fn)
+        if loss is not None:
             return loss
         first = next(iter(flat_tensors(out)), None)
         if first is None:

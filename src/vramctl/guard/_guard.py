@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.amp.grad_scaler import GradScaler
 
-from vramctl._step import call_model
+from vramctl._step import call_model, model_loss
 from vramctl._units import format_bytes
 from vramctl.device import Device, resolve
 from vramctl.guard._dist import agree, average_gradients
@@ -195,8 +195,8 @@ class Guard:
     """Run training or inference steps that finish in pieces when memory runs out.
 
     ``model`` and ``optimizer`` make :meth:`step` a whole training step:
-    ``loss_fn(model(batch), batch)`` (or the output's ``.loss``, or the output
-    itself when it is a scalar), backward, optional unscaling and clipping, the
+    ``loss_fn(model(batch), batch)`` (or the output's ``.loss`` or ``"loss"``, the
+    output itself when it is a scalar, or a tuple's scalar first item), backward, optional unscaling and clipping, the
     optimizer step and ``zero_grad``. The model is called with a dict batch as
     keyword arguments, a tuple or list as positional arguments, anything else
     as its one argument; ``forward=(model, batch) -> output`` says otherwise
@@ -608,14 +608,8 @@ class Guard:
         )
 
     def _loss(self, out: Any, piece: Any) -> torch.Tensor:
-        if self.loss_fn is not None:
-            return self.loss_fn(out, piece)
-        loss = getattr(out, "loss", None)
-        if loss is None and isinstance(out, dict):
-            loss = out.get("loss")
-        if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
-            loss = out
-        if not isinstance(loss, torch.Tensor):
+        loss = model_loss(out, piece, self.loss_fn)
+        if loss is None:
             raise GuardError(
                 "the model's output has no loss: pass loss_fn=(output, batch) -> scalar tensor"
             )

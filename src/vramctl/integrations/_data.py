@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import default_collate
 
 from vramctl._errors import VramctlError
+from vramctl._step import model_loss
 
 __all__ = ["batch_maker", "split_effective_batch"]
 
@@ -91,16 +92,13 @@ def _iterable(dataset: Any) -> Iterable[Any]:
 
 
 def loss_of(output: Any) -> torch.Tensor:
-    """The loss in a training step's output: the tensor itself, or its ``loss`` key or attribute."""
+    """The loss in a training step's output (:func:`vramctl._step.model_loss`); a tensor of
+    any shape is the loss itself: a training step returns its loss."""
+    loss = model_loss(output)
+    if loss is not None:
+        return loss
     if isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, dict):
-        found = output.get("loss")
-        if isinstance(found, torch.Tensor):
-            return found
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
     raise VramctlError(
         f"the training step returned {type(output).__name__}, with no loss in it: return the "
         "loss tensor, or a dict or output with a 'loss'"

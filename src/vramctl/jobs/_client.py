@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vramctl._auth import find_token
 from vramctl._errors import VramctlError
 from vramctl.jobs._spec import JobSpec
 from vramctl.jobs._store import Job, vramctl_home, wait_finished
@@ -42,17 +43,10 @@ def job_from_dict(doc: Mapping[str, Any]) -> Job:
 
 
 def _token(token: str | None, token_file: str | os.PathLike[str] | None) -> str | None:
-    if token:
-        return token
-    if os.environ.get("VRAMCTL_TOKEN"):
-        return os.environ["VRAMCTL_TOKEN"]
-    path = Path(token_file) if token_file is not None else vramctl_home() / "token"
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        if token_file is not None:
-            raise JobClientError(f"cannot read the token file {path}") from None
-        return None  # read-only routes on loopback need none
+    try:  # no token at all: read-only routes on loopback need none
+        return find_token(token, token_file=token_file, home=vramctl_home())
+    except VramctlError:
+        raise JobClientError(f"cannot read the token file {Path(token_file or '')}") from None
 
 
 class JobClient:

@@ -21,6 +21,7 @@ invalid job spec (3 problems):
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import math
@@ -132,6 +133,10 @@ def _positive_int(path: str, value: object, problems: list[str]) -> None:
         problems.append(f"{path}: must be at most {MAX_COUNT}, got {value!r}")
 
 
+#: A size's JSON Schema (``_size`` decides: the string's unit, at most 1 PiB).
+_SIZE_SCHEMA: dict[str, Any] = {"oneOf": [{"type": "string"}, {"type": "integer", "minimum": 1}]}
+
+
 def _size(path: str, value: object, problems: list[str]) -> int | _Bad:
     """A size in bytes from an int or a string such as "20GiB"; positive, at most 1 PiB."""
     if not isinstance(value, int | float | str) or isinstance(value, bool):
@@ -156,6 +161,10 @@ def _size_ok(path: str, n: object, shown: object, problems: list[str]) -> bool:
         problems.append(f"{path}: {shown!r} is more than 1 PiB; check the unit")
         return False
     return True
+
+
+#: A duration's JSON Schema (``_duration`` decides the string's form).
+_DURATION_SCHEMA: dict[str, Any] = {"oneOf": [{"type": "string"}, {"type": "number", "minimum": 0}]}
 
 
 def _duration(path: str, value: object, problems: list[str]) -> float | _Bad | None:
@@ -184,6 +193,10 @@ def parse_duration(value: object, path: str = "duration") -> float | None:
     if problems or isinstance(seconds, _Bad):
         raise JobSpecError(problems)
     return seconds
+
+
+#: ``env``'s and ``labels``' JSON Schema (``_str_map`` decides the names).
+_STR_MAP_SCHEMA: dict[str, Any] = {"type": "object", "additionalProperties": {"type": "string"}}
 
 
 def _str_map(path: str, value: object, problems: list[str], *, env: bool) -> dict[str, str]:
@@ -354,6 +367,10 @@ class MemoryNeed:
         return {"learned": {"first": _exact_size(self.first), "margin": self.margin}}
 
 
+#: ``memory``'s JSON Schema: a size, or a table (``_parse_memory`` decides its forms).
+_MEMORY_SCHEMA: dict[str, Any] = {"oneOf": [_SIZE_SCHEMA, {"type": "object"}]}
+
+
 def _parse_memory(path: str, value: object, problems: list[str]) -> MemoryNeed | None:
     if value is None:
         problems.append(f"{path}: missing; {_MEMORY_FORMS}")
@@ -447,6 +464,10 @@ class DeviceConstraints:
         return out
 
 
+#: ``devices``' JSON Schema (``_parse_devices`` decides its fields).
+_DEVICES_SCHEMA: dict[str, Any] = {"type": "object"}
+
+
 def _parse_devices(path: str, value: object, problems: list[str]) -> DeviceConstraints | None:
     if value is None:
         return DeviceConstraints()
@@ -522,6 +543,20 @@ class GuardOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.FIELDS if getattr(self, k) is not None}
+
+
+#: ``guard``'s JSON Schema: a function's name, or the table of :class:`GuardOptions`.
+_GUARD_SCHEMA: dict[str, Any] = {
+    "oneOf": [
+        {"type": "string"},
+        {
+            "type": "object",
+            "properties": {k: {"type": "string"} for k in GuardOptions.FIELDS},
+            "required": ["function"],
+            "additionalProperties": False,
+        },
+    ]
+}
 
 
 def _parse_guard(path: str, value: object, problems: list[str]) -> GuardOptions | None:
@@ -716,10 +751,48 @@ class JobSpec:
     def to_json(self, *, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
+    @classmethod
+    def json_schema(cls) -> dict[str, Any]:
+        """The spec's fields as JSON Schema (the job service's OpenAPI document): each field's
+        entry sits next to the parser that checks it, and that check decides."""
+        fields = _field_schemas()
+        if set(fields) != set(cls.FIELDS):  # pragma: no cover - a field without its schema
+            raise VramctlError(f"the job spec's schema and FIELDS differ: {sorted(fields)}")
+        return {
+            "type": "object",
+            "properties": {k: copy.deepcopy(fields[k]) for k in cls.FIELDS},
+            "required": ["name", "memory"],
+            "additionalProperties": False,
+        }
+
     @property
     def target_batch(self) -> int | None:
         """The batch each optimizer step sees: ``effective_batch``, else ``batch_size``."""
         return self.effective_batch if self.effective_batch is not None else self.batch_size
+
+
+def _field_schemas() -> dict[str, dict[str, Any]]:
+    """Each of :attr:`JobSpec.FIELDS`' JSON Schema, from its parser's."""
+    positive = {"type": "integer", "minimum": 1}
+    return {
+        "name": {"type": "string"},
+        "command": {**_ARGV_SCHEMA, "minItems": 1},
+        "entry_point": {"type": "string"},
+        "args": _ARGV_SCHEMA,
+        "env": _STR_MAP_SCHEMA,
+        "cwd": {"type": "string"},
+        "labels": _STR_MAP_SCHEMA,
+        "memory": _MEMORY_SCHEMA,
+        "batch_size": positive,
+        "effective_batch": positive,
+        "priority": {"type": "integer"},
+        "wait_timeout": _DURATION_SCHEMA,
+        "run_timeout": _DURATION_SCHEMA,
+        "retries": {"type": "integer", "minimum": 0},
+        "rerun_lost": {"type": "boolean"},
+        "devices": _DEVICES_SCHEMA,
+        "guard": _GUARD_SCHEMA,
+    }
 
 
 def _field_order(problem: str) -> tuple[int, str]:
@@ -727,6 +800,10 @@ def _field_order(problem: str) -> tuple[int, str]:
     unknown = problem.startswith("unknown field")
     index = JobSpec.FIELDS.index(head) if head in JobSpec.FIELDS and not unknown else 99
     return index, problem
+
+
+#: ``command``'s and ``args``' JSON Schema (``_parse_argv`` refuses a shell string).
+_ARGV_SCHEMA: dict[str, Any] = {"type": "array", "items": {"type": "string"}}
 
 
 def _parse_argv(path: str, value: object, problems: list[str]) -> tuple[str, ...] | _Bad | None:

@@ -25,14 +25,7 @@ from vramctl.monitor._alerts import (
     default_rules,
 )
 from vramctl.monitor._history import ExportError, History, Peak, Sample, load_jsonl
-from vramctl.monitor._http import (
-    AddressError,
-    check_bind,
-    host_allowed,
-    is_loopback,
-    parse_address,
-    token_ok,
-)
+from vramctl.monitor._http import AddressError, check_bind, parse_address
 from vramctl.monitor._leak import (
     LeakDetector,
     LeakDetectorError,
@@ -76,8 +69,6 @@ __all__ = [
     "check_bind",
     "cleanup",
     "default_rules",
-    "host_allowed",
-    "is_loopback",
     "load_jsonl",
     "metrics_text",
     "parse_address",
@@ -86,5 +77,4 @@ __all__ = [
     "profiler",
     "serve_prometheus",
     "static_file",
-    "token_ok",
 ]

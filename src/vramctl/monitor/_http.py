@@ -1,4 +1,5 @@
-"""Addresses, tokens and ports for the monitor's HTTP endpoints (metrics, dashboard).
+"""Addresses and ports for the monitor's HTTP endpoints (metrics, dashboard); their tokens
+are :mod:`vramctl._auth`'s.
 
 The rule: bind to 127.0.0.1 unless told otherwise, and require a token on any
 other address.
@@ -12,25 +13,13 @@ other address.
 from __future__ import annotations
 
 import errno
-import hmac
-import ipaddress
 import os
 import socket
 
+from vramctl._auth import TOKEN_ENV, find_token, is_loopback
 from vramctl._errors import VramctlError
 
-__all__ = [
-    "TOKEN_ENV",
-    "AddressError",
-    "check_bind",
-    "host_allowed",
-    "is_loopback",
-    "parse_address",
-    "token_ok",
-]
-
-#: The environment variable read for a token when none is given.
-TOKEN_ENV = "VRAMCTL_TOKEN"
+__all__ = ["AddressError", "check_bind", "parse_address"]
 
 
 class AddressError(VramctlError, ValueError):
@@ -55,22 +44,13 @@ def parse_address(text: str | int, default_host: str = "127.0.0.1") -> tuple[str
     return host, port
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_bind(host: str, port: int, token: str | None) -> str | None:
     """Check that ``host:port`` may be served and is free; returns the token to require.
 
     A non-loopback host needs a token (``token``, else ``$VRAMCTL_TOKEN``). A port
     in use is a clear error, not a traceback from the server later.
     """
-    token = token or os.environ.get(TOKEN_ENV) or None
+    token = find_token(token)
     if not is_loopback(host) and not token:
         raise AddressError(
             f"serving on {host} makes the endpoint reachable from other machines: give a "
@@ -92,42 +72,3 @@ def check_bind(host: str, port: int, token: str | None) -> str | None:
                 ) from None
             raise AddressError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return token
-
-
-def host_allowed(header: str | None, bound: str = "127.0.0.1") -> bool:
-    """Whether a request's ``Host`` header names this machine's loopback (any port).
-
-    A server on 127.0.0.1 without a token answers only requests addressed to
-    ``localhost``, a loopback address or ``bound``: a web page that points a name
-    of its own at 127.0.0.1 (DNS rebinding) cannot read it. No header (HTTP/1.0)
-    is allowed.
-
-    >>> host_allowed("localhost:8765"), host_allowed("[::1]:80"), host_allowed("evil.test:8765")
-    (True, True, False)
-    """
-    if header is None:
-        return True
-    text = header.strip().lower()
-    if text.startswith("["):
-        name, sep, rest = text[1:].partition("]")
-        if not sep or (rest and not (rest[:1] == ":" and rest[1:].isdigit())):
-            return False
-    else:
-        name, sep, port = text.rpartition(":")
-        if not sep:
-            name = port
-        elif not port.isdigit():
-            return False
-    return name == "localhost" or name == bound.lower() or is_loopback(name)
-
-
-def token_ok(expected: str | None, header: str | None, query: str | None = None) -> bool:
-    """True when no token is required, or ``Authorization: Bearer TOKEN`` / ``?token=`` match."""
-    if not expected:
-        return True
-    given = None
-    if header and header.lower().startswith("bearer "):
-        given = header[7:].strip()
-    elif query:
-        given = query
-    return given is not None and hmac.compare_digest(given.encode(), expected.encode())

@@ -18,9 +18,10 @@ from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from vramctl._auth import host_allowed, token_ok
 from vramctl._na import NA
 from vramctl._optional import require
-from vramctl.monitor._http import AddressError, check_bind, host_allowed, token_ok
+from vramctl.monitor._http import AddressError, check_bind
 
 if TYPE_CHECKING:
     from vramctl.monitor._monitor import Monitor

@@ -41,18 +41,11 @@ from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from vramctl._auth import host_allowed, token_ok
 from vramctl._na import NA
 from vramctl._units import format_bytes
 from vramctl._version import __version__
-from vramctl.monitor import (
-    AddressError,
-    Event,
-    Monitor,
-    check_bind,
-    host_allowed,
-    static_file,
-    token_ok,
-)
+from vramctl.monitor import AddressError, Event, Monitor, check_bind, static_file
 
 __all__ = [
     "HISTORY_WINDOW",

@@ -16,11 +16,9 @@ can reach 127.0.0.1): :func:`service_token` creates it once in a ``0600`` file u
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import secrets
 import shutil
 import sqlite3
 import threading
@@ -35,6 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from vramctl._auth import TOKEN_FILE, find_token, token_ok
 from vramctl._errors import VramctlError
 from vramctl.device import Device
 from vramctl.jobs import (
@@ -51,7 +50,6 @@ from vramctl.jobs import (
     vramctl_home,
 )
 from vramctl.jobs import device_capacity as capacity_of
-from vramctl.monitor import token_ok
 
 log = logging.getLogger("vramctl.server")
 
@@ -64,8 +62,6 @@ __all__ = [
     "service_token",
 ]
 
-#: The service's token file, under ``$VRAMCTL_HOME``.
-TOKEN_FILE = "token"
 #: The most jobs ``GET /jobs`` returns at once.
 MAX_PAGE = 1000
 #: How often a followed log is read for more (seconds).
@@ -106,22 +102,9 @@ def service_token(
 ) -> str:
     """The service's token: ``$VRAMCTL_TOKEN``, else the file ``token_file``, else
     ``$VRAMCTL_HOME/token``, created (random, mode 0600) when it does not exist yet."""
-    if os.environ.get("VRAMCTL_TOKEN"):
-        return os.environ["VRAMCTL_TOKEN"]
-    path = Path(token_file) if token_file is not None else Path(home or vramctl_home()) / TOKEN_FILE
-    if token_file is None and not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):  # another process made it first
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_urlsafe(32) + "\n")
-    try:
-        text = path.read_text().strip()
-    except OSError as exc:
-        raise VramctlError(f"cannot read the service token {path}: {exc.strerror}") from None
-    if not text:
-        raise VramctlError(f"the service token file {path} is empty")
-    return text
+    found = find_token(token_file=token_file, home=home or vramctl_home(), create=True)
+    assert found is not None  # create: a token, or an error
+    return found
 
 
 def _job_json(job: Job) -> dict[str, Any]:
@@ -608,48 +591,8 @@ WORKERS_SCHEMA: dict[str, Any] = _object(
     }
 )
 
-_SIZE = {"oneOf": [{"type": "string"}, {"type": "integer", "minimum": 1}]}
-_DURATION = {"oneOf": [{"type": "string"}, {"type": "number", "minimum": 0}]}
-_STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 #: The job spec as JSON Schema, for the OpenAPI document (the spec's own checks decide).
-JOB_SPEC_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "command": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-        "entry_point": {"type": "string"},
-        "args": {"type": "array", "items": {"type": "string"}},
-        "env": _STR_MAP,
-        "cwd": {"type": "string"},
-        "labels": _STR_MAP,
-        "memory": {"oneOf": [_SIZE, {"type": "object"}]},
-        "batch_size": {"type": "integer", "minimum": 1},
-        "effective_batch": {"type": "integer", "minimum": 1},
-        "priority": {"type": "integer"},
-        "wait_timeout": _DURATION,
-        "run_timeout": _DURATION,
-        "retries": {"type": "integer", "minimum": 0},
-        "rerun_lost": {"type": "boolean"},
-        "devices": {"type": "object"},
-        "guard": {
-            "oneOf": [
-                {"type": "string"},
-                {
-                    "type": "object",
-                    "properties": {
-                        "function": {"type": "string"},
-                        "optimizer": {"type": "string"},
-                        "model": {"type": "string"},
-                    },
-                    "required": ["function"],
-                    "additionalProperties": False,
-                },
-            ]
-        },
-    },
-    "required": ["name", "memory"],
-    "additionalProperties": False,
-}
+JOB_SPEC_SCHEMA: dict[str, Any] = JobSpec.json_schema()
 
 
 def install_error_handlers(app: FastAPI) -> None:

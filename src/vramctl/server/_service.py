@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from vramctl._auth import is_loopback
 from vramctl.device import Device, gpus, resolve
 from vramctl.jobs import (
     ACTIVE,
@@ -30,7 +31,7 @@ from vramctl.jobs import (
     load_settings,
     vramctl_home,
 )
-from vramctl.monitor import Monitor, is_loopback
+from vramctl.monitor import Monitor
 from vramctl.server._dashboard import REQUEST_TIMEOUT_S, DashboardServer, serve_dashboard
 from vramctl.server._jobs import JobService, install_error_handlers, jobs_router, service_token
 
