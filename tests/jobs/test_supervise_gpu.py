@@ -397,19 +397,19 @@ def test_under_mps_a_cuda_job_gets_its_pinned_memory_limit(
 def test_the_job_runs_under_the_allocator_setting_its_admission_priced(
     store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vramctl.estimator import AllocatorConfig
+    from vramctl.estimator import AllocatorConfig, Step
     from vramctl.jobs import _need
 
     for name in _need._ALLOC_CONF_ENV:
         monkeypatch.delenv(name, raising=False)
     priced: list[object] = []
 
-    def estimator(*args: object, **kwargs: object) -> int:
-        priced.append(kwargs.get("allocator_config"))
+    def estimator(model: str, step: Step, **kwargs: object) -> int:
+        priced.append(step.allocator_config)
         return GiB
 
-    def in_process(*args: object, **kwargs: object) -> object:
-        priced.append(kwargs["allocator_config"])
+    def in_process(*args: object, step: Step, **kwargs: object) -> object:
+        priced.append(step.allocator_config)
         return types.SimpleNamespace(judged_peak=GiB)
 
     monkeypatch.setattr(_need, "estimate", in_process)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from vramctl._units import format_bytes
 from vramctl.device import ComputeCapability, Device, gpus
-from vramctl.estimator import AllocatorConfig, EstimateError, estimate
+from vramctl.estimator import AllocatorConfig, EstimateError, Step, estimate
 from vramctl.jobs._spec import DeviceConstraints, JobSpec, JobSpecError
 
 __all__ = [
@@ -32,9 +32,10 @@ __all__ = [
 ]
 
 #: Runs an estimate elsewhere than in this process (an :class:`~vramctl.jobs.EstimateWorker`):
-#: ``(model, device, mode=, precision=, batch_size=, seq_len=)``, and ``allocator_config=``
-#: where the job's environment sets one the estimate follows, to the estimate's judged peak
-#: in bytes; an :class:`~vramctl.estimator.EstimateError` says why it cannot.
+#: ``(model, step, batch_size=, seq_len=)``, ``step`` the request (a
+#: :class:`~vramctl.Step`: device, mode, precision, the allocator's configuration), to the
+#: estimate's judged peak in bytes; an :class:`~vramctl.estimator.EstimateError` says why
+#: it cannot.
 Estimator = Callable[..., int]
 
 #: The variables that tell a job the batch and gradient accumulation it was admitted with.
@@ -102,29 +103,16 @@ def price(
     model = need.estimate
     assert model is not None
     batch = batch_size or model.batch_size or spec.batch_size
-    allocator = _allocator_config(spec)
-    # Only where the environment sets one: an estimator of the older signature still works.
-    extra = {} if allocator is None else {"allocator_config": allocator}
+    step = Step(
+        device=device,
+        mode=model.mode,
+        precision=model.precision,
+        allocator_config=_allocator_config(spec),
+    )
     try:
         if estimator is not None:
-            return estimator(
-                model.model,
-                device,
-                mode=model.mode,
-                precision=model.precision,
-                batch_size=batch,
-                seq_len=model.seq_len,
-                **extra,
-            )
-        est = estimate(
-            model.model,
-            device=device,
-            mode=model.mode,
-            precision=model.precision,
-            batch_size=batch,
-            seq_len=model.seq_len,
-            allocator_config=allocator,
-        )
+            return estimator(model.model, step, batch_size=batch, seq_len=model.seq_len)
+        est = estimate(model.model, batch_size=batch, seq_len=model.seq_len, step=step)
     except EstimateError as exc:
         raise JobSpecError(
             f"memory.estimate: {exc}", what=f"cannot price job {spec.name!r}"

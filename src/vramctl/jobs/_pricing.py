@@ -44,11 +44,10 @@ from typing import IO, TYPE_CHECKING, Any
 
 from vramctl._errors import InvalidSizeError, VramctlError
 from vramctl._units import format_bytes, parse_size
-from vramctl.device import Device
 from vramctl.jobs._spec import JobSpecError, parse_duration
 
 if TYPE_CHECKING:
-    from vramctl.estimator import AllocatorConfig
+    from vramctl.estimator import Step
 
 __all__ = [
     "ESTIMATE_MEMORY_ENV",
@@ -111,24 +110,19 @@ class EstimateWorker:
     def __call__(
         self,
         model: str,
-        device: Device | str,
+        step: Step,
         *,
-        mode: str = "train",
-        precision: str = "fp32",
         batch_size: int | None = None,
         seq_len: int | None = None,
-        allocator_config: AllocatorConfig | None = None,
     ) -> int:
         from vramctl.estimator import EstimateError, resolve_target
 
         request = {
             "model": model,
-            "target": resolve_target(device),
-            "mode": mode,
-            "precision": precision,
+            # The device is resolved here (its reading, a calibration profile).
+            "step": step.replace(device=resolve_target(step.device, step.calibration)),
             "batch_size": batch_size,
             "seq_len": seq_len,
-            "allocator_config": allocator_config,
             # Where `module:factory` is imported from, as in this process.
             "cwd": os.getcwd(),
             "path": list(sys.path),
@@ -380,12 +374,9 @@ def _answer(request: dict[str, Any], memory: int) -> tuple[str, Any]:
     try:
         est = estimate(
             request["model"],
-            device=request["target"],
-            mode=request["mode"],
-            precision=request["precision"],
             batch_size=request["batch_size"],
             seq_len=request["seq_len"],
-            allocator_config=request.get("allocator_config"),
+            step=request["step"],
         )
     except BaseException as exc:  # the model's own code: any error is the estimate's
         if isinstance(exc, EstimateError):
