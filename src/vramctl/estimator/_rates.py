@@ -89,13 +89,12 @@ def measure_throughput(device: str | torch.device = "cpu", *, scale: float = 1.0
     ``scale`` grows the problem sizes (a GPU needs larger ones to reach its rates).
     Its training steps run backward whatever the caller's grad mode: an inference
     estimate (under ``no_grad`` or ``inference_mode``) may be what measures a machine first.
-    The random numbers it draws leave the caller's generators as they were (the first
-    estimate on a machine measures it, and a seeded run must not see that).
+    The CPU's random numbers it draws leave the caller's generator as it was (the first
+    estimate on a machine measures it, and a seeded run must not see that; a GPU is
+    measured only by ``vramctl calibrate``).
     """
-    dev = torch.device(device)
-    cuda = [dev.index or 0] if dev.type == "cuda" else []
-    with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=cuda):
-        return _measure_throughput(dev, scale)
+    with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]):
+        return _measure_throughput(torch.device(device), scale)
 
 
 def _measure_throughput(dev: torch.device, scale: float) -> Throughput:

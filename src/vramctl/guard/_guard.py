@@ -196,11 +196,11 @@ class Guard:
 
     ``model`` and ``optimizer`` make :meth:`step` a whole training step:
     ``loss_fn(model(batch), batch)`` (or the output's ``.loss`` or ``"loss"``, the
-    output itself when it is a scalar, or a tuple's scalar first item), backward, optional unscaling and clipping, the
-    optimizer step and ``zero_grad``. The model is called with a dict batch as
-    keyword arguments, a tuple or list as positional arguments, anything else
-    as its one argument; ``forward=(model, batch) -> output`` says otherwise
-    (``lambda m, b: m(b[0])`` for ``(inputs, targets)`` pairs).
+    output itself when it is a scalar, or a tuple's scalar first item), backward,
+    optional unscaling and clipping, the optimizer step and ``zero_grad``. The model is
+    called with a dict batch as keyword arguments, a tuple or list as positional
+    arguments, anything else as its one argument; ``forward=(model, batch) -> output``
+    says otherwise (``lambda m, b: m(b[0])`` for ``(inputs, targets)`` pairs).
     :meth:`infer` runs the model under
     ``torch.no_grad`` and returns its outputs. :func:`guarded` wraps any
     function instead of a model.
