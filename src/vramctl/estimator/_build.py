@@ -1,0 +1,106 @@
+"""Building a model on fake tensors: the module from its factory, fresh fake parameters and
+buffers for it, a private copy for a wrapper to change, and what the optimizer steps."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from vramctl._blocks import find_blocks
+from vramctl._errors import VramctlError
+from vramctl.estimator._spec import EstimateError
+
+__all__ = ["build_module", "fake_state", "largest_block", "private_copy", "trainable"]
+
+
+def build_module(name: str, obj: Any) -> nn.Module:
+    """``obj`` itself if it is a module, else what its factory builds (under the fake mode)."""
+    try:
+        model = obj if isinstance(obj, nn.Module) else _build(obj)
+    except VramctlError:
+        raise
+    except Exception as exc:
+        raise EstimateError(f"model {name} failed to build: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise EstimateError(f"model {name}'s factory returned a {type(model).__name__}")
+    return model
+
+
+def trainable(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters that take a gradient, each once (tied ones are one)."""
+    params: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    return params
+
+
+def largest_block(model: nn.Module) -> int:
+    """Parameters of the model's largest repeated block (what ZeRO-3 gathers at once)."""
+    return max((sum(p.numel() for p in b.parameters()) for b in find_blocks(model)), default=0)
+
+
+def _build(factory: Callable[[], Any]) -> Any:
+    """Call ``factory`` under the fake mode; if it converts a parameter (``.to(dtype)``
+    in ``__init__``), which a fake parameter refuses (``Module._apply`` swaps a fake
+    tensor, and the fake mode holds a weak reference to it), build it on the meta device
+    instead: the session gives every parameter and buffer a fresh fake tensor anyway."""
+    try:
+        return factory()
+    except RuntimeError as exc:
+        if "Couldn't swap" not in str(exc):
+            raise
+    with _disable_current_modes(), torch.device("meta"):
+        return factory()
+
+
+def fake_state(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Fresh fake parameters and buffers for ``model`` (tied ones stay tied), cast to ``dtype``."""
+    made: dict[int, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    named: list[tuple[str, torch.Tensor]] = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, t in named:
+        if id(t) not in made:
+            dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            f = torch.empty_strided(t.size(), t.stride(), dtype=dt, device="cpu")
+            if isinstance(t, nn.Parameter):
+                f.requires_grad_(t.requires_grad)
+            made[id(t)] = f
+        state[name] = made[id(t)]
+    return state
+
+
+def private_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are ``state``'s fake tensors (tied
+    ones stay tied), for a wrapper that changes the model it wraps (FSDP2 swaps in its
+    shards, DDP's stand-in adds hooks): the model given is left as it was, and no weight is
+    copied."""
+    memo: dict[int, Any] = {}
+    named: list[tuple[str, torch.Tensor]] = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, t in named:
+        if id(t) not in memo and name in state:
+            fake = state[name]
+            memo[id(t)] = (
+                nn.Parameter(fake, requires_grad=t.requires_grad)
+                if isinstance(t, nn.Parameter)
+                else fake
+            )
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:
+        raise EstimateError(
+            f"could not copy {type(model).__name__} to wrap it: {type(exc).__name__}: {exc}"
+        ) from exc

@@ -1,0 +1,281 @@
+"""From a step's trace to an :class:`Estimate`: the trace replayed through the CUDA
+caching-allocator model, the breakdown at the peak, whether it fits (at the point estimate
+and at the safe end), the notes, and the step's predicted time."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from vramctl._units import format_bytes
+from vramctl.estimator import _cuda_model
+from vramctl.estimator._allocator import (
+    AllocatorConfig,
+    AllocatorOutOfMemory,
+    CachingAllocatorModel,
+)
+from vramctl.estimator._calibration import measured_on
+from vramctl.estimator._cpu_kernels import rank_thread_count
+from vramctl.estimator._parallel import Parallel
+from vramctl.estimator._request import Step
+from vramctl.estimator._result import CATEGORIES, Estimate, no_bf16_note, uncalibrated_note
+from vramctl.estimator._spec import StepSpec
+from vramctl.estimator._target import Target
+from vramctl.estimator._timing import Rates, predict
+from vramctl.estimator._trace import Trace
+from vramctl.estimator._trace_step import Traced
+
+__all__ = ["NCCL_UNCERTAINTY", "Judged", "build_estimate"]
+
+#: What NCCL's communicator buffers may add on a GPU, outside PyTorch's allocator.
+NCCL_UNCERTAINTY = 1 << 30
+
+
+class Judged(Protocol):
+    """What an estimate reads of a session (:class:`~vramctl.estimator._session.Session`):
+    the model's name, its step, the device and how to judge and time the step there."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def spec(self) -> StepSpec: ...
+    @property
+    def target(self) -> Target: ...
+    @property
+    def parallel(self) -> Parallel | None: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+    @property
+    def parameter_count(self) -> int: ...
+    @property
+    def safe(self) -> bool: ...
+    @property
+    def request(self) -> Step | None: ...
+    @property
+    def rates(self) -> Rates | None: ...
+
+
+def build_estimate(
+    session: Judged,
+    traced: Traced,
+    *,
+    target_utilization: float,
+    seq_len: int | None,
+    seconds: float | None,
+    elapsed: float,
+    allocator_config: AllocatorConfig | None = None,
+) -> Estimate:
+    trace, target, spec = traced.trace, session.target, session.spec
+    par = session.parallel
+    host = 0
+    if par is not None and par.strategy == "fsdp" and par.offload:
+        trace, host = _offloaded(trace, traced.categories)
+    elif par is not None and par.zero_stage is not None:
+        host = traced.host
+    logical, at = trace.peak()
+    by_cat = dict.fromkeys(CATEGORIES, 0)
+    for sid in trace.live_at(at):
+        by_cat[traced.categories[sid]] += trace.records[sid].nbytes
+    peak_rec = trace.records[trace.events[at]] if at >= 0 else None
+    budget = int(target.capacity * target_utilization)
+    notes: list[str] = []
+    retries = {False: 0, True: 0}
+    fits = {False: False, True: False}  # at the point estimate, at the safe end
+    uncertainty = 0
+    calibrated = True
+    profile = None
+    if target.cuda:
+        consts = target.constants
+        context = consts.context_bytes + (consts.cudnn_context_bytes if traced.convolutions else 0)
+        if allocator_config is None and target.calibration is not None:
+            allocator_config = consts.allocator
+        alloc = _replay(trace, None, allocator_config)
+        allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
+        cal = target.calibration
+        same_gpu = cal is not None and measured_on(cal, target.name)
+        calibrated = same_gpu
+        profile = cal.describe() if cal is not None else None
+        uncertainty = _cuda_model.device_uncertainty(cal, same_gpu, traced.convolutions)
+        if par is not None and par.world_size > 1:
+            uncertainty += NCCL_UNCERTAINTY
+            notes.append(
+                f"NCCL's own buffers are outside PyTorch's allocator and not modelled: "
+                f"nvidia-smi may read up to {format_bytes(NCCL_UNCERTAINTY)} more per rank "
+                "(NVLS and many channels take the most)"
+            )
+        for safe in (False, True):
+            extra = context + (uncertainty if safe else 0)
+            fits[safe] = reserved + extra <= budget
+            if not fits[safe] and budget > extra:
+                try:
+                    tight = _replay(trace, budget - extra, allocator_config)
+                except AllocatorOutOfMemory:
+                    pass
+                else:
+                    fits[safe], retries[safe] = True, tight.alloc_retries
+        if retries[session.safe]:
+            notes.append(
+                f"fits only because the allocator frees its cache {retries[session.safe]} "
+                "time(s) (alloc retries slow a step)"
+            )
+        by_cat["allocator"] = reserved - logical
+        by_cat["context"] = context
+        peak_device = reserved + context
+        if cal is None:
+            varies = (
+                "the CUDA context and cuDNN's kernels and workspaces vary"
+                if traced.convolutions
+                else "the CUDA context varies"
+            )
+            notes.append(
+                f"CUDA constants: built-in values; nvidia-smi may read up to "
+                f"{format_bytes(uncertainty)} more ({varies} with the driver, CUDA version "
+                "and module loading)"
+            )
+        elif same_gpu:
+            notes.append(f"CUDA constants measured on {cal.describe()}")
+        else:
+            notes.append(
+                f"CUDA constants measured on {cal.describe()}, another GPU than "
+                f"{target.name}; nvidia-smi may read up to {format_bytes(uncertainty)} more"
+            )
+        if not calibrated:
+            notes.append(uncalibrated_note(target.name, target.capability is None))
+    else:
+        allocated = reserved = peak_device = logical
+        fits[False] = fits[True] = peak_device <= budget
+        notes.append("CPU target: live tensor bytes, no CUDA context or allocator modelled")
+        if par is not None and par.world_size > 1:
+            ranks = par.ranks_per_node or par.world_size
+            threads = rank_thread_count(ranks)
+            notes.append(
+                f"a CPU rank over gloo: its reduce-scatter's copy of the input is counted; "
+                f"kernel scratch measured with {threads} thread(s) a rank, as torchrun starts "
+                f"{ranks} rank(s) on a host"
+            )
+    request, rates = session.request, session.rates
+    tp = request.throughput if request is not None and request.throughput else None
+    if tp is None and rates is not None:
+        tp = rates.target(target)
+    timed = None
+    if tp is None:
+        notes.append(
+            f"step time: not predicted for a GPU known only by its size ({target.name}); "
+            "name a catalog GPU"
+        )
+    else:
+        on_host = target.cuda and any(c.phase == "host" for c in trace.costs)
+        tf32 = bool(request is not None and request.tf32)
+        timed = predict(
+            trace.costs,
+            tp,
+            tf32=target.cuda and _tf32_capable(target) and tf32,
+            host=rates.host() if on_host and rates is not None else None,
+        )
+    cc = target.capability
+    bf16 = torch.bfloat16 in (spec.param_dtype, spec.autocast_dtype)
+    if bf16 and target.cuda and cc is not None and not cc.bf16:
+        notes.append(no_bf16_note(target.name, str(cc)))
+    if spec.autocast_dtype is not None and target.cuda:
+        notes.append(
+            "autocast: CUDA's fp32 rules (norms, softmax, exp/log/pow, sums, losses) applied "
+            "to a CPU trace"
+        )
+    return Estimate(
+        model=session.name,
+        device=target.name,
+        capacity=target.capacity,
+        mode=spec.mode,
+        precision=spec.precision,
+        batch_size=traced.batch_size,
+        seq_len=seq_len,
+        seconds=seconds,
+        logical_peak=logical,
+        peak_allocated=allocated,
+        peak_reserved=reserved,
+        peak_device=peak_device,
+        breakdown=by_cat,
+        peak_op=peak_rec.op if peak_rec else "",
+        peak_module=peak_rec.module if peak_rec else "",
+        peak_phase=peak_rec.phase if peak_rec else "",
+        target_utilization=target_utilization,
+        fits=fits[session.safe],
+        assumptions=tuple(trace.assumptions),
+        notes=tuple(notes),
+        alloc_retries=retries[session.safe],
+        ops=trace.ops,
+        elapsed=elapsed,
+        parameters=session.parameter_count,
+        optimizer=_optimizer_name(session),
+        checkpointing=spec.checkpointing,
+        cuda=target.cuda,
+        calibration=profile,
+        calibrated=calibrated,
+        device_uncertainty=uncertainty,
+        safe=session.safe,
+        fits_point=fits[False],
+        fits_safe=fits[True],
+        flops=timed.flops if timed else sum(c.flops for c in trace.costs),
+        bytes_moved=timed.bytes if timed else sum(c.bytes for c in trace.costs),
+        step_seconds=timed.seconds if timed else None,
+        time_breakdown=dict(timed.by_group) if timed else {},
+        phase_seconds=dict(timed.by_phase) if timed else {},
+        throughput=tp.source if tp else None,
+        parallel=par.describe() if par is not None else None,
+        world_size=par.world_size if par is not None else 1,
+        host_per_rank=host,
+        host_per_node=host * ((par.ranks_per_node or par.world_size) if par else 1),
+    )
+
+
+def _offloaded(trace: Trace, categories: dict[int, str]) -> tuple[Trace, int]:
+    """One FSDP2 rank with CPU offload: its sharded parameters, gradients and optimizer
+    state (and the optimizer's step) are in host memory; the device keeps the rest."""
+    host = 0
+    records = []
+    for sid, rec in enumerate(trace.records):
+        cat = categories.get(sid, rec.category)
+        if cat in ("parameters", "gradients", "optimizer") or (
+            rec.phase == "optimizer" and cat == "temporaries"
+        ):
+            if cat != "temporaries":
+                host += rec.nbytes
+            rec = dataclasses.replace(rec, nbytes=0)
+        records.append(rec)
+    out = dataclasses.replace(trace, records=records)
+    return out, host
+
+
+def _replay(
+    trace: Trace, capacity: int | None, config: AllocatorConfig | None
+) -> CachingAllocatorModel:
+    cfg = config or AllocatorConfig()
+    if capacity is not None:
+        cfg = AllocatorConfig(**{**cfg.__dict__, "capacity": capacity})
+    alloc = CachingAllocatorModel(cfg)
+    handles: dict[int, int] = {}
+    records = trace.records
+    for e in trace.events:
+        if e >= 0:
+            handles[e] = alloc.malloc(records[e].nbytes)
+        else:
+            h = handles.pop(~e, None)
+            if h is not None:
+                alloc.free(h)
+    return alloc
+
+
+def _tf32_capable(target: Target) -> bool:
+    cc = target.capability
+    return cc is not None and cc.major >= 8
+
+
+def _optimizer_name(session: Judged) -> str | None:
+    if session.optimizer is None:
+        return None
+    opt = session.spec.optimizer
+    if isinstance(opt, str):
+        return opt
+    return str(getattr(opt, "__qualname__", None) or type(session.optimizer).__name__)
