@@ -217,6 +217,16 @@ def _raw_status(server: JobServer, method: str, path: str, headers: dict[str, st
     return _raw(server, method, path, headers)[0]
 
 
+def conn_page_size(db: Path) -> int:
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    try:
+        return int(conn.execute("PRAGMA page_size").fetchone()[0])
+    finally:
+        conn.close()
+
+
 def test_a_damaged_store_is_a_json_503_on_every_route(tmp_path: Path) -> None:
     import sqlite3
 
@@ -236,10 +246,11 @@ def test_a_damaged_store_is_a_json_503_on_every_route(tmp_path: Path) -> None:
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()
     size = db.stat().st_size
-    with open(db, "r+b") as f:  # garbage over every third page past the first
-        for offset in range(4096 * 2, size, 4096 * 3):
-            f.seek(offset + 100)
-            f.write(b"\xa5" * 2000)
+    page = conn_page_size(db)
+    with open(db, "r+b") as f:  # garbage over every page past the first (the schema's)
+        for offset in range(page, size, page):
+            f.seek(offset)
+            f.write(b"\xa5" * page)  # not a page of any kind SQLite writes
     with serve_jobs(port=0, store=db, devices=["sim:8GiB"], token=TOKEN) as srv:
         for method, path, body in (
             ("GET", "jobs", None),
