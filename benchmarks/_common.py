@@ -176,7 +176,7 @@ def profiled_peak(run: Callable[[], Any]) -> int:
 def cpu_step_peak(model: Any, data: Any, spec: Any, opt: Any) -> int:
     """The real CPU peak of one step: the live bytes before it (parameters, buffers,
     optimizer state, inputs) plus the profiler's peak during it, after a warm-up step."""
-    from vramctl.estimator import run_step
+    from vramctl.estimator._spec import run_step
 
     baseline = storages_bytes(held_tensors(model, data, opt))
     run_step(model, data, spec, opt)  # warm-up: one-off kernel caches, as on CUDA

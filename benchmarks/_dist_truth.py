@@ -314,8 +314,9 @@ def _setup(job: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     the model wrapped by ``parallelize`` before the optimizer is built over its parameters."""
     import torch
 
-    from vramctl.estimator import StepSpec, prepare_model, run_step, warm_optimizer, zoo
+    from vramctl.estimator import zoo
     from vramctl.estimator._parallel import Parallel, parallelize
+    from vramctl.estimator._spec import StepSpec, prepare_model, run_step, warm_optimizer
 
     parallel = Parallel(**job["parallel"])
     torch.manual_seed(0)
@@ -346,7 +347,7 @@ def _setup(job: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
 def _warm_up(job: dict[str, Any], wrapped: Any, data: Any, spec: Any, opt: Any) -> None:
     """The un-measured steps, then a collection: DDP rebuilds its buckets (in the order
     backward used them) at the start of its second step, so its steady state is the third."""
-    from vramctl.estimator import run_step
+    from vramctl.estimator._spec import run_step
 
     for _ in range(2 if job["parallel"]["strategy"] == "ddp" else 1):
         run_step(wrapped, data, spec, opt)
@@ -426,7 +427,7 @@ def _profiling(job: dict[str, Any]) -> Iterator[Any]:
 def _marked_step(wrapped: Any, data: Any, spec: Any, opt: Any) -> None:
     from torch.autograd.profiler import record_function
 
-    from vramctl.estimator import run_step
+    from vramctl.estimator._spec import run_step
 
     with record_function(MARKER):
         run_step(wrapped, data, spec, opt)

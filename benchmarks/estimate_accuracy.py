@@ -65,17 +65,8 @@ import psutil
 import torch
 
 from vramctl import format_bytes
-from vramctl.estimator import (
-    Calibration,
-    StepSpec,
-    calibrate,
-    estimate,
-    load_calibration,
-    prepare_model,
-    run_step,
-    warm_optimizer,
-    zoo,
-)
+from vramctl.estimator import Calibration, calibrate, estimate, load_calibration, zoo
+from vramctl.estimator._spec import StepSpec, prepare_model, run_step, warm_optimizer
 
 import _common
 from _common import error_stats as stats

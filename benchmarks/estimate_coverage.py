@@ -377,7 +377,7 @@ def reason_of(exc: BaseException) -> str:
 
 def real_peaks(batch_of: Any, build: Any) -> dict[str, int]:
     """The real CPU peak of a train and an infer step at batch 2 (``batch_of(mode)``)."""
-    from vramctl.estimator import StepSpec, prepare_model, warm_optimizer
+    from vramctl.estimator._spec import StepSpec, prepare_model, warm_optimizer
 
     out = {}
     for mode in ("train", "infer"):
@@ -409,7 +409,8 @@ def _fill(batch: Any) -> Any:
 def run_transformers(task: str, model_type: str, class_name: str, verbose: bool) -> Row:
     import transformers
 
-    from vramctl.estimator import config_model, estimate
+    from vramctl.estimator import estimate
+    from vramctl.estimator._hub import config_model
 
     row = Row(model_type, task, class_name)
     t0 = time.perf_counter()

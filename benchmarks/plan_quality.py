@@ -107,7 +107,7 @@ def _models() -> dict[str, tuple[Callable[[], Any], Callable[[int], Any]]]:
 
 
 def _effective_step(plan: Any, micro: list[Any]) -> Callable[[Any, Any], None]:
-    from vramctl.estimator import StepSpec
+    from vramctl.estimator._spec import StepSpec
 
     spec = StepSpec(precision=plan.precision)
 
@@ -202,7 +202,7 @@ def _savings(
     import torch
 
     import vramctl
-    from vramctl.estimator import run_target
+    from vramctl.estimator._target import run_target
     from vramctl.optimize import Plan, apply_checkpointing, find_blocks
 
     device = vramctl.simulate("64GiB")

@@ -11,7 +11,7 @@ import pytest
 from vramctl import VramctlError
 from vramctl._auth import find_token, token_ok
 from vramctl.jobs import JobClient, JobClientError
-from vramctl.monitor import check_bind
+from vramctl.monitor._http import check_bind
 from vramctl.server import service_token
 
 

@@ -257,7 +257,8 @@ class Built:
 
 def build(spec: dict[str, Any], device: str) -> Built:
     """The case's model and a batch on ``device`` (weights random, seed 0)."""
-    from vramctl.estimator import config_model, zoo
+    from vramctl.estimator import zoo
+    from vramctl.estimator._hub import config_model
 
     torch.manual_seed(0)
     kind, b = spec["kind"], spec["batch_size"]

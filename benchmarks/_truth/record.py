@@ -45,7 +45,7 @@ def op_name(func: Any) -> str:
 
 def prepare(spec: dict[str, Any], device: str) -> tuple[Built, Callable[[], None]]:
     """The case's model and batch on ``device`` and a function that runs one step."""
-    from vramctl.estimator import StepSpec, prepare_model, run_step, warm_optimizer
+    from vramctl.estimator._spec import StepSpec, prepare_model, run_step, warm_optimizer
 
     built = build(spec, device)
     opts = spec.get("options") or {}

@@ -7,17 +7,16 @@
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import TYPE_CHECKING, Any
+import importlib
+import typing
 
+from vramctl import _lazy
 from vramctl._errors import InvalidSizeError, UnknownDeviceError, VramctlError
-from vramctl._lazy import lazy_names
 from vramctl._na import NA, NotAvailable
 from vramctl._units import format_bytes, parse_size
 from vramctl._version import __version__
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from vramctl.batching import AdaptiveBatcher, BatchingError
     from vramctl.cache import TensorCache
     from vramctl.device import (
@@ -116,10 +115,9 @@ _LAZY = {
     ),
     "Monitor": "vramctl.monitor",
     **dict.fromkeys(
-        ("OptimizationReport", "Plan", "PlanResult", "optimize", "plan"),
+        ("OptimizationReport", "Plan", "PlanResult", "plan"),
         "vramctl.optimize",
     ),
-    "doctor": "vramctl.doctor",
 }
 
 __all__ = [
@@ -182,27 +180,13 @@ __all__ = [
 ]
 
 
-if not TYPE_CHECKING:  # mypy sees the imports above
-    __getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
+if not typing.TYPE_CHECKING:  # mypy sees the imports above (the functions)
+    _names, __dir__ = _lazy.lazy_names(__name__, _LAZY, __all__)
 
-
-#: The functions that share their name with their package.
-_SHADOWED = ("doctor", "optimize")
-
-
-class _Package(types.ModuleType):
-    """``vramctl.optimize`` and ``vramctl.doctor`` are the functions, not the packages of
-    those names.
-
-    Importing a subpackage binds it on its parent; the package ``vramctl.optimize``,
-    imported on its own (``from vramctl.optimize import plan``), must not replace
-    the function, which :func:`__getattr__` then finds in it (and so for ``doctor``).
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SHADOWED and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+    def __getattr__(name: str) -> typing.Any:
+        # ``doctor`` and ``optimize`` are packages that are called as their function
+        # (``vramctl.optimize(model)``, ``vramctl.optimize.find_blocks``): importing one
+        # binds it here.
+        if name in _lazy.CALLABLE_PACKAGES:
+            return importlib.import_module(f"{__name__}.{name}")
+        return _names(name)

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import importlib
 import sys
+import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["lazy_names"]
+__all__ = ["CALLABLE_PACKAGES", "callable_package", "lazy_names"]
+
+#: The packages of ``vramctl`` that are also called as the function of their name.
+CALLABLE_PACKAGES = ("doctor", "optimize")
 
 
 def lazy_names(
@@ -35,3 +39,21 @@ def lazy_names(
         return sorted({*vars(sys.modules[package]), *names})
 
     return __getattr__, __dir__
+
+
+def callable_package(package: str) -> None:
+    """Make ``package`` callable as its function of the same name.
+
+    ``vramctl.optimize`` is then both the package (``vramctl.optimize.find_blocks``,
+    ``import vramctl.optimize as m``) and the function (``vramctl.optimize(model)``),
+    whichever is imported first; so for ``vramctl.doctor``.
+    """
+    module = sys.modules[package]
+    function = package.rpartition(".")[2]
+
+    class CallablePackage(types.ModuleType):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self, function)(*args, **kwargs)
+
+    CallablePackage.__name__ = CallablePackage.__qualname__ = "CallablePackage"
+    module.__class__ = CallablePackage

@@ -27,7 +27,7 @@ from vramctl.batching import (
     QuadraticDuration,
     duration_edges,
 )
-from vramctl.estimator import run_target
+from vramctl.estimator._target import run_target
 
 
 def _lengths(n: int, seed: int = 0) -> list[float]:

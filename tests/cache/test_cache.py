@@ -24,7 +24,8 @@ from tests.cache.values import (
     make,
     tensor_bytes,
 )
-from vramctl.cache import ALIGN, POLICIES, TIERS, CacheError, TensorCache, ValueTooLargeError
+from vramctl.cache import POLICIES, TIERS, CacheError, TensorCache, ValueTooLargeError
+from vramctl.cache._pool import ALIGN
 
 NewCache = Callable[..., TensorCache]
 

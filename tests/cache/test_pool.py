@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from vramctl.cache import ALIGN, Block, HostPool
+from vramctl.cache import HostPool
+from vramctl.cache._pool import ALIGN, Block
 
 KiB = 2**10
 

@@ -17,7 +17,8 @@ from tests.guard.models import loss_fn
 from tests.guard.models import make as make_model
 from vramctl.cache import CacheError, TensorCache
 from vramctl.guard import Guard, _guard, relieve
-from vramctl.monitor import Alert, Level, Monitor, UsageRule, metrics_text
+from vramctl.monitor import Alert, Level, Monitor, UsageRule
+from vramctl.monitor._prometheus import metrics_text
 
 NewCache = Callable[..., TensorCache]
 

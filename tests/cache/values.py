@@ -11,7 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from vramctl.cache import TIERS, TensorCache
-from vramctl.device import active_simulation
+from vramctl.device._simulate import active_simulation
 
 KiB = 2**10
 MiB = 2**20

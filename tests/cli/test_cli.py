@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import vramctl
 from tests.fake_nvml import FakeGpu, FakeProcess, GiB
 from vramctl.cli._app import app
-from vramctl.device import cgroup_memory
+from vramctl.device._host import cgroup_memory
 
 runner = CliRunner()
 

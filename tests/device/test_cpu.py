@@ -7,7 +7,7 @@ import psutil
 
 import vramctl
 from vramctl import NA
-from vramctl.device import cgroup_memory
+from vramctl.device._host import cgroup_memory
 
 
 def test_cpu_memory_is_the_hosts() -> None:

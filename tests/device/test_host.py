@@ -9,7 +9,8 @@ import psutil
 import pytest
 
 import vramctl
-from vramctl.device import _host, affinity_cpus, cgroup_memory, cpu_quota
+from vramctl.device import _host
+from vramctl.device._host import affinity_cpus, cgroup_memory, cpu_quota
 
 GiB, MiB = 2**30, 2**20
 

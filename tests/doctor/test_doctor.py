@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 import vramctl
 from tests.fake_nvml import FakeGpu, FakeNvml, GiB, MiB
 from vramctl.cli._app import app
-from vramctl.device import cgroup_memory, cpu_quota, driver_info
+from vramctl.device import driver_info
+from vramctl.device._host import cgroup_memory, cpu_quota
 from vramctl.doctor import DoctorReport, Finding, _doctor, _gpu, _host, _packages, _torch, doctor
 
 runner = CliRunner()
@@ -577,7 +578,8 @@ def test_the_public_names() -> None:
     from vramctl.optimize import Finding as OldFinding
     from vramctl.optimize import doctor as old_doctor
 
-    assert vramctl.doctor is doctor and old_doctor is doctor
+    # vramctl.doctor is the package, called as its function.
+    assert vramctl.doctor.doctor is doctor and old_doctor is doctor and callable(vramctl.doctor)
     assert OldReport is DoctorReport and OldFinding is Finding
     assert doctor.__module__ == "vramctl.doctor._doctor"
     assert driver_info().to_dict()["nvml"] in (True, False)

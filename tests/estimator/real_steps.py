@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from vramctl._tensors import tensors
-from vramctl.estimator import StepSpec, prepare_model, run_step, warm_optimizer
+from vramctl.estimator._spec import StepSpec, prepare_model, run_step, warm_optimizer
 
 
 def cuda_step_peaks(model: nn.Module, batch: torch.Tensor, *, cold_cache: bool) -> tuple[int, int]:

@@ -11,8 +11,9 @@ from torch import nn
 
 import vramctl
 from tests.estimator.real_steps import cuda_step_peaks
-from vramctl.estimator import Calibration, calibrate, load_calibration, resolve_target
+from vramctl.estimator import Calibration, calibrate, load_calibration
 from vramctl.estimator._calibrate import CONVOLUTIONS
+from vramctl.estimator._target import resolve_target
 
 pytestmark = pytest.mark.cuda
 MiB, GiB = 2**20, 2**30

@@ -25,6 +25,7 @@ from vramctl.estimator import (
 )
 from vramctl.estimator._calibrate import _measure_in_child
 from vramctl.estimator._calibration import ENV_CALIBRATION, fit_constants, workspace_envelope
+from vramctl.estimator._target import resolve_target
 
 MiB = 2**20
 A10G = gpu_spec("A10G-24GB")
@@ -222,9 +223,9 @@ def test_a_saved_profile_is_found_for_its_gpu_without_being_named() -> None:
     cal = replace(fitted(), context_bytes=777 * MiB).save()
     est = lstm_train()
     assert est.breakdown["context"] == 777 * MiB
-    assert vramctl.estimator.resolve_target("A10G-24GB").calibration == cal
+    assert resolve_target("A10G-24GB").calibration == cal
     # The CPU takes no calibration.
-    assert vramctl.estimator.resolve_target("cpu").calibration is None
+    assert resolve_target("cpu").calibration is None
     assert lstm_train(calibration=False).breakdown["context"] != 777 * MiB
 
 

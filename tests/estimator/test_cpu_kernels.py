@@ -8,7 +8,8 @@ from torch import nn
 
 import vramctl
 from tests.estimator.real_steps import cpu_infer_peak, cpu_step_peak
-from vramctl.estimator import StepSpec, _cpu_kernels
+from vramctl.estimator import _cpu_kernels
+from vramctl.estimator._spec import StepSpec
 
 
 class PosConv(nn.Module):

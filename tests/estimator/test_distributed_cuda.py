@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vramctl.estimator import Parallel, StepSpec, estimate, parallelize, run_step, warm_optimizer
+from vramctl.estimator import Parallel, estimate, parallelize
+from vramctl.estimator._spec import StepSpec, run_step, warm_optimizer
 
 pytestmark = pytest.mark.cuda
 

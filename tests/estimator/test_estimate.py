@@ -10,7 +10,9 @@ from torch import nn
 
 import vramctl
 from tests.estimator.real_steps import cpu_step_peak, cuda_step_peaks
-from vramctl.estimator import EstimateError, StepSpec
+from vramctl.estimator import EstimateError
+from vramctl.estimator._spec import StepSpec
+from vramctl.estimator._target import resolve_target
 from vramctl.estimator.zoo import LstmLanguageModel
 
 
@@ -160,13 +162,13 @@ def test_bad_input_names_what_to_supply() -> None:
 def test_device_given_as_a_bad_size_says_what_is_wrong() -> None:
     for device in ("-3GiB", "sim:-3GiB", " -1G"):
         with pytest.raises(vramctl.InvalidSizeError, match="cannot be negative"):
-            vramctl.estimator.resolve_target(device)
+            resolve_target(device)
     with pytest.raises(vramctl.InvalidSizeError, match="positive"):
-        vramctl.estimator.resolve_target("0GiB")
+        resolve_target("0GiB")
     with pytest.raises(vramctl.InvalidSizeError, match="12gigs"):
-        vramctl.estimator.resolve_target("sim:12gigs")
-    assert vramctl.estimator.resolve_target("sim:2GiB").capacity == 2 * 2**30
-    assert vramctl.estimator.resolve_target(".5GiB").capacity == 2**29
+        resolve_target("sim:12gigs")
+    assert resolve_target("sim:2GiB").capacity == 2 * 2**30
+    assert resolve_target(".5GiB").capacity == 2**29
 
 
 def test_model_from_a_factory_path() -> None:

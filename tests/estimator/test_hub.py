@@ -16,8 +16,9 @@ import torch
 
 import vramctl
 from vramctl import VramctlError
-from vramctl.estimator import EstimateError, StepSpec, config_model
-from vramctl.estimator._hub import unknown_config_keys
+from vramctl.estimator import EstimateError
+from vramctl.estimator._hub import config_model, unknown_config_keys
+from vramctl.estimator._spec import StepSpec
 
 from .real_steps import cpu_step_peak
 

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 import vramctl
-from vramctl.estimator import EstimateError, Step, gpu_throughput
+from vramctl.estimator import EstimateError, Step
 from vramctl.estimator._request import STEP_FIELDS
+from vramctl.estimator._timing import gpu_throughput
 
 
 def model() -> nn.Module:

@@ -11,17 +11,10 @@ from typer.testing import CliRunner
 
 import vramctl
 from vramctl.cli._app import app
-from vramctl.estimator import (
-    Calibration,
-    Throughput,
-    builtin_calibration,
-    cpu_profile_path,
-    cpu_throughput,
-    gpu_throughput,
-    measure_throughput,
-)
+from vramctl.estimator import Calibration, Throughput, builtin_calibration
 from vramctl.estimator._opcost import OpCost
-from vramctl.estimator._timing import predict
+from vramctl.estimator._rates import cpu_profile_path, cpu_throughput, measure_throughput
+from vramctl.estimator._timing import gpu_throughput, predict
 
 
 class Mlp(nn.Module):

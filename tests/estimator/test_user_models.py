@@ -123,7 +123,7 @@ def test_scaled_dot_product_attention_scratch_on_cpu(mode: str) -> None:
     torch.manual_seed(0)
     x = torch.randn(4, 32, 64)
     est = vramctl.estimate(Attention(), x, device="cpu", mode=mode)
-    from vramctl.estimator import StepSpec
+    from vramctl.estimator._spec import StepSpec
 
     truth = cpu_step_peak(Attention(), x, StepSpec(mode=mode))
     assert abs(est.logical_peak - truth) / truth < 0.01

@@ -11,9 +11,10 @@ from torch import nn
 
 import vramctl
 from tests.fit.models import TokenMlp, mlp_batch, train_step
-from vramctl.fit import cache_root, fit_batch_size
+from vramctl.fit import fit_batch_size
 from vramctl.fit._cache import (
     ENV_CACHE_DIR,
+    cache_root,
     input_signature,
     load,
     model_identity,

@@ -14,14 +14,8 @@ import vramctl
 from tests.guard.models import loss_fn, make
 from tests.guard.test_guard import FWD, _full_grads, _grads, _pressured, _rel, _tanh_need
 from vramctl import VramctlError
-from vramctl.guard import (
-    Guard,
-    GuardError,
-    StepDoesNotFitError,
-    guarded,
-    merge_outputs,
-    split_batch,
-)
+from vramctl.guard import Guard, GuardError, StepDoesNotFitError, guarded
+from vramctl.guard._split import merge_outputs, split_batch
 
 
 def _grads_or_none(model: nn.Module) -> list[torch.Tensor | None]:

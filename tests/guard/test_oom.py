@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import vramctl
-from vramctl.guard import OomCounters, is_oom, merge_outputs, piece_sizes, split_batch
+from vramctl.guard import is_oom
+from vramctl.guard._oom import OomCounters
+from vramctl.guard._split import merge_outputs, piece_sizes, split_batch
 
 
 def test_types_and_messages_are_recognised() -> None:

@@ -27,8 +27,8 @@ from vramctl.jobs import (
     Scheduler,
     node_resources,
     ray_devices,
-    resource_name,
 )
+from vramctl.jobs._ray import resource_name
 
 ray = pytest.importorskip("ray")
 

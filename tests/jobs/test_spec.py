@@ -23,11 +23,10 @@ from vramctl.jobs import (
     ModelNeed,
     batch_plan,
     check_placeable,
-    job_env,
     load_spec,
-    matching_devices,
     price,
 )
+from vramctl.jobs._need import job_env, matching_devices
 
 GiB = 2**30
 

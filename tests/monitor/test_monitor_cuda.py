@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import vramctl
-from vramctl.monitor import FragmentationRule, Monitor, Profiler, Sample, metrics_text
+from vramctl.monitor import FragmentationRule, Monitor, Profiler, Sample
+from vramctl.monitor._prometheus import metrics_text
 
 pytestmark = pytest.mark.cuda
 

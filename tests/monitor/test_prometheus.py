@@ -15,14 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import vramctl
 from tests.fake_nvml import FakeGpu
-from vramctl.monitor import (
-    AddressError,
-    Monitor,
-    UsageRule,
-    _prometheus,
-    metrics_text,
-    serve_prometheus,
-)
+from vramctl.monitor import AddressError, Monitor, UsageRule, _prometheus, serve_prometheus
+from vramctl.monitor._prometheus import metrics_text
 
 MiB = 2**20
 
@@ -121,7 +115,7 @@ def test_a_port_in_use_is_a_clear_error() -> None:
 
 @pytest.mark.parametrize("text", ["abc", ":port", "host:99999"])
 def test_bad_addresses(text: str) -> None:
-    from vramctl.monitor import parse_address
+    from vramctl.monitor._http import parse_address
 
     with pytest.raises(AddressError):
         parse_address(text)

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import vramctl
-from vramctl.estimator import StepSpec, run_target
+from vramctl.estimator._spec import StepSpec
+from vramctl.estimator._target import run_target
 from vramctl.optimize import OffloadedOptimizer, OptimizeError, plan
 
 

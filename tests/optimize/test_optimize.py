@@ -36,8 +36,8 @@ def _train(model: nn.Module, step: StepHelper, batch: torch.Tensor, steps: int =
 # -- the function and what it returns -----------------------------------------------
 
 
-def test_the_top_level_name_is_the_function() -> None:
-    assert vramctl.optimize is optimize
+def test_the_top_level_name_is_the_package_called_as_the_function() -> None:
+    assert vramctl.optimize.optimize is optimize and callable(vramctl.optimize)
     assert vramctl.OptimizationReport is OptimizationReport
 
 

@@ -35,8 +35,8 @@ import torch
 from vramctl._units import format_bytes
 from vramctl.batching._adaptive import BatchingError
 from vramctl.device import Device, resolve
-from vramctl.estimator import Target, run_target
 from vramctl.estimator import estimate as estimate_step
+from vramctl.estimator._shared import Target, run_target
 
 __all__ = ["Budget", "MemoryBudget", "PaddedDuration", "QuadraticDuration"]
 

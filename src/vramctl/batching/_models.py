@@ -96,7 +96,7 @@ def load_model(spec: str | nn.Module | Callable[[], nn.Module] | ModelSource) ->
     if os.path.isdir(spec):
         return _pretrained(spec, local=True)
     if ":" in spec:
-        from vramctl.estimator import load_model_source
+        from vramctl.estimator._shared import load_model_source
 
         name, built = load_model_source(spec)
         kind = "module" if isinstance(built, nn.Module) else "factory"

@@ -71,7 +71,8 @@ from vramctl.batching._progress import ProgressStore, check_writable, failures_p
 from vramctl.batching._sampler import BucketingSampler
 from vramctl.batching._stream import Loaded, Remaining, count_records
 from vramctl.batching._worker import ModelFactory, Worker, model_factory
-from vramctl.device import Device, active_simulation, get_device, gpus, sort_devices, use_device
+from vramctl.device import Device, get_device, gpus, use_device
+from vramctl.device._shared import active_simulation, sort_devices
 
 __all__ = ["ProcessInterrupted", "ProcessResult", "ProcessStatus", "process", "progress_path"]
 

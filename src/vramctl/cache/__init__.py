@@ -11,20 +11,18 @@
 from __future__ import annotations
 
 from vramctl.cache._cache import CacheError, TensorCache, ValueTooLargeError
-from vramctl.cache._codec import Compressor, Layout, PartMeta, checksum, compressible
-from vramctl.cache._disk import CorruptItemError, DiskStore, encode_key
+from vramctl.cache._codec import Compressor, Layout
+from vramctl.cache._disk import CorruptItemError, DiskStore
 from vramctl.cache._ledger import TIERS
 from vramctl.cache._policy import LFU, LRU, POLICIES, SLRU, EvictionPolicy, make_policy
-from vramctl.cache._pool import ALIGN, Block, HostPool
+from vramctl.cache._pool import HostPool
 
 __all__ = [
-    "ALIGN",
     "LFU",
     "LRU",
     "POLICIES",
     "SLRU",
     "TIERS",
-    "Block",
     "CacheError",
     "Compressor",
     "CorruptItemError",
@@ -32,11 +30,7 @@ __all__ = [
     "EvictionPolicy",
     "HostPool",
     "Layout",
-    "PartMeta",
     "TensorCache",
     "ValueTooLargeError",
-    "checksum",
-    "compressible",
-    "encode_key",
     "make_policy",
 ]

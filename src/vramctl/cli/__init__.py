@@ -6,8 +6,8 @@ import copy
 import os
 import signal
 import sys
-from types import FrameType
-from typing import Any
+import types
+import typing
 
 __all__ = ["main"]
 
@@ -30,7 +30,7 @@ def main() -> None:
     _only_the_command(app, sys.argv[1:])()
 
 
-def _only_the_command(app: Any, args: list[str]) -> Any:
+def _only_the_command(app: typing.Any, args: list[str]) -> typing.Any:
     """``app``, or a copy that holds only the command ``args`` name.
 
     Typer builds every registered command's parameters before it runs one (a tenth of
@@ -48,7 +48,7 @@ def _only_the_command(app: Any, args: list[str]) -> Any:
     return only
 
 
-def _command_name(info: Any) -> str | None:
+def _command_name(info: typing.Any) -> str | None:
     if info.name:
         return str(info.name)
     if info.callback is None:
@@ -67,7 +67,7 @@ def _terminate_like_ctrl_c() -> None:
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return  # someone (a parent, an embedding program) chose otherwise
 
-    def interrupt(signum: int, frame: FrameType | None) -> None:
+    def interrupt(signum: int, frame: types.FrameType | None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)

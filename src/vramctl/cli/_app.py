@@ -442,7 +442,7 @@ def estimate_cmd(
     sizes = parse_batches(batch)
     batch_source: Any = None
     if batch_fn is not None:
-        from vramctl.estimator import load_model_source
+        from vramctl.estimator._shared import load_model_source
 
         _, batch_source = load_model_source(batch_fn)
     step = vramctl.Step(
@@ -552,7 +552,7 @@ def estimate_cmd(
         if best.max_length is not None:
             ceiling = ""
             if best.length_at_ceiling:
-                from vramctl.estimator import LENGTH_BOUND
+                from vramctl.estimator._shared import LENGTH_BOUND
 
                 bound = LENGTH_BOUND.get(best.length_arg or "", math.inf)
                 ceiling = (

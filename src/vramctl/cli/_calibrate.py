@@ -26,7 +26,8 @@ def _value(name: str, v: Any) -> str:
 
 
 def _print_profile(cal: Calibration) -> None:
-    from vramctl.estimator import builtin_calibration, constant_rows
+    from vramctl.estimator import builtin_calibration
+    from vramctl.estimator._shared import constant_rows
 
     builtin = builtin_calibration(cal.device, cal.capability)
     table = Table(title=f"CUDA constants of {cal.describe()}", title_justify="left")
@@ -103,7 +104,7 @@ def _check_out(out: Path, save: bool) -> None:
 
 
 def _calibrate_cpu(save: bool, as_json: bool) -> None:
-    from vramctl.estimator import cpu_profile_path, cpu_throughput
+    from vramctl.estimator._shared import cpu_profile_path, cpu_throughput
 
     with err.status("measuring this CPU's throughput", spinner="dots"):
         tp = cpu_throughput(remeasure=True, save=save)

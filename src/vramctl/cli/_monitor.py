@@ -223,7 +223,8 @@ def monitor_cmd(
     _check_levels("host", host_warning, host_critical)
     check_seconds("--hold", hold, "5", zero=True)
     check_seconds("--horizon", horizon, "60")
-    from vramctl.monitor import Monitor, parse_address, serve_prometheus
+    from vramctl.monitor import Monitor, serve_prometheus
+    from vramctl.monitor._shared import parse_address
 
     rules = _rules(gpu_warning, gpu_critical, host_warning, host_critical, hold, horizon)
     mon = Monitor(device or None, interval, rules=rules)

@@ -257,7 +257,7 @@ def estimate_table(results: list[Estimate]) -> Table:
 def max_batch_lines(best: MaxBatch, batch_fn: str | None = None, what: str = "batch") -> list[str]:
     """What ``estimate --max-batch`` says: the answer and what it rests on, or that there
     is none up to where the search could go (``what``: "batch", or "micro-batch per rank")."""
-    from vramctl.estimator import SEARCH_INPUT_BYTES
+    from vramctl.estimator._shared import SEARCH_INPUT_BYTES
 
     lines: list[str] = []
     per = f"{format_bytes(best.per_sample)} per sample"

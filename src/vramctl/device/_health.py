@@ -23,6 +23,8 @@ T = TypeVar("T")
 
 
 class HealthState(str, enum.Enum):
+    """Whether a device takes work: available, busy, in error or disabled by its policy."""
+
     AVAILABLE = "available"
     BUSY = "busy"
     ERROR = "error"

@@ -9,8 +9,8 @@ cuDNN), ``_host`` (``/dev/shm``, the cgroup memory limit, swap, CPU threads) and
 ``_packages`` (the Python packages); ``_report`` holds the findings and the report,
 ``_doctor`` the run.
 
-The function ``vramctl.doctor`` shadows this package as an attribute of ``vramctl``; import
-the package's names from it (``from vramctl.doctor import DoctorReport``).
+The package is also the function of its name: ``vramctl.doctor(...)`` calls
+:func:`doctor`, and ``vramctl.doctor.DoctorReport`` is this package's name.
 
 >>> from vramctl.doctor import doctor
 >>> report = doctor()
@@ -22,12 +22,12 @@ True
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import typing
 
-from vramctl._lazy import lazy_names
+from vramctl import _lazy
 from vramctl.doctor._report import DoctorReport, Finding
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from vramctl.doctor._doctor import doctor
 
 # The run imports PyTorch: imported on first use (PEP 562), so that the report's types
@@ -37,5 +37,7 @@ _LAZY = {"doctor": "vramctl.doctor._doctor"}
 __all__ = ["DoctorReport", "Finding", "doctor"]
 
 
-if not TYPE_CHECKING:  # mypy sees the imports above
-    __getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
+if not typing.TYPE_CHECKING:  # mypy sees the imports above
+    __getattr__, __dir__ = _lazy.lazy_names(__name__, _LAZY, __all__)
+
+_lazy.callable_package(__name__)

@@ -20,12 +20,12 @@ from vramctl.device import (
     Device,
     DriverInfo,
     GpuSettings,
-    cpu_quota,
     driver_info,
     get_device,
     gpu_settings,
     gpus,
 )
+from vramctl.device._shared import cpu_quota
 from vramctl.doctor._gpu import (
     check_driver,
     check_ecc,

@@ -11,7 +11,7 @@ import psutil
 import torch
 
 from vramctl._units import format_bytes
-from vramctl.device import affinity_cpus, cgroup_memory
+from vramctl.device._shared import affinity_cpus, cgroup_memory
 from vramctl.doctor._report import Finding
 
 __all__ = [

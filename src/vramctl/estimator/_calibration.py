@@ -310,7 +310,8 @@ def list_calibrations(config_dir: str | os.PathLike[str] | None = None) -> list[
 
 
 def _catalog_name(device: str) -> str | None:
-    from vramctl.device import gpu_spec, match_gpu_name
+    from vramctl.device import gpu_spec
+    from vramctl.device._shared import match_gpu_name
 
     spec = match_gpu_name(device)
     if spec is None:

@@ -30,9 +30,10 @@ import torch
 from vramctl.device import Device
 from vramctl.fit._result import FitError
 from vramctl.fit._search import Probe
-from vramctl.guard import OomCounters, is_oom, release, requested_bytes
+from vramctl.guard import is_oom, release
+from vramctl.guard._shared import OomCounters, requested_bytes
 
-__all__ = ["Prober", "preserved", "requested_bytes", "rng_kept", "to_host"]
+__all__ = ["Prober", "preserved", "rng_kept", "to_host"]
 
 
 _MISSING = object()

@@ -24,7 +24,8 @@ import torch
 
 from vramctl._step import call_model
 from vramctl.device import Device
-from vramctl.estimator import Target, max_batch_size, resolve_target, run_target
+from vramctl.estimator import max_batch_size
+from vramctl.estimator._shared import Target, resolve_target, run_target
 
 __all__ = ["as_called", "batch_structure", "predict"]
 

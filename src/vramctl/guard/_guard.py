@@ -89,6 +89,7 @@ def add_listener(fn: Callable[[GuardEvent], None]) -> None:
 
 
 def remove_listener(fn: Callable[[GuardEvent], None]) -> None:
+    """Stop calling ``fn`` on guard events (see :func:`add_listener`); a no-op if not added."""
     with contextlib.suppress(ValueError):
         _listeners.remove(fn)
 
@@ -113,6 +114,7 @@ def add_reliever(fn: Callable[[Device, int], int]) -> None:
 
 
 def remove_reliever(fn: Callable[[Device, int], int]) -> None:
+    """Stop asking ``fn`` to free memory (see :func:`add_reliever`); a no-op if not added."""
     with contextlib.suppress(ValueError):
         _relievers.remove(fn)
 

@@ -9,7 +9,7 @@ every sample, a flag) is given whole to every piece. Pieces are contiguous and
 in order, so every sample is in exactly one piece.
 
 >>> import torch
->>> from vramctl.guard import split_batch, merge_outputs
+>>> from vramctl.guard._split import split_batch, merge_outputs
 >>> batch = {"x": torch.arange(10).view(5, 2), "ids": list("abcde"), "scale": 2.0}
 >>> pieces = split_batch(batch, 2)
 >>> [p["ids"] for p in pieces]

@@ -27,7 +27,8 @@ from transformers import (  # noqa: E402
 )
 
 from vramctl.device import Device  # noqa: E402
-from vramctl.fit import FitError, FitResult, cache_root, fit_batch_size  # noqa: E402
+from vramctl.fit import FitError, FitResult, fit_batch_size  # noqa: E402
+from vramctl.fit._shared import cache_root  # noqa: E402
 from vramctl.integrations._data import batch_maker, loss_of, split_effective_batch  # noqa: E402
 from vramctl.integrations._hf_common import (  # noqa: E402
     TrainerIntegrationError,

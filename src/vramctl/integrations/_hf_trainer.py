@@ -21,14 +21,11 @@ require(
 from transformers import Trainer  # noqa: E402
 
 from vramctl.device import Device  # noqa: E402
-from vramctl.guard import (  # noqa: E402
-    Guard,
-    GuardEvent,
+from vramctl.guard import Guard, GuardEvent, is_oom, release  # noqa: E402
+from vramctl.guard._shared import (  # noqa: E402
     OomCounters,
     batch_size_of,
     drop_grads,
-    is_oom,
-    release,
     restore_grads,
     slice_batch,
     stash_grads,

@@ -10,7 +10,7 @@ size (many failed starts, silently, down to zero), this one measures:
 - each call is a *probe*: a global optimizer-step hook counts the optimizer steps, and the
   device's peak meter measures the peak device memory over the first ``steps_per_probe``
   of them; the probe fits when that peak stays within ``target`` of the device's capacity;
-- then, if the search (:class:`vramctl.fit.Search`, the one behind
+- then, if the search (``vramctl.fit._search.Search``, the one behind
   :func:`vramctl.fit.fit_batch_size`) is settled, the call simply goes on: the last probe
   *is* the run, so when the first size fits nothing extra is run at all; otherwise the hook
   ends the call and the search picks the next size from the measured peaks (up from a
@@ -62,8 +62,10 @@ from vramctl._errors import VramctlError
 from vramctl._optional import require
 from vramctl._units import format_bytes
 from vramctl.device import Device, PeakMeter, resolve
-from vramctl.fit import Probe, Search, requested_bytes, to_host
-from vramctl.guard import OomCounters, is_oom, release
+from vramctl.fit import Probe
+from vramctl.fit._shared import Search, to_host
+from vramctl.guard import is_oom, release
+from vramctl.guard._shared import OomCounters, requested_bytes
 
 require("accelerate", extra="accelerate", what="vramctl.integrations.accelerate")
 

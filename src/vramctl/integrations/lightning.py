@@ -39,16 +39,8 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 
 from vramctl.device import Device, resolve  # noqa: E402
 from vramctl.fit import FitResult, fit_batch_size  # noqa: E402
-from vramctl.guard import (  # noqa: E402
-    Guard,
-    GuardEvent,
-    OomCounters,
-    batch_size_of,
-    drop_grads,
-    is_oom,
-    restore_grads,
-    stash_grads,
-)
+from vramctl.guard import Guard, GuardEvent, is_oom  # noqa: E402
+from vramctl.guard._shared import OomCounters, batch_size_of, drop_grads, restore_grads, stash_grads  # noqa: E402
 from vramctl.integrations._data import batch_maker, loss_of  # noqa: E402
 from vramctl.monitor import Alert, LeakReport, Monitor  # noqa: E402
 

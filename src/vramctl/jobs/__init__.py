@@ -6,14 +6,13 @@ The layer between the run-time layers (``fit``, ``batching``, ``monitor``, ``gua
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import typing
 
-from vramctl._lazy import lazy_names
-from vramctl.jobs._client import JobClient, JobClientError, job_from_dict
+from vramctl import _lazy
+from vramctl.jobs._client import JobClient, JobClientError
 from vramctl.jobs._queue import Queue
 from vramctl.jobs._settings import POLICIES, Settings, load_settings
 from vramctl.jobs._spec import (
-    MAX_SIZE,
     DeviceConstraints,
     GuardOptions,
     JobSpec,
@@ -24,16 +23,13 @@ from vramctl.jobs._spec import (
 )
 from vramctl.jobs._store import ACTIVE, FINISHED, STATES, Job, JobStore, JobStoreError, vramctl_home
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from vramctl.jobs._ledger import AdmissionError, Ledger, Reservation
     from vramctl.jobs._need import (
         BATCH_SIZE_ENV,
         GRAD_ACCUM_ENV,
         batch_plan,
         check_placeable,
-        device_capacity,
-        job_env,
-        matching_devices,
         price,
     )
     from vramctl.jobs._placement import (
@@ -54,9 +50,7 @@ if TYPE_CHECKING:
         RayRunner,
         connect,
         node_resources,
-        outside_vramctl,
         ray_devices,
-        resource_name,
     )
     from vramctl.jobs._scheduler import LocalRunner, Runner, Scheduler
 
@@ -71,9 +65,6 @@ _LAZY = {
             "GRAD_ACCUM_ENV",
             "batch_plan",
             "check_placeable",
-            "device_capacity",
-            "job_env",
-            "matching_devices",
             "price",
         ),
         "vramctl.jobs._need",
@@ -100,9 +91,7 @@ _LAZY = {
             "RayRunner",
             "connect",
             "node_resources",
-            "outside_vramctl",
             "ray_devices",
-            "resource_name",
         ),
         "vramctl.jobs._ray",
     ),
@@ -114,7 +103,6 @@ __all__ = [
     "BATCH_SIZE_ENV",
     "FINISHED",
     "GRAD_ACCUM_ENV",
-    "MAX_SIZE",
     "POLICIES",
     "STATES",
     "AdmissionError",
@@ -152,20 +140,14 @@ __all__ = [
     "batch_plan",
     "check_placeable",
     "connect",
-    "device_capacity",
-    "job_env",
-    "job_from_dict",
     "load_settings",
     "load_spec",
-    "matching_devices",
     "node_resources",
-    "outside_vramctl",
     "price",
     "ray_devices",
-    "resource_name",
     "vramctl_home",
 ]
 
 
-if not TYPE_CHECKING:  # mypy sees the imports above
-    __getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
+if not typing.TYPE_CHECKING:  # mypy sees the imports above
+    __getattr__, __dir__ = _lazy.lazy_names(__name__, _LAZY, __all__)

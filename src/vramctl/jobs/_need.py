@@ -1,6 +1,7 @@
 """A spec's memory need priced on a device, whether any device can take it, and the batch plan.
 
->>> from vramctl.jobs import JobSpec, batch_plan, job_env
+>>> from vramctl.jobs import JobSpec, batch_plan
+>>> from vramctl.jobs._need import job_env
 >>> spec = JobSpec.from_dict({"name": "t", "command": ["python", "t.py"], "memory": "4GiB",
 ...                           "batch_size": 32, "effective_batch": 96})
 >>> batch_plan(spec, 20)

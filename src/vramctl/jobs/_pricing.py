@@ -19,7 +19,7 @@ own instead, started on the first estimate and kept for the next ones:
   one.
 
 The device is resolved here, in the caller's process (its reading, a calibration profile),
-and sent as a :class:`~vramctl.estimator.Target`: a job is priced as in-process pricing
+and sent as a target (``vramctl.estimator._target.Target``): a job is priced as in-process pricing
 prices it. Requests and answers are pickled frames, each after its length (8 bytes,
 big-endian), over the worker's stdin and stdout; what the model prints goes to its stderr.
 """
@@ -115,7 +115,8 @@ class EstimateWorker:
         batch_size: int | None = None,
         seq_len: int | None = None,
     ) -> int:
-        from vramctl.estimator import EstimateError, resolve_target
+        from vramctl.estimator import EstimateError
+        from vramctl.estimator._shared import resolve_target
 
         request = {
             "model": model,

@@ -25,7 +25,7 @@ from vramctl.monitor._alerts import (
     default_rules,
 )
 from vramctl.monitor._history import ExportError, History, Peak, Sample, load_jsonl
-from vramctl.monitor._http import AddressError, check_bind, parse_address
+from vramctl.monitor._http import AddressError
 from vramctl.monitor._leak import (
     LeakDetector,
     LeakDetectorError,
@@ -34,9 +34,9 @@ from vramctl.monitor._leak import (
     LeakSuspect,
 )
 from vramctl.monitor._monitor import Event, Monitor, MonitorError
-from vramctl.monitor._plot import plot, static_file
+from vramctl.monitor._plot import plot
 from vramctl.monitor._profile import OpStats, Profiler, profile, profiler
-from vramctl.monitor._prometheus import MetricsServer, metrics_text, serve_prometheus
+from vramctl.monitor._prometheus import MetricsServer, serve_prometheus
 
 __all__ = [
     "AddressError",
@@ -66,15 +66,11 @@ __all__ = [
     "Sample",
     "Shrink",
     "UsageRule",
-    "check_bind",
     "cleanup",
     "default_rules",
     "load_jsonl",
-    "metrics_text",
-    "parse_address",
     "plot",
     "profile",
     "profiler",
     "serve_prometheus",
-    "static_file",
 ]

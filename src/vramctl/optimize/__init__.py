@@ -6,12 +6,13 @@ for the fastest step that fits. It sits above the estimator (which prices memory
 and time) and the guard. ``doctor``, the environment's check, is the package
 :mod:`vramctl.doctor`'s; its names are re-exported here as they were before it moved.
 
-The function ``vramctl.optimize`` shadows this package as an attribute of ``vramctl``;
-import the package's names from it (``from vramctl.optimize import OptimizationReport``).
+The package is also the function of its name: ``vramctl.optimize(...)`` calls
+:func:`optimize`, and ``vramctl.optimize.find_blocks`` is this package's name.
 """
 
 from __future__ import annotations
 
+from vramctl import _lazy
 from vramctl.doctor import DoctorReport, Finding, doctor
 from vramctl.optimize._apply import Optimized, optimize
 from vramctl.optimize._apply_plan import AppliedPlan, apply_plan
@@ -41,3 +42,5 @@ __all__ = [
     "optimize",
     "plan",
 ]
+
+_lazy.callable_package(__name__)

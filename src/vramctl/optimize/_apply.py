@@ -15,7 +15,8 @@ from torch import nn
 
 from vramctl._na import NA
 from vramctl._units import format_bytes
-from vramctl.device import Device, affinity_cpus, cpu_quota, resolve
+from vramctl.device import Device, resolve
+from vramctl.device._shared import affinity_cpus, cpu_quota
 from vramctl.estimator import Estimate, estimate
 from vramctl.optimize._checkpoint import KINDS, apply_checkpointing, find_blocks, is_checkpointed
 from vramctl.optimize._checkpoint import has_transformers_checkpointing as _hf_checkpointing

@@ -34,17 +34,8 @@ from torch import nn
 from vramctl._errors import VramctlError
 from vramctl._units import format_bytes
 from vramctl.device import ComputeCapability, Device
-from vramctl.estimator import (
-    Estimate,
-    EstimateError,
-    Parallel,
-    Step,
-    Target,
-    max_batch_size,
-    resolve_source,
-    resolve_target,
-    run_target,
-)
+from vramctl.estimator import Estimate, EstimateError, Parallel, Step, max_batch_size
+from vramctl.estimator._shared import Target, resolve_source, resolve_target, run_target
 from vramctl.optimize._checkpoint import apply_checkpointing, find_blocks
 from vramctl.optimize._errors import OptimizeError
 

@@ -7,9 +7,9 @@ needs a token. See ``docs/dashboard.md``.
 
 from __future__ import annotations
 
-from vramctl._optional import EXTRAS, require
+from vramctl import _optional
 
-require(EXTRAS["server"], extra="server", what="the vramctl dashboard")
+_optional.require(_optional.EXTRAS["server"], extra="server", what="the vramctl dashboard")
 
 from vramctl.server._dashboard import (  # noqa: E402
     DashboardServer,
@@ -17,13 +17,7 @@ from vramctl.server._dashboard import (  # noqa: E402
     dashboard_router,
     serve_dashboard,
 )
-from vramctl.server._jobs import (  # noqa: E402
-    ApiError,
-    JobService,
-    install_error_handlers,
-    jobs_router,
-    service_token,
-)
+from vramctl.server._jobs import ApiError, JobService, jobs_router, service_token  # noqa: E402
 from vramctl.server._service import JobServer, serve_jobs  # noqa: E402
 
 __all__ = [
@@ -33,7 +27,6 @@ __all__ = [
     "JobService",
     "create_app",
     "dashboard_router",
-    "install_error_handlers",
     "jobs_router",
     "serve_dashboard",
     "serve_jobs",

@@ -45,7 +45,8 @@ from vramctl._auth import host_allowed, token_ok
 from vramctl._na import NA
 from vramctl._units import format_bytes
 from vramctl._version import __version__
-from vramctl.monitor import AddressError, Event, Monitor, check_bind, static_file
+from vramctl.monitor import AddressError, Event, Monitor
+from vramctl.monitor._shared import check_bind, static_file
 
 __all__ = [
     "HISTORY_WINDOW",
@@ -431,7 +432,7 @@ def _router(monitor: Monitor, title: str) -> _DashboardRouter:
     def metrics(request: Request) -> PlainTextResponse:
         """The monitor's metrics in Prometheus's text format (and those of the collectors
         in the app's ``vramctl_collectors`` state: the job service's)."""
-        from vramctl.monitor import metrics_text
+        from vramctl.monitor._shared import metrics_text
 
         extra = getattr(request.app.state, "vramctl_collectors", ())
         return PlainTextResponse(

@@ -49,7 +49,7 @@ from vramctl.jobs import (
     check_placeable,
     vramctl_home,
 )
-from vramctl.jobs import device_capacity as capacity_of
+from vramctl.jobs._shared import device_capacity as capacity_of
 
 log = logging.getLogger("vramctl.server")
 
