@@ -1,4 +1,5 @@
-"""The examples in the README, the docs and the docstrings run as written."""
+"""The examples in the README, the docs and the docstrings run as written (the command lines
+of the shell blocks are parsed by tests/cli/test_doc_commands.py)."""
 
 from __future__ import annotations
 
