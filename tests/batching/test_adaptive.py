@@ -407,3 +407,25 @@ def test_a_guard_event_makes_the_next_batches_smaller() -> None:
     batcher.on_guard_event(GuardEvent("grow", 0, first, 1, None))
     batcher.on_guard_event(GuardEvent("oom", 0, first, 2, first // 2))
     assert len(next(it)[0]) < first
+
+
+def test_estimate_options_as_a_step_or_a_mapping_give_the_same_cost() -> None:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(200, 256), torch.randint(0, 10, (200,)))
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    gpu = vramctl.simulate("T4-16GB")
+
+    def cost(options: Any) -> int:
+        batcher = AdaptiveBatcher(
+            data,
+            device=gpu,
+            model=model,
+            model_input=lambda batch: batch[0],
+            max_batch=64,
+            estimate_options=options,
+        )
+        return batcher.per_sample_bytes
+
+    as_mapping = cost({"precision": "bf16"})
+    assert as_mapping == cost(vramctl.Step(precision="bf16"))
+    assert as_mapping < cost(None)  # bf16 activations: half the fp32 default's

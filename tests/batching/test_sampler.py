@@ -337,6 +337,25 @@ class Conv(nn.Module):
         return self.head(self.net(x.unsqueeze(1)).transpose(1, 2))
 
 
+def test_memory_budget_takes_the_estimates_options_as_a_step_or_one_by_one() -> None:
+    rate = 1000
+    with vramctl.simulate("64MiB") as gpu, torch.inference_mode():
+        model = Conv().eval()
+
+        def make(n: int, seconds: float) -> torch.Tensor:
+            return torch.zeros(n, max(1, round(seconds * rate)))
+
+        def table(**options: Any) -> list[tuple[float, int]]:
+            mb = MemoryBudget.for_model(model, make, max_duration=8.0, device=gpu, **options)
+            return mb.table([2.0, 8.0])
+
+        one_by_one = table(precision="bf16")
+        assert one_by_one == table(step=vramctl.Step(precision="bf16"))
+        assert one_by_one != table()  # bf16 activations: more items fit than in fp32
+        with pytest.raises(BatchingError, match="not both: precision"):
+            table(step=vramctl.Step(), precision="bf16")
+
+
 def test_memory_budget_predicts_batches_that_run_within_a_simulated_gpu() -> None:
     torch.manual_seed(0)
     rate = 1000  # samples per second: small tensors, the same shape of cost

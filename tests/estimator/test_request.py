@@ -117,3 +117,33 @@ def test_two_threads_estimate_at_once_each_with_its_own_request() -> None:
     assert not errors, errors
     assert len(got) == len(steps)
     assert all(seconds == alone[tf32] for tf32, seconds in got), (got, alone)
+
+
+# -- Step.of: a caller's defaults under a user's request -------------------------------
+
+
+def test_of_a_mapping_takes_its_keys_as_given_and_the_defaults_for_the_rest() -> None:
+    step = Step.of({"precision": "bf16", "safe": True}, mode="inference", safe=False)
+    assert (step.precision, step.mode, step.safe) == ("bf16", "inference", True)
+    assert Step.of(None, mode="inference") == Step(mode="inference")
+
+
+def test_of_a_step_fills_only_what_it_leaves_at_the_default() -> None:
+    given = Step(precision="bf16", optimizer="sgd")
+    step = Step.of(given, precision="fp32", optimizer="adamw", mode="inference", safe=False)
+    assert (step.precision, step.optimizer) == ("bf16", "sgd")  # the step's own
+    assert (step.mode, step.safe) == ("inference", False)  # at the default: the caller's
+
+
+def test_of_refuses_what_is_not_a_field() -> None:
+    with pytest.raises(EstimateError, match="not an option of an estimate: seq_len"):
+        Step.of({"precision": "bf16", "seq_len": 128})
+    with pytest.raises(EstimateError, match=r"not a field of vramctl\.Step: sequence"):
+        Step.of(None, sequence=1)
+    with pytest.raises(EstimateError, match=r"a vramctl\.Step or a mapping"):
+        Step.of(["bf16"])  # type: ignore[arg-type]
+
+
+def test_split_separates_a_searchs_own_arguments() -> None:
+    fields, rest = Step.split({"precision": "bf16", "limit": 8, "seq_len": 16})
+    assert fields == {"precision": "bf16"} and rest == {"limit": 8, "seq_len": 16}

@@ -292,3 +292,39 @@ def test_the_estimate_for_a_gpu_leaves_out_what_other_processes_hold(
     idle = vramctl.get_device("cuda:1")
     share = _estimator_target(idle, 0.9, model, None)
     assert share is not None and share[1] == pytest.approx((0.9 * total - gpus[1].used) / total)
+
+
+def test_estimate_options_as_a_step_or_a_mapping_seed_the_same_search() -> None:
+    # The options reach the estimate as one vramctl.Step, whichever way they are given;
+    # fp16 activations seed a larger batch than the fp32 default.
+    seeds = {}
+    for name, options in (
+        ("none", None),
+        ("mapping", {"precision": "amp-fp16"}),
+        ("step", vramctl.Step(precision="amp-fp16")),
+    ):
+        with vramctl.simulate("48MiB"):
+            torch.manual_seed(0)
+            model = TokenMlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            fit = fit_batch_size(
+                train_step(model, opt),
+                mlp_batch,
+                model=model,
+                optimizer=opt,
+                cache=False,
+                max_probes=1,
+                estimate_options=options,
+            )
+        seeds[name] = fit.predicted
+    assert seeds["mapping"] == seeds["step"] is not None
+    assert seeds["none"] is not None and seeds["step"] > seeds["none"]
+
+
+def test_estimate_options_of_another_type_are_refused() -> None:
+    with (
+        vramctl.simulate("48MiB"),
+        pytest.raises(FitError, match=r"vramctl\.Step or a mapping"),
+    ):
+        options: Any = ["fp16"]
+        fit_batch_size(lambda b: None, mlp_batch, cache=False, estimate_options=options)

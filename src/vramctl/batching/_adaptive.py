@@ -24,7 +24,7 @@ from vramctl._errors import VramctlError
 from vramctl._tensors import tensors
 from vramctl._units import format_bytes, parse_size
 from vramctl.device import Device, resolve
-from vramctl.estimator import max_batch_size
+from vramctl.estimator import Step, max_batch_size
 
 __all__ = ["AdaptiveBatcher", "BatchingError", "MapDataset"]
 
@@ -85,7 +85,7 @@ class AdaptiveBatcher:
         mode: str = "train",
         optimizer: str | Callable[..., torch.optim.Optimizer] | None = "adamw",
         model_input: Callable[[Any], Any] | None = None,
-        estimate_options: Mapping[str, Any] | None = None,
+        estimate_options: Step | Mapping[str, Any] | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         min_batch: int = 1,
         max_batch: int | None = None,
@@ -161,7 +161,7 @@ class AdaptiveBatcher:
         mode: str,
         optimizer: str | Callable[..., torch.optim.Optimizer] | None,
         model_input: Callable[[Any], Any] | None,
-        options: Mapping[str, Any] | None,
+        options: Step | Mapping[str, Any] | None,
     ) -> int:
         if given is not None:
             if model is not None:
@@ -184,18 +184,19 @@ class AdaptiveBatcher:
             return to_input(collate([self.dataset[i % n] for i in range(b)]))
 
         limit = self.max_batch or min(max(n, 4), _ESTIMATE_LIMIT)
-        kwargs: dict[str, Any] = {"limit": limit, **(options or {})}
+        search: dict[str, Any] = {}
+        if isinstance(options, Mapping):
+            options, search = Step.split(options)
+        kwargs: dict[str, Any] = {"limit": limit, **search}
         try:
             # On the device itself, whose context is already made and whose free memory
             # the batcher follows: the point estimate, not the safe end of the context's range.
+            request = Step.of(options, mode=mode, optimizer=optimizer, safe=False)
             found = max_batch_size(
                 model,
                 make_batch,
-                device=self.device,
-                target_utilization=self.target,
-                mode=mode,
-                optimizer=optimizer,
-                **{"safe": False, **kwargs},
+                step=request.replace(device=self.device, target_utilization=self.target),
+                **kwargs,
             )
         except VramctlError as exc:
             raise BatchingError(f"the estimator could not size a sample: {exc}") from exc

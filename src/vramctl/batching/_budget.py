@@ -32,10 +32,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from vramctl._errors import VramctlError
 from vramctl._units import format_bytes
 from vramctl.batching._adaptive import BatchingError
 from vramctl.device import Device, resolve
-from vramctl.estimator import estimate as estimate_step
+from vramctl.estimator import Step, estimate
 from vramctl.estimator._shared import Target, run_target
 
 __all__ = ["Budget", "MemoryBudget", "PaddedDuration", "QuadraticDuration"]
@@ -257,6 +258,7 @@ class MemoryBudget:
         anchors: int = 4,
         min_duration: float | None = None,
         max_items: int | None = None,
+        step: Step | None = None,
         **estimate_options: Any,
     ) -> MemoryBudget:
         """The memory budget of ``model`` on ``device``, predicted by the estimator.
@@ -269,8 +271,20 @@ class MemoryBudget:
         then once more at the predicted count to correct for the allocator's
         rounding: no real step runs. The budget is ``target`` of what the
         device has free now (``budget_bytes`` overrides it), less what the
-        model already holds there, which the estimate counts itself.
+        model already holds there, which the estimate counts itself. The estimate's
+        other options are ``step`` (a :class:`vramctl.Step`) or keyword arguments (its
+        fields), not both; ``mode`` fills in where they leave it at the default, and the
+        device is the budget's.
         """
+        if step is not None and estimate_options:
+            raise BatchingError(
+                "give the estimate's options in step= or as keyword arguments, not both: "
+                + ", ".join(sorted(estimate_options))
+            )
+        try:
+            request = Step.of(step if step is not None else estimate_options, mode=mode)
+        except VramctlError as exc:
+            raise BatchingError(str(exc)) from None
         if max_duration <= 0:
             raise BatchingError(f"max_duration must be positive, got {max_duration}")
         if anchors < 1:
@@ -296,13 +310,11 @@ class MemoryBudget:
             for seconds in lengths:
 
                 def peak(n: int, seconds: float = seconds) -> float:
-                    est = estimate_step(
+                    est = estimate(
                         model,
                         lambda b, s=seconds: make_batch(b, s),
                         batch_size=n,
-                        device=where,
-                        mode=mode,
-                        **estimate_options,
+                        step=request.replace(device=where),
                     )
                     return float(est.peak_reserved)
 

@@ -11,7 +11,7 @@ its time is predicted with included), so two threads may estimate at once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +71,63 @@ class Step:
     def replace(self, **changes: Any) -> Step:
         """This step with ``changes`` (field names as for the constructor)."""
         return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def split(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``options`` as (the fields of a :class:`Step`, the rest): the rest are a search's
+        own arguments (``max_batch_size``'s ``seq_len``, ``limit`` ...).
+
+        >>> import vramctl
+        >>> vramctl.Step.split({"precision": "bf16", "seq_len": 128})
+        ({'precision': 'bf16'}, {'seq_len': 128})
+        """
+        fields = {k: v for k, v in options.items() if k in STEP_FIELDS}
+        return fields, {k: v for k, v in options.items() if k not in STEP_FIELDS}
+
+    @classmethod
+    def of(cls, options: Step | Mapping[str, Any] | None, **defaults: Any) -> Step:
+        """The step ``options`` asks for, with ``defaults`` where it asks nothing.
+
+        ``options`` is a :class:`Step`, or a mapping of some of its fields (as
+        ``fit_batch_size``'s ``estimate_options`` were given before). A mapping's keys
+        are taken as given; of a :class:`Step`, the fields it sets to something other
+        than ``Step()``'s default. ``defaults`` fill the rest: what the caller knows
+        (a fit: its device, target, the mode and optimizer it found).
+
+        >>> import vramctl
+        >>> vramctl.Step.of({"precision": "bf16"}, mode="inference").mode
+        'inference'
+        >>> vramctl.Step.of(vramctl.Step(mode="train", precision="bf16"), safe=False).safe
+        False
+
+        Raises :class:`~vramctl.estimator.EstimateError` for a name that is no field.
+        """
+        unknown = sorted(set(defaults) - STEP_FIELDS)
+        if unknown:
+            raise EstimateError(f"not a field of vramctl.Step: {', '.join(unknown)}")
+        if options is None:
+            return cls(**defaults)
+        if isinstance(options, Step):
+            base = cls(tf32=options.tf32)  # tf32 set from the process when each was made
+            given = {
+                f.name: getattr(options, f.name)
+                for f in dataclasses.fields(cls)
+                if getattr(options, f.name) is not getattr(base, f.name)
+                and getattr(options, f.name) != getattr(base, f.name)
+            }
+            return options.replace(**{k: v for k, v in defaults.items() if k not in given})
+        if not isinstance(options, Mapping):
+            raise EstimateError(
+                f"estimate options must be a vramctl.Step or a mapping of its fields, "
+                f"got {type(options).__name__}"
+            )
+        unknown = sorted(set(options) - STEP_FIELDS)
+        if unknown:
+            raise EstimateError(
+                f"not an option of an estimate: {', '.join(map(str, unknown))} "
+                f"(the options are vramctl.Step's fields)"
+            )
+        return cls(**{**defaults, **options})
 
 
 #: The fields and their defaults, as ``estimate``'s keyword arguments have them.

@@ -47,11 +47,12 @@ import torch
 
 from vramctl._units import format_bytes
 from vramctl.device import Device, resolve
+from vramctl.estimator import Step
 from vramctl.fit import _cache
 from vramctl.fit._probe import Prober, preserved, rng_kept
 from vramctl.fit._result import FitError, FitResult
 from vramctl.fit._search import Search
-from vramctl.fit._seed import as_called, batch_structure, predict
+from vramctl.fit._seed import as_called, batch_structure, estimate_request, predict
 from vramctl.guard import is_oom
 
 __all__ = ["DEFAULT_START", "MAX_PROBES", "TOLERANCE", "fit_batch_size"]
@@ -102,7 +103,7 @@ def fit_batch_size(
     tolerance: float = TOLERANCE,
     mode: str | None = None,
     estimate: bool = True,
-    estimate_options: dict[str, Any] | None = None,
+    estimate_options: Step | Mapping[str, Any] | None = None,
 ) -> FitResult:
     """The largest batch size ``b`` at which ``step(make_batch(b))`` fits ``target`` of the device.
 
@@ -132,9 +133,13 @@ def fit_batch_size(
     (in 1/32 bands) and ``target``; a later call with the same key returns it
     with ``source="cache"`` and runs nothing. ``mode`` (``"train"`` or
     ``"infer"``, default: ``"train"`` with an optimizer or a model in training
-    mode) and ``estimate_options`` (``precision``, ``loss_fn`` ...; a step's own
-    ``loss_fn`` attribute by default) go to :func:`vramctl.max_batch_size`;
-    ``estimate=False`` skips it.
+    mode) and ``estimate_options`` go to :func:`vramctl.max_batch_size`;
+    ``estimate=False`` skips it. ``estimate_options`` is a :class:`vramctl.Step`, or a
+    mapping of its fields (``precision``, ``loss_fn`` ...) and of ``max_batch_size``'s
+    own arguments (``seq_len`` ...). The fit fills in, where the options say nothing
+    (see :meth:`vramctl.Step.of`), the mode and optimizer it found, its step's
+    ``loss_fn`` attribute and ``safe=False`` (the point estimate: the probes settle the
+    rest); the device and target are always the fit's.
 
     On a simulated GPU, call it inside the device's ``with`` block.
     """
@@ -154,6 +159,11 @@ def fit_batch_size(
         raise FitError(f"tolerance must be in [0, 1), got {tolerance!r}")
     if mode is not None and mode not in ("train", "infer"):
         raise FitError(f"mode must be 'train', 'infer' or None, got {mode!r}")
+    if estimate_options is not None and not isinstance(estimate_options, Step | Mapping):
+        raise FitError(
+            "estimate_options must be a vramctl.Step or a mapping of its fields, "
+            f"got {type(estimate_options).__name__}"
+        )
     if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
         raise FitError(f"cache_dir must be a path, got {cache_dir!r}")
     if not callable(step) or not callable(make_batch):
@@ -180,7 +190,7 @@ def fit_batch_size(
             tolerance=tolerance,
             mode=mode,
             estimate=estimate,
-            estimate_options=dict(estimate_options or {}),
+            estimate_options=estimate_options,
             t0=t0,
         )
 
@@ -202,7 +212,7 @@ def _fit(
     tolerance: float,
     mode: str | None,
     estimate: bool,
-    estimate_options: dict[str, Any],
+    estimate_options: Step | Mapping[str, Any] | None,
     t0: float,
 ) -> FitResult:
     budget = int(target * dev.capacity())
@@ -239,19 +249,17 @@ def _fit(
         run_mode = mode or (
             "train" if optimizer is not None or (model.training and _trainable(model)) else "infer"
         )
-        options = dict(estimate_options)
+        request, search_args = estimate_request(estimate_options, step, run_mode, optimizer)
         if ceiling is not None and ceiling >= 1:
-            options.setdefault("limit", ceiling)
-        if callable(getattr(step, "loss_fn", None)):  # a Guard's loss: (output, batch) -> loss
-            options.setdefault("loss_fn", step.loss_fn)  # type: ignore[attr-defined]
+            search_args.setdefault("limit", ceiling)
         predicted, slope, note = predict(
             as_called(model, step, structure),
             make_batch,
             dev,
             target,
-            run_mode,
+            request,
             optimizer,
-            options,
+            search_args,
         )
         if note:
             notes.append(note)

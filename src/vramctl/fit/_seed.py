@@ -24,10 +24,10 @@ import torch
 
 from vramctl._step import call_model
 from vramctl.device import Device
-from vramctl.estimator import max_batch_size
+from vramctl.estimator import Step, max_batch_size
 from vramctl.estimator._shared import Target, resolve_target, run_target
 
-__all__ = ["as_called", "batch_structure", "predict"]
+__all__ = ["as_called", "batch_structure", "estimate_request", "predict"]
 
 
 def batch_structure(batch: Any) -> str:
@@ -171,21 +171,43 @@ def _estimator_target(
     return run_target(device), room / total
 
 
+def estimate_request(
+    options: Step | Mapping[str, Any] | None,
+    step: Callable[[Any], Any],
+    mode: str,
+    optimizer: torch.optim.Optimizer | None,
+) -> tuple[Step, dict[str, Any]]:
+    """The step a fit estimates, and the other arguments of its search (``seq_len`` ...).
+
+    ``options`` (a :class:`~vramctl.Step` or a mapping) say what they say; the fit's
+    own knowledge fills the rest: the mode and optimizer it found, the step's
+    ``loss_fn`` (a Guard's: ``(output, batch) -> loss``) and ``safe=False``, the seed
+    of a search by real steps being the point estimate.
+    """
+    search: dict[str, Any] = {}
+    if isinstance(options, Mapping):
+        options, search = Step.split(options)
+    defaults: dict[str, Any] = {
+        "mode": mode,
+        "optimizer": _optimizer_factory(optimizer) if optimizer is not None else None,
+        "safe": False,
+    }
+    if callable(getattr(step, "loss_fn", None)):
+        defaults["loss_fn"] = step.loss_fn  # type: ignore[attr-defined]
+    return Step.of(options, **defaults), search
+
+
 def predict(
     model: torch.nn.Module,
     make_batch: Callable[[int], Any],
     device: Device,
     target: float,
-    mode: str,
+    request: Step,
     optimizer: torch.optim.Optimizer | None,
-    options: dict[str, Any],
+    search: dict[str, Any],
 ) -> tuple[int | None, float | None, str | None]:
-    """The estimator's answer and its per-sample slope near it (or a note saying why not)."""
-    kwargs: dict[str, Any] = {
-        "mode": mode,
-        "optimizer": _optimizer_factory(optimizer) if optimizer is not None else None,
-    }
-    kwargs.update(options)
+    """The estimator's answer for ``request`` on the room the fit has, and its per-sample
+    slope near it (or a note saying why not)."""
     try:
         where = _estimator_target(device, target, model, optimizer)
         if where is None:
@@ -196,9 +218,8 @@ def predict(
             est = max_batch_size(
                 model,
                 make_batch,
-                device=where[0],
-                target_utilization=where[1],
-                **{"safe": False, **kwargs},
+                step=request.replace(device=where[0], target_utilization=where[1]),
+                **search,
             )
     except Exception as exc:
         return None, None, f"estimate failed ({type(exc).__name__}: {exc}); searched without it"

@@ -27,6 +27,7 @@ from transformers import (  # noqa: E402
 )
 
 from vramctl.device import Device  # noqa: E402
+from vramctl.estimator import Step  # noqa: E402
 from vramctl.fit import FitError, FitResult, fit_batch_size  # noqa: E402
 from vramctl.fit._shared import cache_root  # noqa: E402
 from vramctl.integrations._data import batch_maker, loss_of, split_effective_batch  # noqa: E402
@@ -85,7 +86,7 @@ def fit_trainer_batch_size(
     cache: bool = True,
     cache_dir: str | Path | None = None,
     estimate: bool = True,
-    estimate_options: dict[str, Any] | None = None,
+    estimate_options: Step | Mapping[str, Any] | None = None,
 ) -> TrainerBatchSize:
     """The per-device batch and accumulation steps for ``args``, fitted to the device.
 
@@ -110,6 +111,9 @@ def fit_trainer_batch_size(
 
     Unlike ``auto_find_batch_size``, nothing is halved blindly and no failed attempt stays
     alive: each probe measures its peak, and an OOM is freed outside the ``except`` block.
+    ``estimate_options`` are :func:`~vramctl.fit.fit_batch_size`'s: a :class:`vramctl.Step`
+    or a mapping of its fields; the Trainer's loss and precision fill in where they say
+    nothing.
     """
     _check_fit_input(model, args, train_dataset, data_collator, effective_batch)
     effective = (
@@ -148,10 +152,16 @@ def fit_trainer_batch_size(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    options = dict(estimate_options or {})
-    options.setdefault("loss_fn", lambda out, batch: _model_loss(out))
+    # The estimate's options (a Step, or a mapping as fit_batch_size takes), with the
+    # Trainer's loss and precision where they say nothing (Step.of's rule).
+    defaults: dict[str, Any] = {"loss_fn": lambda out, batch: _model_loss(out)}
     if dtype is not None:
-        options.setdefault("precision", "amp-bf16" if args.bf16 else "amp-fp16")
+        defaults["precision"] = "amp-bf16" if args.bf16 else "amp-fp16"
+    options: Step | dict[str, Any]
+    if isinstance(estimate_options, Mapping):
+        options = {**defaults, **estimate_options}
+    else:
+        options = Step.of(estimate_options, **defaults)
     # The fit's cache key hashes the step's code, not the values it closes over: the
     # settings that change its memory choose the cache's folder.
     tag = f"amp-{dtype}-gc{int(bool(args.gradient_checkpointing))}-clip{int(clip > 0)}"
