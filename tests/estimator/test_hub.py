@@ -372,7 +372,7 @@ def test_an_unreachable_hub_fails_fast_in_one_line(tmp_path: Path) -> None:
     code = (
         "import time\n"
         "from vramctl import VramctlError\n"
-        "from vramctl.estimator import config_model\n"
+        "from vramctl.estimator._hub import config_model\n"
         "t = time.perf_counter()\n"
         "try:\n"
         "    config_model('acme-labs/tiny-model')\n"

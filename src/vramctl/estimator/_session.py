@@ -21,7 +21,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from vramctl._errors import VramctlError
 from vramctl._units import format_bytes
 from vramctl.device import catalog
-from vramctl.estimator._allocator import AllocatorConfig
 from vramctl.estimator._build import (
     build_module,
     fake_state,
@@ -60,19 +59,16 @@ class Session:
     name: str
     spec: StepSpec
     target: Target
+    #: The request it was opened for: what its verdicts judge by (the target utilization,
+    #: the allocator's configuration, the safe end or the point estimate) and time with.
+    request: Step
     fake_mode: FakeTensorMode = field(default_factory=FakeTensorMode)
     model: nn.Module | None = None
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     params: list[torch.Tensor] = field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None
     build_seconds: float = 0.0
-    target_utilization: float = 0.9
-    allocator_config: AllocatorConfig | None = None
-    #: Whether verdicts judge at the safe end of the device peak's range.
-    safe: bool = True
-    #: The request it was opened for, and the rates its steps are timed with (None: not
-    #: timed; a session of the tests, opened by hand).
-    request: Step | None = None
+    #: The rates its steps are timed with (None: not timed).
     rates: Rates | None = None
     #: Host bytes of the tensors of the last batch traced (the search bounds its batches).
     last_batch_bytes: int = 0
@@ -94,13 +90,14 @@ class Session:
         source: ModelSource,
         spec: StepSpec,
         target: Target,
+        request: Step,
         parallel: Parallel | None = None,
         **options: Any,
     ) -> Session:
         """Build ``source`` on fake tensors; ``options`` are :func:`resolve_source`'s."""
         resolved = resolve_source(source, **options)
         name, obj = resolved.name, resolved.model
-        s = cls(name, spec, target, entry=resolved.entry, parallel=parallel)
+        s = cls(name, spec, target, request, entry=resolved.entry, parallel=parallel)
         s.source_notes = resolved.notes
         t0 = time.perf_counter()
         builder = Tracer(s.fake_mode)
@@ -165,11 +162,9 @@ class Session:
         est = build_estimate(
             self,
             traced,
-            target_utilization=self.target_utilization,
             seq_len=used_len,
             seconds=used_sec,
             elapsed=time.perf_counter() - t0,
-            allocator_config=self.allocator_config,
         )
         why = (
             f"{self.name}'s inputs take no such length"
@@ -241,16 +236,13 @@ def open_session(model: ModelSource, step: Step, rates: Rates) -> Session:
         model,
         spec,
         target,
+        step,
         parallel,
         task=step.task,
         image_size=step.image_size,
         trust_remote_code=step.trust_remote_code,
     )
-    session.request = step
     session.rates = rates
-    session.target_utilization = step.target_utilization
-    session.allocator_config = step.allocator_config
-    session.safe = step.safe
     return session
 
 

@@ -49,12 +49,13 @@ from vramctl.estimator._trace import (
     storage_resizes,
 )
 
-__all__ = ["Traceable", "Traced", "trace_step"]
+__all__ = ["Opened", "Traceable", "Traced", "trace_step"]
 
 
-class Traceable(Protocol):
-    """What a step's trace reads of a session (:class:`~vramctl.estimator._session.Session`):
-    its model on fake tensors, their optimizer, the step and the device."""
+class Opened(Protocol):
+    """What both a step's trace and its verdict read of a session
+    (:class:`~vramctl.estimator._session.Session`): the model's name, its step, the device,
+    the layout over ranks, the optimizer and the parameters' count."""
 
     @property
     def name(self) -> str: ...
@@ -62,6 +63,18 @@ class Traceable(Protocol):
     def spec(self) -> StepSpec: ...
     @property
     def target(self) -> Target: ...
+    @property
+    def parallel(self) -> Parallel | None: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+    @property
+    def parameter_count(self) -> int: ...
+
+
+class Traceable(Opened, Protocol):
+    """What a step's trace reads of a session besides: its model on fake tensors, their
+    state and trainable parameters, and the distributed stand-ins."""
+
     @property
     def fake_mode(self) -> FakeTensorMode: ...
     @property
@@ -71,15 +84,9 @@ class Traceable(Protocol):
     @property
     def params(self) -> list[torch.Tensor]: ...
     @property
-    def optimizer(self) -> torch.optim.Optimizer | None: ...
-    @property
-    def parallel(self) -> Parallel | None: ...
-    @property
     def ddp(self) -> DDPStandIn | None: ...
     @property
     def largest_block(self) -> int: ...
-    @property
-    def parameter_count(self) -> int: ...
 
 
 @dataclass

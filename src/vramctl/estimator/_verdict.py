@@ -18,14 +18,12 @@ from vramctl.estimator._allocator import (
 )
 from vramctl.estimator._calibration import measured_on
 from vramctl.estimator._cpu_kernels import rank_thread_count
-from vramctl.estimator._parallel import Parallel
 from vramctl.estimator._request import Step
 from vramctl.estimator._result import CATEGORIES, Estimate, no_bf16_note, uncalibrated_note
-from vramctl.estimator._spec import StepSpec
 from vramctl.estimator._target import Target
 from vramctl.estimator._timing import Rates, predict
 from vramctl.estimator._trace import Trace
-from vramctl.estimator._trace_step import Traced
+from vramctl.estimator._trace_step import Opened, Traced
 
 __all__ = ["NCCL_UNCERTAINTY", "Judged", "build_estimate"]
 
@@ -33,26 +31,12 @@ __all__ = ["NCCL_UNCERTAINTY", "Judged", "build_estimate"]
 NCCL_UNCERTAINTY = 1 << 30
 
 
-class Judged(Protocol):
-    """What an estimate reads of a session (:class:`~vramctl.estimator._session.Session`):
-    the model's name, its step, the device and how to judge and time the step there."""
+class Judged(Opened, Protocol):
+    """What an estimate reads of a session besides: the request it judges and times the
+    step by, and the rates it times it with."""
 
     @property
-    def name(self) -> str: ...
-    @property
-    def spec(self) -> StepSpec: ...
-    @property
-    def target(self) -> Target: ...
-    @property
-    def parallel(self) -> Parallel | None: ...
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None: ...
-    @property
-    def parameter_count(self) -> int: ...
-    @property
-    def safe(self) -> bool: ...
-    @property
-    def request(self) -> Step | None: ...
+    def request(self) -> Step: ...
     @property
     def rates(self) -> Rates | None: ...
 
@@ -61,13 +45,18 @@ def build_estimate(
     session: Judged,
     traced: Traced,
     *,
-    target_utilization: float,
     seq_len: int | None,
     seconds: float | None,
     elapsed: float,
-    allocator_config: AllocatorConfig | None = None,
 ) -> Estimate:
-    trace, target, spec = traced.trace, session.target, session.spec
+    """``traced`` judged on the session's device by its request: the peak and where it
+    goes, whether it fits at the request's target utilization, and its predicted time."""
+    trace, target, spec, request = traced.trace, session.target, session.spec, session.request
+    target_utilization, allocator_config, safe = (
+        request.target_utilization,
+        request.allocator_config,
+        request.safe,
+    )
     par = session.parallel
     host = 0
     if par is not None and par.strategy == "fsdp" and par.offload:
@@ -105,19 +94,19 @@ def build_estimate(
                 f"nvidia-smi may read up to {format_bytes(NCCL_UNCERTAINTY)} more per rank "
                 "(NVLS and many channels take the most)"
             )
-        for safe in (False, True):
-            extra = context + (uncertainty if safe else 0)
-            fits[safe] = reserved + extra <= budget
-            if not fits[safe] and budget > extra:
+        for end in (False, True):  # the point estimate, the safe end
+            extra = context + (uncertainty if end else 0)
+            fits[end] = reserved + extra <= budget
+            if not fits[end] and budget > extra:
                 try:
                     tight = _replay(trace, budget - extra, allocator_config)
                 except AllocatorOutOfMemory:
                     pass
                 else:
-                    fits[safe], retries[safe] = True, tight.alloc_retries
-        if retries[session.safe]:
+                    fits[end], retries[end] = True, tight.alloc_retries
+        if retries[safe]:
             notes.append(
-                f"fits only because the allocator frees its cache {retries[session.safe]} "
+                f"fits only because the allocator frees its cache {retries[safe]} "
                 "time(s) (alloc retries slow a step)"
             )
         by_cat["allocator"] = reserved - logical
@@ -155,8 +144,8 @@ def build_estimate(
                 f"kernel scratch measured with {threads} thread(s) a rank, as torchrun starts "
                 f"{ranks} rank(s) on a host"
             )
-    request, rates = session.request, session.rates
-    tp = request.throughput if request is not None and request.throughput else None
+    rates = session.rates
+    tp = request.throughput
     if tp is None and rates is not None:
         tp = rates.target(target)
     timed = None
@@ -167,7 +156,7 @@ def build_estimate(
         )
     else:
         on_host = target.cuda and any(c.phase == "host" for c in trace.costs)
-        tf32 = bool(request is not None and request.tf32)
+        tf32 = bool(request.tf32)
         timed = predict(
             trace.costs,
             tp,
@@ -201,10 +190,10 @@ def build_estimate(
         peak_module=peak_rec.module if peak_rec else "",
         peak_phase=peak_rec.phase if peak_rec else "",
         target_utilization=target_utilization,
-        fits=fits[session.safe],
+        fits=fits[safe],
         assumptions=tuple(trace.assumptions),
         notes=tuple(notes),
-        alloc_retries=retries[session.safe],
+        alloc_retries=retries[safe],
         ops=trace.ops,
         elapsed=elapsed,
         parameters=session.parameter_count,
@@ -214,7 +203,7 @@ def build_estimate(
         calibration=profile,
         calibrated=calibrated,
         device_uncertainty=uncertainty,
-        safe=session.safe,
+        safe=safe,
         fits_point=fits[False],
         fits_safe=fits[True],
         flops=timed.flops if timed else sum(c.flops for c in trace.costs),
