@@ -14,6 +14,7 @@ from torch import nn
 import vramctl
 from vramctl.device import gpu_spec
 from vramctl.estimator import (
+    AllocatorConfig,
     Calibration,
     CalibrationError,
     _cuda_model,
@@ -301,3 +302,16 @@ def test_a_profile_of_this_gpu_narrows_the_device_range_and_another_gpus_does_le
     other.save()
     found = lstm_train()
     assert found.calibration == lent.calibration and not found.calibrated
+
+
+def test_a_jobs_allocator_setting_keeps_the_calibrations_measured_constants() -> None:
+    # max_split_size_mb from a job's PYTORCH_CUDA_ALLOC_CONF goes over the profile's
+    # measured constants; it does not put PyTorch's defaults back in their place.
+    wide = replace(fitted(), allocator=replace(fitted().allocator, small_buffer=8 * MiB))
+    conf = AllocatorConfig.from_conf("max_split_size_mb:64")
+    alone, with_conf = (
+        lstm_train(calibration=wide),
+        lstm_train(calibration=wide, allocator_config=conf),
+    )
+    defaults = lstm_train(calibration=fitted(), allocator_config=conf)
+    assert with_conf.peak_reserved == alone.peak_reserved > defaults.peak_reserved

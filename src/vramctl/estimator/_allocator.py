@@ -31,6 +31,7 @@ one stream, default ``PYTORCH_CUDA_ALLOC_CONF``):
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,26 @@ class AllocatorConfig:
             if key == "max_split_size_mb" and value.isdigit() and int(value) > 20:
                 split = int(value) * MiB
         return None if split is None else cls(max_split_size=split)
+
+    def over(self, base: AllocatorConfig) -> AllocatorConfig:
+        """This configuration over ``base``: its fields that differ from PyTorch's defaults,
+        and ``base``'s for the rest. A job's ``max_split_size_mb`` (:meth:`from_conf`) over
+        a calibration's measured constants keeps both.
+
+        >>> measured = AllocatorConfig(large_buffer=40 * MiB)
+        >>> both = AllocatorConfig(max_split_size=128 * MiB).over(measured)
+        >>> both.large_buffer // MiB, both.max_split_size // MiB
+        (40, 128)
+        """
+        default = AllocatorConfig()
+        return dataclasses.replace(
+            base,
+            **{
+                f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)
+            },
+        )
 
     def round_size(self, nbytes: int) -> int:
         if nbytes < self.min_block:

@@ -78,8 +78,12 @@ def build_estimate(
     if target.cuda:
         consts = target.constants
         context = consts.context_bytes + (consts.cudnn_context_bytes if traced.convolutions else 0)
-        if allocator_config is None and target.calibration is not None:
-            allocator_config = consts.allocator
+        if target.calibration is not None:  # its measured constants, under the request's
+            allocator_config = (
+                consts.allocator
+                if allocator_config is None
+                else allocator_config.over(consts.allocator)
+            )
         alloc = _replay(trace, None, allocator_config)
         allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
         cal = target.calibration

@@ -81,8 +81,8 @@ class _Died(Exception):
 class EstimateWorker:
     """Runs :func:`vramctl.estimate` for job pricing in one child process (see the module).
 
-    Call it as ``worker(model, device, mode=, precision=, batch_size=, seq_len=,
-    allocator_config=)``: the estimate's ``judged_peak`` in bytes (what
+    Call it as ``worker(model, step, batch_size=, seq_len=)`` (``step`` a
+    :class:`vramctl.Step`): the estimate's ``judged_peak`` in bytes (what
     :func:`~vramctl.jobs.price` returns), or :class:`~vramctl.estimator.EstimateError` with
     the reason. ``timeout`` (seconds) and ``memory`` (bytes or a size) default to
     ``$VRAMCTL_ESTIMATE_TIMEOUT`` and ``$VRAMCTL_ESTIMATE_MEMORY``, else 60 s and 4 GiB.
