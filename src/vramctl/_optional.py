@@ -38,6 +38,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "transformers": ("transformers", "accelerate"),
     "accelerate": ("accelerate",),
     "cache": ("safetensors", "zstandard", "numpy"),
+    "finetune": ("peft",),
 }
 
 

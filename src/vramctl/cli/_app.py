@@ -411,6 +411,16 @@ def estimate_cmd(
             show_default=False,
         ),
     ] = None,
+    lora: Annotated[
+        str | None,
+        typer.Option(
+            help="Fine-tune with a LoRA adapter, built by PEFT: r=16,alpha=32,"
+            "targets=q_proj,v_proj[,dropout=0.05][,dora=true][,save=lm_head] "
+            "(targets=all-linear for every linear layer), or a saved adapter's folder "
+            "or adapter_config.json. The base is frozen. Needs vramctl[finetune].",
+            show_default=False,
+        ),
+    ] = None,
     list_models: Annotated[
         bool, typer.Option("--list", help="List the built-in models and exit.")
     ] = False,
@@ -431,6 +441,8 @@ def estimate_cmd(
         vramctl estimate ./my-model/config.json --task seq-classification
         vramctl estimate llama-1b --parallel fsdp:8 --precision bf16 \\
             --batch 4 --seq-len 2048 --device H100-80GB --max-batch
+        vramctl estimate llama-1b --lora r=16,alpha=32,targets=q_proj,v_proj \\
+            --precision bf16 --batch 4 --seq-len 1024 --device L4-24GB
     """
     from vramctl.estimator import zoo
 
@@ -458,6 +470,7 @@ def estimate_cmd(
         image_size=image_size,
         trust_remote_code=trust_remote_code,
         parallel=_parallel_arg(parallel, world_size, ranks_per_node, tp_plan),
+        adapter=lora,
     )
     results = []
     with err.status("tracing", spinner="dots") as spin:
@@ -510,6 +523,8 @@ def estimate_cmd(
                     "parallel": (
                         step.parallel.to_dict() if isinstance(step.parallel, Parallel) else None
                     ),
+                    "lora": lora,
+                    "adapter": first.adapter,
                 },
                 "estimates": [e.to_dict() for e in results],
                 "max_batch": None if best is None else best.to_dict(),
@@ -521,6 +536,8 @@ def estimate_cmd(
     last = results[-1]
     console.print(f"device: {first.device} ({format_bytes(first.capacity)})", highlight=False)
     console.print(f"parameters: {first.parameters:,}", highlight=False)
+    if first.adapter:
+        console.print(f"adapter: {first.adapter}", highlight=False)
     if last.parallel:
         console.print(
             f"per rank: {last.parallel}; --batch is each rank's micro-batch", highlight=False

@@ -4,7 +4,7 @@ buffers for it, a private copy for a wrapper to change, and what the optimizer s
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -61,8 +61,11 @@ def _build(factory: Callable[[], Any]) -> Any:
         return factory()
 
 
-def fake_state(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Fresh fake parameters and buffers for ``model`` (tied ones stay tied), cast to ``dtype``."""
+def fake_state(
+    model: nn.Module, dtype: torch.dtype | None, keep: Collection[int] = ()
+) -> dict[str, torch.Tensor]:
+    """Fresh fake parameters and buffers for ``model`` (tied ones stay tied), cast to
+    ``dtype``; those whose ids are in ``keep`` (an adapter's own) keep their dtype."""
     made: dict[int, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     named: list[tuple[str, torch.Tensor]] = [
@@ -71,7 +74,8 @@ def fake_state(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.T
     ]
     for name, t in named:
         if id(t) not in made:
-            dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            cast = dtype is not None and t.is_floating_point() and id(t) not in keep
+            dt = dtype if cast else t.dtype
             f = torch.empty_strided(t.size(), t.stride(), dtype=dt, device="cpu")
             if isinstance(t, nn.Parameter):
                 f.requires_grad_(t.requires_grad)

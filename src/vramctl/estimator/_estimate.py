@@ -57,6 +57,7 @@ def estimate(
     parallel: Parallel | str | None = None,
     tf32: bool | None = None,
     throughput: Throughput | None = None,
+    adapter: Any = None,
     step: Step | None = None,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
@@ -108,6 +109,13 @@ def estimate(
     bytes per operator and the target's rates: the CPU's measured here, a GPU's from
     ``vramctl calibrate`` or its data sheet; ``throughput`` gives others). ``tf32``: fp32
     matrix multiplies run on a GPU's TF32 tensor cores (None: as this process is set).
+
+    ``adapter`` adds a PEFT adapter to the model before the step, as PEFT's own
+    ``get_peft_model`` does (LoRA: a ``LoraConfig``, ``{"r": 16, "targets": ["q_proj",
+    "v_proj"]}``, ``"r=16,targets=q_proj,v_proj"`` or a saved adapter's folder): the base
+    is frozen (no gradients, no optimizer state), the adapters stay fp32 under a 16-bit
+    base. Needs ``pip install 'vramctl[finetune]'``. A model that already is a PEFT
+    model is estimated as it is.
 
     ``step`` gives all of these options at once as a :class:`~vramctl.estimator.Step`
     (then give none of them one by one): the request this call makes of its options,

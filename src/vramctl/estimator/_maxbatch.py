@@ -168,6 +168,7 @@ def max_batch_size(
     parallel: Parallel | str | None = None,
     tf32: bool | None = None,
     throughput: Throughput | None = None,
+    adapter: Any = None,
     step: Step | None = None,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.

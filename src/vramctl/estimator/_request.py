@@ -63,6 +63,10 @@ class Step:
     #: The rates its time is predicted with; None: its device's (the CPU's measured here,
     #: a GPU's calibrated profile or data sheet).
     throughput: Throughput | None = None
+    #: An adapter PEFT adds to the model before the step (LoRA ...): a PEFT config, a
+    #: mapping of LoRA's settings (``{"r": 16, "targets": ["q_proj", "v_proj"]}``), the
+    #: same as ``"r=16,targets=q_proj,v_proj"``, or a saved adapter's folder.
+    adapter: Any = None
 
     def __post_init__(self) -> None:
         if self.tf32 is None:

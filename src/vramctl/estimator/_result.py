@@ -127,6 +127,8 @@ class Estimate:
     #: None for one process. The peaks and breakdown are then one rank's (rank 0, which
     #: holds the largest shard where shards differ).
     parallel: str | None = None
+    #: The PEFT adapter on the model (method, rank, targets, trainable parameters), if any.
+    adapter: str | None = None
     world_size: int = 1
     #: Host bytes one rank keeps (offloaded parameters, gradients and optimizer state).
     host_per_rank: int = 0
@@ -200,6 +202,7 @@ class Estimate:
             "phase_seconds": dict(self.phase_seconds),
             "throughput": self.throughput,
             "parallel": self.parallel,
+            "adapter": self.adapter,
             "world_size": self.world_size,
             "host_per_rank_bytes": self.host_per_rank,
             "host_per_node_bytes": self.host_per_node,

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from vramctl._errors import VramctlError
 from vramctl._units import format_bytes
 from vramctl.device import catalog
+from vramctl.estimator._adapter import adapter_parameters, apply_adapter, describe_adapter
 from vramctl.estimator._build import (
     build_module,
     fake_state,
@@ -104,7 +105,10 @@ class Session:
         builder.record = False
         with s.fake_mode, builder:
             model = s.model = build_module(name, obj)
-            s.state = fake_state(model, spec.param_dtype)
+            if request.adapter is not None:
+                model = s.model = apply_adapter(model, request.adapter)
+            # A PEFT model's adapters stay fp32 under a 16-bit base, as PEFT keeps them.
+            s.state = fake_state(model, spec.param_dtype, adapter_parameters(model))
             if parallel is not None:
                 s._wrap(parallel)
                 model = s.model
@@ -179,6 +183,9 @@ class Session:
             )
             if given is not None and used is None
         ]
+        adapter = describe_adapter(self.model) if self.model is not None else None
+        if adapter is not None:
+            est = dataclasses.replace(est, adapter=adapter)
         notes = tuple(getattr(self.entry, "notes", ())) if batch is None else ()
         notes += self.source_notes
         if too_long is not None:
