@@ -135,6 +135,8 @@ def lora_config(adapter: Any) -> Any:
     for name in _LISTS:
         if isinstance(fields.get(name), str):
             fields[name] = [fields[name]]
+    if fields.get("target_modules") == ["all-linear"]:
+        fields["target_modules"] = "all-linear"  # PEFT's word for every linear layer
     try:
         return peft.LoraConfig(**fields)
     except (TypeError, ValueError) as exc:
