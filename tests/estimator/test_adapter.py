@@ -59,8 +59,10 @@ def real_peak(lora: dict[str, Any], precision: str = "fp32") -> int:
         ({"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "lora_dropout": 0.1}, "fp32"),
         # a 16-bit base: the adapters stay fp32, as PEFT keeps them
         (QV, "bf16"),
+        # DoRA: a magnitude vector per targeted layer, and the weight's norm in the step
+        ({**QV, "use_dora": True}, "fp32"),
     ],
-    ids=["q-v", "all-linear-dropout", "bf16-base"],
+    ids=["q-v", "all-linear-dropout", "bf16-base", "dora"],
 )
 def test_an_adapter_is_priced_as_a_real_peft_step(lora: dict[str, Any], precision: str) -> None:
     est = vramctl.estimate(

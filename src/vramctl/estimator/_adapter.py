@@ -209,7 +209,7 @@ def describe_adapter(model: nn.Module) -> str | None:
         return None
     config = next(iter(configs.values()))
     method = str(getattr(config, "peft_type", "adapter")).rsplit(".", 1)[-1]
-    parts = [str(method)]
+    parts = ["DoRA" if getattr(config, "use_dora", False) else str(method)]
     if getattr(config, "r", None) is not None:
         parts.append(f"r={config.r}")
     if getattr(config, "lora_alpha", None) is not None:
