@@ -420,6 +420,27 @@ def test_fit_then_twenty_trainer_steps_fit(tmp_path: Path) -> None:
     assert args.gradient_accumulation_steps == fitted.gradient_accumulation_steps
 
 
+def test_a_peft_model_is_fitted_larger_and_trains_without_an_oom(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    data = Classification(n=256, length=32)
+    args = arguments(
+        tmp_path, per_device_train_batch_size=64, gradient_accumulation_steps=1, max_steps=10,
+        logging_steps=100, optim="adamw_torch",
+    )  # fmt: skip
+    with vramctl.simulate("1536KiB") as gpu:
+        full = fit_trainer_batch_size(gpu.adopt(tiny_bert()), args, data, cache=False)
+        gc.collect()
+        lora = peft.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["query", "value"])
+        model = gpu.adopt(peft.get_peft_model(tiny_bert(), lora))
+        fitted = fit_trainer_batch_size(model, args, data, cache=False)
+        ooms = gpu.ooms
+        fitted.apply(args)
+        Trainer(model=model, args=args, train_dataset=data).train()
+        assert gpu.ooms == ooms  # the fitted batch trains
+    assert fitted.fit.predicted is not None  # the search was seeded by the estimate
+    assert fitted.fit.batch_size > full.fit.batch_size  # no gradients nor state for the base
+
+
 def test_the_whole_effective_batch_when_it_fits(tmp_path: Path) -> None:
     args = arguments(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3)
     with vramctl.simulate("64MiB") as gpu:
