@@ -57,6 +57,8 @@ def test_json_reports_every_input_used_defaults_included() -> None:
         "max_batch": False,
         "max_length": False,
         "parallel": None,
+        "lora": None,
+        "adapter": None,
     }
     est = doc["estimates"][0]
     assert est["seq_len"] == 256 and est["optimizer"] == "adamw"

@@ -414,10 +414,11 @@ def estimate_cmd(
     lora: Annotated[
         str | None,
         typer.Option(
-            help="Fine-tune with a LoRA adapter, built by PEFT: r=16,alpha=32,"
-            "targets=q_proj,v_proj[,dropout=0.05][,dora=true][,save=lm_head] "
-            "(targets=all-linear for every linear layer), or a saved adapter's folder "
-            "or adapter_config.json. The base is frozen. Needs vramctl[finetune].",
+            help="Fine-tune with a LoRA adapter built by PEFT, its settings separated by "
+            "commas: r, alpha, targets (module names, or all-linear), dropout, dora, "
+            "rslora, save (modules trained in full), e.g. r=16,alpha=32,targets=q_proj,v_proj. "
+            "Or a saved adapter's folder or adapter_config.json. The base is frozen. "
+            "Needs vramctl[finetune].",
             show_default=False,
         ),
     ] = None,
