@@ -175,6 +175,12 @@ def test_jobs_shows_whole_ids_that_logs_and_cancel_take_by_prefix(home: Path) ->
     assert unknown.exit_code == 2 and "no job 'beef0000'" in unknown.stderr
 
 
+def _ctrl_c_stops() -> None:
+    """In the child: SIGINT as a terminal's Ctrl-C, even where the tests run with it
+    ignored (a background job of a shell), which Python would otherwise keep ignoring."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_the_scheduler_prints_each_jobs_events(home: Path, tmp_path: Path) -> None:
     argv = [PY, "-m", "vramctl", "scheduler", "--devices", "sim:4GiB"]
     proc = subprocess.Popen(
@@ -183,6 +189,7 @@ def test_the_scheduler_prints_each_jobs_events(home: Path, tmp_path: Path) -> No
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "COLUMNS": "200"},
+        preexec_fn=_ctrl_c_stops,
     )
     lines: queue.Queue[str] = queue.Queue()
 
@@ -235,7 +242,9 @@ def test_the_scheduler_prints_each_jobs_events(home: Path, tmp_path: Path) -> No
 def test_the_scheduler_prices_estimates_outside_its_process(home: Path) -> None:
     # A job whose model aborts the process that builds it fails alone; the scheduler goes on.
     argv = [PY, "-m", "vramctl", "scheduler", "--devices", "sim:4GiB"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_ctrl_c_stops
+    )
     try:
         with JobStore(home / "jobs.db") as s:
             boom = s.submit(
