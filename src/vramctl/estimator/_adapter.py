@@ -17,7 +17,6 @@ takes it), or a saved adapter's folder or its ``adapter_config.json``.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import warnings
@@ -30,6 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from vramctl._optional import require
+from vramctl.estimator._build import private_copy
 from vramctl.estimator._spec import EstimateError
 
 __all__ = ["LORA_KEYS", "adapter_parameters", "apply_adapter", "describe_adapter", "lora_config"]
@@ -159,22 +159,9 @@ def apply_adapter(model: nn.Module, adapter: Any) -> nn.Module:
     config = lora_config(adapter)
     peft = _peft()
     with _disable_current_modes():
-        memo: dict[int, Any] = {}
-        for t in [*model.parameters(), *model.buffers()]:
-            if id(t) not in memo:
-                meta = torch.empty_like(t, device="meta")
-                memo[id(t)] = (
-                    nn.Parameter(meta, requires_grad=t.requires_grad)
-                    if isinstance(t, nn.Parameter)
-                    else meta
-                )
-        try:
-            base = copy.deepcopy(model, memo)
-        except Exception as exc:
-            raise EstimateError(
-                f"could not copy {type(model).__name__} to add the adapter: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+        # The copy PEFT changes: its parameters and buffers on the meta device, no weight copied.
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+        base = private_copy(model, {n: torch.empty_like(t, device="meta") for n, t in named})
         try:
             with torch.device("meta"), warnings.catch_warnings():
                 # transformers' deprecation of a name PEFT still reads: not the user's.
