@@ -36,6 +36,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +197,9 @@ def _capture_case(out: Path, spec: dict[str, Any], cuda: bool) -> dict[str, Any]
     except Exception as exc:  # one case's failure is recorded; the capture goes on
         entry["status"] = "oom" if isinstance(exc, torch.OutOfMemoryError) else "error"
         entry["error"] = f"{type(exc).__name__}: {exc}".split("\n")[0][:300]
+        # Where it failed: the GPU machine is gone when the corpus is read.
+        frames = traceback.extract_tb(exc.__traceback__)[-4:]
+        entry["where"] = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames]
         _common.free_failed(exc)
     finally:
         gc.collect()

@@ -251,7 +251,8 @@ def _width(c: Any, level: str) -> None:
         head_dim = getattr(c, width) // old_heads if old_heads else 16
     if level == "hidden":
         head_dim = 16
-        if isinstance(getattr(c, "head_dim", None), int):
+        derived = getattr(type(c), "head_dim", None)  # Falcon's: width // heads, read-only
+        if isinstance(getattr(c, "head_dim", None), int) and not isinstance(derived, property):
             c.head_dim = 16
     new = 4 * head_dim if heads else 64
     if getattr(c, width) <= new:

@@ -26,7 +26,10 @@ to 120 s.
 The output folder gets ``summary.json`` (the GPU, driver, torch and CUDA
 versions, and each step's exit status, time, last JSON line, GPU, git commit and start
 time), ``logs.txt`` (each step's output, its last 400 lines), ``calibration.json``,
-``junit.xml`` and ``cuda_truth/``. ``summary.json`` is rewritten after every step. Run
+``junit.xml`` and ``cuda_truth.tar.gz``: the corpus packed in one file, because a GPU
+machine lent for a few minutes may send back only a handful of files, none deep in
+folders (steps that read the corpus unpack it first, and it is packed again after each
+step). ``summary.json`` is rewritten after every step. Run
 again with the same output folder, a step that passed there on the same GPU and commit is
 not run again: its row is kept, marked ``reused`` (``--force`` runs it again). The last
 line printed is the summary as one JSON object. The exit status is 0 when every step that
@@ -45,8 +48,10 @@ import datetime
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -113,7 +118,9 @@ def steps(out: Path) -> list[Step]:
     cal = str(out / "calibration.json")
     truth = str(BENCH / "cuda_truth.py")
     junit = f"--junitxml={out / 'junit.xml'}"
-    pytest = (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", junit)
+    # -v: each test's name and outcome as it ends, so a step stopped at its budget (no
+    # junit.xml, no summary) still says which tests failed.
+    pytest = (py, "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider", "-rs", junit)
 
     def bench(name: str, *extra: str) -> tuple[str, ...]:
         return (py, str(BENCH / f"{name}.py"), "--cuda", *extra)
@@ -350,12 +357,45 @@ def command(step: Step, quick: bool, budget_s: float, out: Path) -> list[str]:
     return argv
 
 
+def corpus_there(out: Path) -> bool:
+    """Whether the output folder holds a corpus, packed or not."""
+    return (out / PACKED).is_file() or (out / "cuda_truth" / "index.json").is_file()
+
+
 def keep_profile(name: str, row: Mapping[str, Any], out: Path) -> None:
     """After ``calibrate`` passed, a copy of its profile beside the corpus: the offline
     accuracy check (``estimate_accuracy.py --truth``) calibrates with it."""
     profile, corpus = out / "calibration.json", out / "cuda_truth"
     if name == "calibrate" and row.get("exit") == 0 and profile.is_file() and corpus.is_dir():
         (corpus / "calibration.json").write_bytes(profile.read_bytes())
+
+
+#: The corpus as it comes back: one file (see the module's docstring).
+PACKED = "cuda_truth.tar.gz"
+
+
+def unpack_corpus(out: Path) -> None:
+    """``cuda_truth/`` from ``cuda_truth.tar.gz``, where only the packed copy is there."""
+    packed = out / PACKED
+    if packed.is_file() and not (out / "cuda_truth").exists():
+        with tarfile.open(packed) as tar:
+            if hasattr(tarfile, "data_filter"):  # no links or paths outside ``out``
+                tar.extractall(out, filter="data")
+            else:  # pragma: no cover - Python before the filters (3.10.11, 3.11.3)
+                tar.extractall(out)
+
+
+def pack_corpus(out: Path) -> None:
+    """``cuda_truth/`` packed into ``cuda_truth.tar.gz`` (written whole, then renamed),
+    and the folder removed: what comes back from the machine is then a few files."""
+    folder = out / "cuda_truth"
+    if not folder.is_dir():
+        return
+    part = out / (PACKED + ".part")
+    with tarfile.open(part, "w:gz") as tar:
+        tar.add(folder, arcname="cuda_truth")
+    part.replace(out / PACKED)
+    shutil.rmtree(folder)
 
 
 def load_summary(path: Path) -> dict[str, Any] | None:
@@ -462,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             elif d.action == "skip":
                 results[step.name] = {"skipped": d.reason, "budget_s": d.budget_s, **stamp}
                 print(f"# {step.name}: skipped ({d.reason}, needs {d.budget_s} s)", flush=True)
-            elif step.name == "truth-check" and not (out / "cuda_truth" / "index.json").is_file():
+            elif step.name == "truth-check" and not corpus_there(out):
                 reason = "no corpus: no cuda_truth/index.json in the output folder"
                 results[step.name] = {"skipped": reason, "budget_s": d.budget_s, **stamp}
                 print(f"# {step.name}: skipped ({reason})", flush=True)
@@ -472,9 +512,13 @@ def main(argv: list[str] | None = None) -> int:
                 results[step.name] = {**row, **stamp}
                 save()  # a call stopped from outside shows which step was running
                 argv = command(step, args.quick, limit, out)
-                results[step.name] = {**row, **run_step(step, argv, limit, env, log), **stamp}
-                ran.append(step.name)
-                keep_profile(step.name, results[step.name], out)
+                unpack_corpus(out)
+                try:
+                    results[step.name] = {**row, **run_step(step, argv, limit, env, log), **stamp}
+                    ran.append(step.name)
+                    keep_profile(step.name, results[step.name], out)
+                finally:
+                    pack_corpus(out)
             save()
     summary["failed"] = [n for n in ran if results[n]["exit"] != 0]
     summary["skipped"] = [n for n, r in results.items() if "skipped" in r]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -243,6 +244,13 @@ CAPTURE = (
 )
 
 
+#: Fails unless the corpus is unpacked where it is told to look.
+CHECK = (
+    "import pathlib, sys; assert (pathlib.Path(sys.argv[1]) / 'index.json').is_file(); "
+    "print('{\"ok\": true}')"
+)
+
+
 def stand_ins(out: Path) -> list[Step]:
     py = sys.executable
     return [
@@ -253,7 +261,7 @@ def stand_ins(out: Path) -> list[Step]:
             quick=(),
             shrinks_to=30,
         ),
-        Step("truth-check", (py, "-c", "print('{\"ok\": true}')"), (10, 10), checks="capture"),
+        Step("truth-check", (py, "-c", CHECK, str(out / "cuda_truth")), (10, 10), checks="capture"),
         Step("fails", (py, "-c", "raise SystemExit(1)"), (10, 10)),
         Step("slow", (py, "-c", "pass"), (1000, 1000)),
         Step("late", (py, "-c", "pass"), (10, 10)),
@@ -285,9 +293,17 @@ def test_a_run_and_its_rerun(
     assert summary["failed"] == ["fails"]
     assert summary["skipped"] == ["slow"]
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == summary
+    # The corpus comes back as one file: truth-check read it unpacked, and it was packed again.
+    assert sorted(p.name for p in out.iterdir()) == [
+        "cuda_truth.tar.gz",
+        "logs.txt",
+        "summary.json",
+    ]
+    with tarfile.open(out / "cuda_truth.tar.gz") as tar:
+        assert "cuda_truth/index.json" in tar.getnames()
 
     # The rerun: what passed is kept and marked; the failed step runs again.
-    (out / "cuda_truth" / "index.json").unlink()  # a capture that ran again would rewrite it
+    (out / "cuda_truth.tar.gz").unlink()  # a capture that ran again would write it anew
     first = rows
     assert gpu_suite.main([*argv, "--only", "capture,truth-check,fails,late"]) == 1
     rows = json.loads((out / "summary.json").read_text())["steps"]
@@ -296,14 +312,14 @@ def test_a_run_and_its_rerun(
         assert rows[name]["started"] == first[name]["started"]
     assert "reused" not in rows["fails"]
     assert rows["slow"] == first["slow"]  # not in this plan: kept as it was
-    assert not (out / "cuda_truth" / "index.json").exists()
+    assert not (out / "cuda_truth.tar.gz").exists() and not (out / "cuda_truth").exists()
 
     # --force runs them all again: capture writes its corpus anew.
     argv_force = [*argv, "--only", "capture,truth-check,late", "--force"]
     assert gpu_suite.main(argv_force) == 0
     rows = json.loads((out / "summary.json").read_text())["steps"]
     assert not any(rows[n].get("reused") for n in ("capture", "truth-check", "late"))
-    assert (out / "cuda_truth" / "index.json").is_file()
+    assert (out / "cuda_truth.tar.gz").is_file()
 
 
 def test_truth_check_is_skipped_without_a_corpus(
@@ -335,6 +351,24 @@ def test_truth_check_runs_again_after_a_new_capture(
     assert rows["capture"]["exit"] == 0 and "reused" not in rows["capture"]
     assert rows["truth-check"]["exit"] == 0 and "reused" not in rows["truth-check"]
     assert rows["truth-check"]["result"] == {"ok": True}
+
+
+def test_a_packed_corpus_is_unpacked_for_the_steps_that_read_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A corpus that came back packed, copied to a new output folder, is checked there."""
+    monkeypatch.setattr(gpu_suite, "steps", stand_ins)
+    monkeypatch.setattr(gpu_suite, "gpu_facts", lambda env: {"gpu": GPU})
+    monkeypatch.setattr(gpu_suite, "git_commit", lambda: COMMIT)
+    out = tmp_path / "r"
+    (out / "cuda_truth").mkdir(parents=True)
+    (out / "cuda_truth" / "index.json").write_text("{}")
+    gpu_suite.pack_corpus(out)
+    assert not (out / "cuda_truth").exists()
+    assert gpu_suite.main(["--out", str(out), "--only", "truth-check"]) == 0
+    rows = json.loads((out / "summary.json").read_text())["steps"]
+    assert rows["truth-check"]["exit"] == 0 and rows["truth-check"]["result"] == {"ok": True}
+    assert not (out / "cuda_truth").exists() and (out / "cuda_truth.tar.gz").is_file()
 
 
 def test_the_profile_is_kept_beside_the_corpus_after_calibrate(tmp_path: Path) -> None:
