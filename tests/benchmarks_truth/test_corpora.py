@@ -25,11 +25,26 @@ from _common import error_stats  # noqa: E402
 DATA = BENCH / "data" / "cuda_truth"
 CORPORA = sorted(p.parent for p in DATA.glob("*/index.json"))
 H200 = DATA / "nvidia-h200-2026-11-25"
+#: The first traced capture (68 cases), and the 198 cases of the same day's suite run whose
+#: figures came back without their traces.
+H200_TRACED = DATA / "nvidia-h200-2026-11-27"
+H200_SUMMARY = DATA / "nvidia-h200-2026-11-27-summary"
 
 
 def test_there_is_a_corpus_and_a_readme() -> None:
     assert H200 in CORPORA
     assert (DATA / "README.md").is_file()
+
+
+#: Single-stream steps the allocator model does not yet replay exactly, with what differs.
+#: Both are cold mixed-precision training steps where the real allocator made one more
+#: 2 MiB small-pool segment for a 1 MiB request in the optimizer's ``_foreach_sqrt``.
+KNOWN_DIFFERENCES = {
+    "nvidia-h200-2026-11-27": {
+        "zoo/t5-small/train/amp-bf16/b1 cold",
+        "zoo/whisper-base/train/amp-bf16/b4 cold",
+    },
+}
 
 
 @pytest.mark.parametrize("root", CORPORA, ids=[p.name for p in CORPORA])
@@ -44,8 +59,9 @@ def test_every_committed_corpus_loads_and_replays(root: Path) -> None:
         for step, trace in corpus.load_traces(root, case).items():
             r = replay(trace)
             if r.match is False:
-                differs.append(f"{case['id']} {step}: {r.first_difference}")
-    assert not differs, differs
+                differs.append(f"{case['id']} {step}")
+    # A new difference fails; so does one that went away (take it off the list).
+    assert set(differs) == KNOWN_DIFFERENCES.get(root.name, set())
 
 
 def test_the_h200_rows_give_the_figures_the_gpu_run_printed() -> None:
@@ -54,6 +70,9 @@ def test_the_h200_rows_give_the_figures_the_gpu_run_printed() -> None:
     The GPU run printed median 4.145% and worst under-estimate 37.414% for the allocated
     peak; the measured side is kept to 3 significant digits, so the figures agree to a few
     hundredths of a percent. A larger worst under-estimate means the estimator got worse.
+    Since the profile's one training cuBLAS handle is read as two (the recorded traces show
+    two workspaces in every training step), the training rows moved up by 32 MiB: the
+    median is now 4.652%, the worst under-estimate (LSTM inference) unchanged.
     """
     from vramctl.estimator import load_calibration
 
@@ -65,5 +84,40 @@ def test_the_h200_rows_give_the_figures_the_gpu_run_printed() -> None:
         pairs.append((est.peak_allocated, case["steps"]["warm"]["max_allocated"]))
     stats = error_stats(pairs)
     assert stats["rows"] == 20
-    assert stats["median_pct"] == pytest.approx(4.145, abs=0.1)
+    assert stats["median_pct"] == pytest.approx(4.652, abs=0.1)
     assert stats["worst_under_pct"] <= 37.5
+
+
+def test_every_recorded_training_step_makes_two_cublas_workspaces() -> None:
+    """The forward's thread and autograd's device thread each take a cuBLAS handle with its
+    32 MiB workspace (compute capability 9.0): two in each cold training step, one in each
+    cold inference step. The estimator's built-in ``TRAIN_HANDLES`` rests on this."""
+    from vramctl.estimator._calibration import TRAIN_HANDLES
+
+    index = corpus.load_index(H200_TRACED)
+    seen = {"train": set(), "infer": set()}
+    for case in index["cases"]:
+        if not case.get("file"):
+            continue
+        cold = corpus.load_traces(H200_TRACED, case)["cold"]
+        n = sum(
+            1 for a, _, size, _, _ in corpus.events(cold) if a == "alloc" and size == 32 * 2**20
+        )
+        seen[case["spec"]["mode"]].add(n)
+    assert seen == {"train": {TRAIN_HANDLES}, "infer": {1}}
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama", "bert", "t5", "bart"])
+def test_small_training_steps_on_the_h200_count_both_workspaces(model: str) -> None:
+    """Shrunk transformers classes, trained on the H200 (2026-11-27): real peaks of 74-78
+    MiB, of which 64 MiB are the two cuBLAS workspaces. Read with the profile's one handle
+    the estimate was 39-42% short; with two it is 4-6% over (the forward's 1 MiB cuBLASLt
+    workspace counted twice, and a few MiB the shrunk models' traces do not yet match)."""
+    from vramctl.estimator import load_calibration
+
+    index = corpus.load_index(H200_SUMMARY)
+    cal = load_calibration(H200_SUMMARY / "calibration.json")
+    case = next(c for c in index["cases"] if c["id"] == f"hf/{model}/train/fp32/b2")
+    est = estimate_case(case["spec"], index["environment"]["gpu"], calibration=cal)
+    real = case["steps"]["warm"]["max_allocated"]
+    assert 0 <= est.peak_allocated / real - 1 < 0.08

@@ -39,7 +39,12 @@ def readings(**over: Any) -> dict[str, Any]:
         "capability": "8.6",
         "software": {"torch": "2.11.0", "cuda": "13.0"},
         "context": {"after_init": 300 * MiB, "after_matmul": 410 * MiB, "after_conv": 530 * MiB},
-        "cublas": {"per_handle": 9 * MiB, "other_thread": 9 * MiB, "backward_extra": 9 * MiB},
+        "cublas": {
+            "per_handle": 9 * MiB,
+            "other_thread": 9 * MiB,
+            "backward_extra": 9 * MiB,
+            "backward_first": True,
+        },
         "cudnn": [
             {"conv": "a", "pass": "forward", "output_bytes": 100 * MiB, "workspace_bytes": 0},
             {
@@ -81,6 +86,36 @@ def test_constants_are_fitted_from_the_readings() -> None:
     assert (cal.cudnn_workspace_ratio, cal.cudnn_workspace_fixed) == (0.0, 25 * MiB)
     assert cal.cudnn_workspace_cap == _cuda_model.CUDNN_WORKSPACE_CAP
     assert cal.allocator.min_large_alloc == 10 * MiB
+
+
+def test_a_backward_measured_after_another_thread_keeps_two_handles() -> None:
+    """Profiles before 2026-11-27 measured the backward after a worker thread's matrix
+    multiplies: autograd's thread took that thread's pooled handle and workspace, and the
+    backward seemed to keep nothing. Every recorded training step on the H200 made two."""
+    old = {"per_handle": 33 * MiB, "other_thread": 33 * MiB, "backward_extra": 0}
+    builtin = _cuda_model.builtin("NVIDIA A10G", A10G.capability)
+    cal, notes = fit_constants(readings(cublas=old), builtin)
+    assert cal.train_handles == 2 and cal.cublas_workspace_bytes == 33 * MiB
+    assert any("after another thread" in n for n in notes)
+    # Measured first (as the probe now does), a backward that keeps nothing is believed.
+    cal, notes = fit_constants(readings(cublas={**old, "backward_first": True}), builtin)
+    assert cal.train_handles == 1 and notes == []
+
+
+def test_an_old_profile_that_read_one_training_handle_reads_two() -> None:
+    h200 = Path(__file__).parents[2] / "docs" / "benchmarks" / "gpu"
+    for name in (
+        "2026-11-25-nvidia-h200-calibration.json",
+        "2026-11-27-nvidia-h200-calibration.json",
+    ):
+        doc = json.loads((h200 / name).read_text())
+        assert doc["constants"]["train_handles"] == 1  # as it was written
+        assert load_calibration(h200 / name).train_handles == 2
+    fresh = fitted(cublas={"per_handle": MiB, "other_thread": MiB, "backward_extra": 0})
+    doc = {**fresh.to_dict(), "measurements": {"cublas": {"backward_first": True}}}
+    assert Calibration.from_dict(doc).train_handles == 2  # fitted() kept the built-in 2
+    doc["constants"]["train_handles"] = 1
+    assert Calibration.from_dict(doc).train_handles == 1
 
 
 def test_the_workspace_line_is_the_lowest_over_every_measured_convolution() -> None:

@@ -147,7 +147,14 @@ def _allocator(dev: torch.device) -> dict[str, Any]:
 
 
 def _cublas(dev: torch.device) -> dict[str, Any]:
-    """Workspaces kept by a thread's first matrix multiplies and by a first backward."""
+    """Workspaces kept by a thread's first matrix multiplies and by a first backward.
+
+    The backward is measured first. PyTorch gives a finished thread's cuBLAS handle back
+    to a pool, and its workspace stays with it: measured after another thread's matrix
+    multiplies, autograd's device thread took that handle and its workspace, and the
+    backward seemed to keep nothing (H200, 2026-11-27; its recorded training steps each
+    make two workspaces).
+    """
 
     def first_matmuls() -> int:
         a = torch.randn(256, 256, device=dev)
@@ -163,10 +170,6 @@ def _cublas(dev: torch.device) -> dict[str, Any]:
         return kept
 
     per_handle = first_matmuls()
-    other: list[int] = []
-    worker = threading.Thread(target=lambda: other.append(first_matmuls()), daemon=True)
-    worker.start()
-    worker.join(timeout=120)
 
     lin = nn.Linear(256, 256).to(dev)
     xin = torch.randn(64, 256, device=dev)
@@ -176,10 +179,16 @@ def _cublas(dev: torch.device) -> dict[str, Any]:
     del out
     extra = _allocated() - base - _bytes_of(p.grad for p in lin.parameters())
     del lin, xin
+
+    other: list[int] = []
+    worker = threading.Thread(target=lambda: other.append(first_matmuls()), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
     return {
         "per_handle": max(0, per_handle),
         "other_thread": max(0, other[0]) if other else None,
         "backward_extra": max(0, extra),
+        "backward_first": True,
     }
 
 

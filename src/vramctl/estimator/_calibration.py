@@ -31,6 +31,10 @@ from vramctl._errors import VramctlError
 from vramctl.device import ComputeCapability
 from vramctl.estimator._allocator import AllocatorConfig
 
+#: cuBLAS handles a training step uses: the forward's thread and autograd's device thread,
+#: each with its workspace (seen in every recorded training step on an H200).
+TRAIN_HANDLES = 2
+
 __all__ = [
     "Calibration",
     "CalibrationError",
@@ -195,13 +199,17 @@ class Calibration:
         if not isinstance(software, dict):
             raise CalibrationError(f"{source}: field 'software' must be an object")
         measurements = doc.get("measurements", {})
+        handles = size("train_handles", 1)
+        cub = measurements.get("cublas") if isinstance(measurements, dict) else None
+        if handles == 1 and isinstance(cub, dict) and stale_backward_probe(cub):
+            handles = TRAIN_HANDLES  # see stale_backward_probe
         return cls(
             device=device,
             capability=cc,
             context_bytes=size("context_bytes"),
             cudnn_context_bytes=size("cudnn_context_bytes"),
             cublas_workspace_bytes=size("cublas_workspace_bytes"),
-            train_handles=size("train_handles", 1),
+            train_handles=handles,
             cudnn_workspace_ratio=float(ratio),
             cudnn_workspace_cap=size("cudnn_workspace_cap"),
             # Profiles written before the fixed part was measured have none.
@@ -397,6 +405,13 @@ def _int(doc: Mapping[str, Any], key: str, where: str) -> int | None:
     return int(v)
 
 
+def stale_backward_probe(cublas: Mapping[str, Any]) -> bool:
+    """Whether a profile's ``backward_extra`` reading is void: measured after another
+    thread had finished its matrix multiplies (profiles before 2026-11-27), so autograd's
+    thread took that thread's pooled handle and workspace and seemed to keep none."""
+    return not cublas.get("backward_first") and cublas.get("other_thread") is not None
+
+
 def fit_constants(
     measurements: Mapping[str, Any], defaults: Calibration
 ) -> tuple[Calibration, list[str]]:
@@ -435,8 +450,13 @@ def fit_constants(
     workspace, handles = defaults.cublas_workspace_bytes, defaults.train_handles
     if per_handle:
         workspace = per_handle
-        if extra is not None:
+        if extra is not None and not stale_backward_probe(cub):
             handles = 1 + round(extra / per_handle)
+        elif extra is not None:
+            notes.append(
+                "the backward's cuBLAS workspace was measured after another thread's; kept "
+                f"the built-in {handles} handles for training"
+            )
     else:
         notes.append("no cuBLAS workspace was seen; kept the built-in value")
 

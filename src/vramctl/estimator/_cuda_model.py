@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from vramctl.device import ComputeCapability
 from vramctl.estimator._allocator import AllocatorConfig
-from vramctl.estimator._calibration import Calibration
+from vramctl.estimator._calibration import TRAIN_HANDLES, Calibration
 
 __all__ = [
     "builtin",
@@ -51,8 +51,6 @@ CUBLAS_WORKSPACE_HOPPER_BYTES = 4096 * 1024 * 8 + 16 * 1024 * 8
 CUDNN_WORKSPACE_CAP = 1024 * MiB
 #: A convolution's cuDNN workspace, as a multiple of its largest output.
 CUDNN_WORKSPACE_RATIO = 1.0
-#: cuBLAS handles a training step uses: the forward's thread and autograd's device thread.
-TRAIN_HANDLES = 2
 
 
 def context_bytes(cc: ComputeCapability | None) -> int:
