@@ -422,6 +422,31 @@ def estimate_cmd(
             show_default=False,
         ),
     ] = None,
+    quant: Annotated[
+        str | None,
+        typer.Option(
+            help="Quantize the linear layers (not the output head, embeddings or norms) "
+            "to a format's exact storage: nf4 or fp4 (bitsandbytes 4-bit), int8 "
+            "(LLM.int8), gptq, awq, int8-weight-only, int4-weight-only or fp8 (torchao). "
+            "With --lora it is QLoRA.",
+            show_default=False,
+        ),
+    ] = None,
+    double_quant: Annotated[
+        bool,
+        typer.Option(
+            "--double-quant",
+            help="With --quant nf4 or fp4: bitsandbytes' double quantization of the "
+            "block scales (4.127 bits a weight instead of 4.5).",
+        ),
+    ] = False,
+    group_size: Annotated[
+        int | None,
+        typer.Option(
+            help="With --quant gptq, awq or int4-weight-only: weights per scale (default 128).",
+            show_default=False,
+        ),
+    ] = None,
     list_models: Annotated[
         bool, typer.Option("--list", help="List the built-in models and exit.")
     ] = False,
@@ -444,6 +469,8 @@ def estimate_cmd(
             --batch 4 --seq-len 2048 --device H100-80GB --max-batch
         vramctl estimate llama-1b --lora r=16,alpha=32,targets=q_proj,v_proj \\
             --precision bf16 --batch 4 --seq-len 1024 --device L4-24GB
+        vramctl estimate llama-1b --quant nf4 --double-quant --lora r=16 \\
+            --precision bf16 --batch 4 --seq-len 1024 --device L4-24GB
     """
     from vramctl.estimator import zoo
 
@@ -458,6 +485,13 @@ def estimate_cmd(
         from vramctl.estimator._shared import load_model_source
 
         _, batch_source = load_model_source(batch_fn)
+    quant_arg: Any = None
+    if quant is not None:
+        from vramctl.estimator._quant import quant_spec
+
+        quant_arg = quant_spec(quant, group_size=group_size, double_quant=double_quant)
+    elif double_quant or group_size is not None:
+        raise VramctlError("--double-quant and --group-size go with --quant")
     step = vramctl.Step(
         mode=mode,
         precision=precision,
@@ -472,6 +506,7 @@ def estimate_cmd(
         trust_remote_code=trust_remote_code,
         parallel=_parallel_arg(parallel, world_size, ranks_per_node, tp_plan),
         adapter=lora,
+        quant=quant_arg,
     )
     results = []
     with err.status("tracing", spinner="dots") as spin:
@@ -526,6 +561,10 @@ def estimate_cmd(
                     ),
                     "lora": lora,
                     "adapter": first.adapter,
+                    "quant": quant,
+                    "double_quant": double_quant,
+                    "group_size": group_size,
+                    "quantization": first.quant,
                 },
                 "estimates": [e.to_dict() for e in results],
                 "max_batch": None if best is None else best.to_dict(),
@@ -539,6 +578,8 @@ def estimate_cmd(
     console.print(f"parameters: {first.parameters:,}", highlight=False)
     if first.adapter:
         console.print(f"adapter: {first.adapter}", highlight=False)
+    if first.quant:
+        console.print(f"quantized: {first.quant}", highlight=False)
     if last.parallel:
         console.print(
             f"per rank: {last.parallel}; --batch is each rank's micro-batch", highlight=False

@@ -27,6 +27,7 @@ from vramctl.estimator._estimate import estimate
 from vramctl.estimator._hub import TASKS
 from vramctl.estimator._maxbatch import MaxBatch, max_batch_size
 from vramctl.estimator._parallel import STRATEGIES, Parallel, ParallelError, parallelize
+from vramctl.estimator._quant import QUANT_FORMATS, QuantSpec
 from vramctl.estimator._request import Step
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._spec import MODES, PRECISIONS, EstimateError
@@ -36,6 +37,7 @@ __all__ = [
     "GPU_EFFICIENCY",
     "MODES",
     "PRECISIONS",
+    "QUANT_FORMATS",
     "STRATEGIES",
     "TASKS",
     "AllocatorConfig",
@@ -48,6 +50,7 @@ __all__ = [
     "MaxBatch",
     "Parallel",
     "ParallelError",
+    "QuantSpec",
     "Step",
     "StepTime",
     "Throughput",

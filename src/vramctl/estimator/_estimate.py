@@ -58,6 +58,7 @@ def estimate(
     tf32: bool | None = None,
     throughput: Throughput | None = None,
     adapter: Any = None,
+    quant: Any = None,
     step: Step | None = None,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
@@ -116,6 +117,14 @@ def estimate(
     is frozen (no gradients, no optimizer state), the adapters stay fp32 under a 16-bit
     base. Needs ``pip install 'vramctl[finetune]'``. A model that already is a PEFT
     model is estimated as it is.
+
+    ``quant`` quantizes the model's linear layers (not its output head, embeddings or
+    norms, which the libraries leave in their dtype) to a format's exact storage:
+    ``"nf4"``/``"fp4"`` (bitsandbytes 4-bit; ``QuantSpec("nf4", double_quant=True)`` for
+    its double quantization), ``"int8"`` (LLM.int8), ``"gptq"``, ``"awq"``, or torchao's
+    ``"int8-weight-only"``, ``"int4-weight-only"`` and ``"fp8"``; or a Hugging Face
+    ``quantization_config``. Each matrix multiply dequantizes its weight into a transient
+    in the compute dtype, forward and backward. With ``adapter`` it is QLoRA.
 
     ``step`` gives all of these options at once as a :class:`~vramctl.estimator.Step`
     (then give none of them one by one): the request this call makes of its options,

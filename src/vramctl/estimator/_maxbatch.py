@@ -169,6 +169,7 @@ def max_batch_size(
     tf32: bool | None = None,
     throughput: Throughput | None = None,
     adapter: Any = None,
+    quant: Any = None,
     step: Step | None = None,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.

@@ -67,6 +67,10 @@ class Step:
     #: mapping of LoRA's settings (``{"r": 16, "targets": ["q_proj", "v_proj"]}``), the
     #: same as ``"r=16,targets=q_proj,v_proj"``, or a saved adapter's folder.
     adapter: Any = None
+    #: Quantized weights for the model's linear layers: a format's name (``"nf4"``,
+    #: ``"int8"``, ``"gptq"``, ``"awq"``, ``"int8-weight-only"`` ...), a
+    #: :class:`~vramctl.estimator.QuantSpec`, or a Hugging Face ``quantization_config``.
+    quant: Any = None
 
     def __post_init__(self) -> None:
         if self.tf32 is None:

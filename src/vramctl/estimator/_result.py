@@ -129,6 +129,8 @@ class Estimate:
     parallel: str | None = None
     #: The PEFT adapter on the model (method, rank, targets, trainable parameters), if any.
     adapter: str | None = None
+    #: The quantized weights (format, layers, bits a weight), if any.
+    quant: str | None = None
     world_size: int = 1
     #: Host bytes one rank keeps (offloaded parameters, gradients and optimizer state).
     host_per_rank: int = 0
@@ -203,6 +205,7 @@ class Estimate:
             "throughput": self.throughput,
             "parallel": self.parallel,
             "adapter": self.adapter,
+            "quant": self.quant,
             "world_size": self.world_size,
             "host_per_rank_bytes": self.host_per_rank,
             "host_per_node_bytes": self.host_per_node,

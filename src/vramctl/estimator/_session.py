@@ -32,6 +32,7 @@ from vramctl.estimator._build import (
 from vramctl.estimator._distributed import DDPStandIn, FakeWorld, wrap_fake
 from vramctl.estimator._hub import check_positions
 from vramctl.estimator._parallel import Parallel
+from vramctl.estimator._quant import apply_quant, describe_quant, quant_storage_ids
 from vramctl.estimator._request import Step
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._spec import (
@@ -105,10 +106,14 @@ class Session:
         builder.record = False
         with s.fake_mode, builder:
             model = s.model = build_module(name, obj)
+            if request.quant is not None:
+                model = s.model = apply_quant(model, request.quant, spec.param_dtype)
             if request.adapter is not None:
                 model = s.model = apply_adapter(model, request.adapter)
-            # A PEFT model's adapters stay fp32 under a 16-bit base, as PEFT keeps them.
-            s.state = fake_state(model, spec.param_dtype, adapter_parameters(model))
+            # A PEFT model's adapters stay fp32 under a 16-bit base, as PEFT keeps them;
+            # quantized storage keeps its library's dtypes.
+            keep = adapter_parameters(model) | quant_storage_ids(model)
+            s.state = fake_state(model, spec.param_dtype, keep)
             if parallel is not None:
                 s._wrap(parallel)
                 model = s.model
@@ -186,6 +191,9 @@ class Session:
         adapter = describe_adapter(self.model) if self.model is not None else None
         if adapter is not None:
             est = dataclasses.replace(est, adapter=adapter)
+        quant = describe_quant(self.model) if self.model is not None else None
+        if quant is not None:
+            est = dataclasses.replace(est, quant=quant)
         notes = tuple(getattr(self.entry, "notes", ())) if batch is None else ()
         notes += self.source_notes
         if too_long is not None:

@@ -108,7 +108,8 @@ def _eight_bit(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     try:
         import bitsandbytes as bnb
 
-        return bnb.optim.AdamW8bit(groups)  # type: ignore[no-any-return]
+        opt = bnb.optim.AdamW8bit(groups)  # type: ignore[attr-defined,no-untyped-call,unused-ignore]
+        return opt  # type: ignore[no-any-return,unused-ignore]
     except ImportError as exc:
         raise OptimizeError("adamw-8bit needs torchao or bitsandbytes installed") from exc
 

@@ -1,0 +1,286 @@
+"""Quantized weights (``quant=``, ``--quant``): each format's storage against its library,
+and QLoRA against a real bitsandbytes and PEFT step on the CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import vramctl
+from tests.estimator.real_steps import cpu_step_peak
+from vramctl.estimator import EstimateError, QuantSpec
+from vramctl.estimator._quant import QuantLinear, quant_spec, storage_layout
+from vramctl.estimator._spec import StepSpec
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = transformers.LlamaConfig(
+    vocab_size=1000,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+QV = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+OUT, IN = 256, 512
+
+
+def llama() -> Any:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(CONFIG)
+
+
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, CONFIG.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def layout(spec: QuantSpec, compute: torch.dtype = torch.bfloat16) -> dict[str, tuple]:
+    return {name: (shape, dtype) for name, shape, dtype in storage_layout(spec, OUT, IN, compute)}
+
+
+def described(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    return tuple(t.shape), t.dtype
+
+
+# -- each format's storage, against its library ----------------------------------------------
+
+
+def bnb_4bit(kind: str, double: bool) -> Any:
+    bnb = pytest.importorskip("bitsandbytes")
+    weight = nn.Linear(IN, OUT, bias=False).to(torch.bfloat16).weight.data
+    layer = bnb.nn.Linear4bit(
+        IN, OUT, bias=False, compute_dtype=torch.bfloat16, quant_type=kind,
+        compress_statistics=double,
+    )  # fmt: skip
+    layer.weight = bnb.nn.Params4bit(
+        weight, requires_grad=False, quant_type=kind, compress_statistics=double, blocksize=64
+    )
+    return layer.to("cpu")  # bitsandbytes quantizes as it moves the weight
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+@pytest.mark.parametrize("double", [False, True], ids=["plain", "double-quant"])
+def test_bitsandbytes_4bit_storage_is_the_librarys(kind: str, double: bool) -> None:
+    real = bnb_4bit(kind, double)
+    state = real.weight.quant_state
+    got = {"weight": real.weight, "absmax": state.absmax, "code": state.code}
+    if double:
+        got |= {
+            "absmax2": state.state2.absmax,
+            "code2": state.state2.code,
+            "offset": state.offset,
+        }
+    assert {k: described(v) for k, v in got.items()} == layout(
+        quant_spec(kind, double_quant=double)
+    )
+    if double:  # each layer has its own copy of the second quantization's dynamic map
+        other = bnb_4bit(kind, double).weight.quant_state.state2.code
+        assert other.data_ptr() != state.state2.code.data_ptr()
+        # 4 bits, an 8-bit absmax per 64, an fp32 scale per 256 absmax: 4.127 bits a weight
+        bits = (IN * OUT / 2 + IN * OUT / 64 + 4 * IN * OUT / 64 / 256) * 8 / (IN * OUT)
+        assert bits == pytest.approx(4.127, abs=0.001)
+
+
+def test_llm_int8_storage_is_the_librarys() -> None:
+    bnb = pytest.importorskip("bitsandbytes")
+    weight = nn.Linear(IN, OUT, bias=False).weight.data.half()
+    layer = bnb.nn.Linear8bitLt(IN, OUT, bias=False, has_fp16_weights=False)
+    layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    layer = layer.to("cpu")
+    got = {"weight": layer.weight, "SCB": layer.weight.SCB}
+    assert {k: described(v) for k, v in got.items()} == layout(quant_spec("int8"))
+
+
+@pytest.mark.parametrize("method", ["int8-weight-only", "fp8"])
+def test_torchao_storage_is_the_librarys(method: str) -> None:
+    quantization = pytest.importorskip("torchao.quantization")
+    config = {
+        "int8-weight-only": quantization.Int8WeightOnlyConfig,
+        "fp8": quantization.Float8WeightOnlyConfig,
+    }[method]()
+    model = nn.Sequential(nn.Linear(IN, OUT, bias=False)).to(torch.bfloat16)
+    quantization.quantize_(model, config)
+    weight = model[0].weight
+    names, _ = weight.__tensor_flatten__()
+    got = {"weight" if n == "qdata" else n: described(getattr(weight, n)) for n in names}
+    assert got == layout(quant_spec(method))
+
+
+def test_gptq_and_awq_storage_follow_their_kernels_layouts() -> None:
+    """GPTQ's and AWQ's kernels do not run on a CPU here: the layouts are pinned to their
+    sources (AutoGPTQ/GPTQModel ``QuantLinear``, AutoAWQ ``WQLinear_GEMM``) for a 4096 x
+    4096 layer at 4 bits in groups of 128."""
+    n = 4096
+
+    def nbytes(spec: QuantSpec) -> dict[str, int]:
+        return {
+            name: math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            for name, shape, dtype in storage_layout(spec, n, n, torch.float16)
+        }
+
+    assert nbytes(quant_spec("gptq")) == {
+        "weight": n // 8 * n * 4,  # qweight: (in // 32 * bits, out) int32
+        "qzeros": 32 * (n // 8) * 4,  # (in / group, out // 32 * bits) int32
+        "scales": 32 * n * 2,  # (in / group, out) fp16
+        "g_idx": n * 4,  # one int32 group index per input
+    }
+    assert nbytes(quant_spec("awq")) == {
+        "weight": n * (n // 8) * 4,  # qweight: (in, out // 8) int32
+        "qzeros": 32 * (n // 8) * 4,
+        "scales": 32 * n * 2,
+    }
+    # 8-bit GPTQ packs 4 to an int32; a group size of 64 doubles the scales
+    assert nbytes(quant_spec("gptq", group_size=64))["scales"] == 64 * n * 2
+    assert nbytes(QuantSpec("gptq", bits=8, group_size=128))["weight"] == n // 4 * n * 4
+
+
+# -- QLoRA against a real step ---------------------------------------------------------------
+
+
+def quantized_llama(kind: str, double: bool) -> tuple[nn.Module, int]:
+    """A bf16 Llama whose linear layers (not ``lm_head``) bitsandbytes quantized, and the
+    bytes of their quantization states (which are not parameters or buffers)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    model = llama().to(torch.bfloat16)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and name != "lm_head":
+                q = bnb.nn.Linear4bit(
+                    child.in_features, child.out_features, bias=child.bias is not None,
+                    compute_dtype=torch.bfloat16, quant_type=kind, compress_statistics=double,
+                )  # fmt: skip
+                q.weight = bnb.nn.Params4bit(
+                    child.weight.data, requires_grad=False, quant_type=kind,
+                    compress_statistics=double, blocksize=64,
+                )  # fmt: skip
+                setattr(module, name, q.to("cpu"))
+    held: dict[int, int] = {}
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        if state is not None:
+            parts = [state.absmax, state.code]
+            if state.nested:
+                parts += [state.state2.absmax, state.state2.code, state.offset]
+            for t in parts:
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return model, sum(held.values())
+
+
+@pytest.mark.parametrize(
+    ("kind", "double", "within"),
+    [("nf4", False, 1e-4), ("fp4", False, 1e-4), ("nf4", True, 1e-4)],
+    ids=["nf4", "fp4", "nf4-double-quant"],
+)
+def test_qlora_is_priced_as_a_real_bitsandbytes_and_peft_step(
+    kind: str, double: bool, within: float
+) -> None:
+    peft = pytest.importorskip("peft")
+    model, states = quantized_llama(kind, double)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adapted = peft.get_peft_model(model, peft.LoraConfig(**QV))
+    real = cpu_step_peak(adapted, batch(), StepSpec(precision="bf16")) + states
+    spec = QuantSpec(kind, double_quant=double)
+    est = vramctl.estimate(llama(), batch(), device="cpu", precision="bf16", adapter=QV, quant=spec)
+    assert abs(est.peak_allocated - real) / real < within, (est.peak_allocated, real)
+    plain = vramctl.estimate(llama(), batch(), device="cpu", precision="bf16", adapter=QV)
+    assert est.peak_allocated < plain.peak_allocated
+    assert est.quant is not None and est.quant.startswith(kind)
+
+
+def test_the_dequantized_weight_is_a_transient_in_the_compute_dtype() -> None:
+    """One big layer: the forward holds its packed weight and, for the matrix multiply, the
+    whole weight in bf16; after the step nothing of it stays."""
+    model = nn.Sequential(nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 16, bias=False))
+    x = torch.randn(2, 4096)
+    est = vramctl.estimate(
+        model, x, device="cpu", precision="bf16", mode="infer", quant=QuantSpec("nf4", skip=("1",))
+    )
+    packed = 4096 * 4096 // 2
+    assert est.peak_allocated > packed + 4096 * 4096 * 2  # the bf16 transient
+    assert est.peak_allocated < packed + 4096 * 4096 * 2 + 4096 * 4096 // 64 * 4 + 10**6
+    assert est.quant is not None and "1 linear layers" in est.quant
+
+
+def test_the_users_model_is_left_as_it_was() -> None:
+    model = llama()
+    before = {n: (p.dtype, p.shape) for n, p in model.named_parameters()}
+    vramctl.estimate(model, batch(), device="cpu", quant="nf4")
+    assert {n: (p.dtype, p.shape) for n, p in model.named_parameters()} == before
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def test_a_hugging_face_quantization_config_is_read() -> None:
+    bnb4 = {
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+    }
+    assert quant_spec(bnb4) == QuantSpec("nf4", 4, None, True)
+    assert quant_spec({"quant_method": "bitsandbytes", "load_in_8bit": True}).method == "int8"
+    gptq = quant_spec({"quant_method": "gptq", "bits": 4, "group_size": 32})
+    assert (gptq.method, gptq.bits, gptq.group_size) == ("gptq", 4, 32)
+    assert quant_spec(transformers.BitsAndBytesConfig(load_in_4bit=True)).method == "fp4"
+
+
+@pytest.mark.parametrize(
+    ("value", "options", "message"),
+    [
+        ("int3", {}, "unknown format 'int3'"),
+        ("int8", {"double_quant": True}, "double quantization is bitsandbytes' 4-bit only"),
+        ("nf4", {"group_size": 64}, "nf4 takes no group size"),
+        ({"quant_method": "hqq"}, {}, "quant_method 'hqq' is not supported"),
+        (QuantSpec("gptq", bits=5), {}, "GPTQ takes 2, 3, 4 or 8 bits"),
+    ],
+)
+def test_bad_quantizations_are_one_clear_line(value: Any, options: dict, message: str) -> None:
+    with pytest.raises(EstimateError, match=message):
+        quant_spec(value, **options)
+
+
+def test_a_model_without_linear_layers_cannot_be_quantized() -> None:
+    with pytest.raises(EstimateError, match="no linear layer nf4 can take"):
+        vramctl.estimate(nn.Conv2d(3, 8, 3), torch.randn(1, 3, 8, 8), device="cpu", quant="nf4")
+
+
+def test_the_json_names_the_quantization() -> None:
+    est = vramctl.estimate(llama(), batch(), device="cpu", quant="int8", adapter=QV)
+    doc = json.loads(json.dumps(est.to_dict()))
+    assert doc["quant"].startswith("int8 (bitsandbytes): 14 linear layers")
+    assert doc["adapter"].startswith("LORA r=8")
+
+
+def test_the_command_line_takes_quant(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from vramctl.cli._app import app
+
+    config = tmp_path / "config.json"
+    config.write_text(CONFIG.to_json_string())
+    args = ["estimate", str(config), "--batch", "2", "--seq-len", "32", "--device", "cpu"]
+    qlora = ["--quant", "nf4", "--double-quant", "--lora", "r=8,targets=q_proj,v_proj"]
+    result = CliRunner().invoke(app, [*args, *qlora, "--precision", "bf16", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert (doc["inputs"]["quant"], doc["inputs"]["double_quant"]) == ("nf4", True)
+    assert doc["inputs"]["quantization"].startswith("nf4 (bitsandbytes), double quantization")
+    text = CliRunner().invoke(app, [*args, "--quant", "gptq", "--group-size", "32"])
+    assert text.exit_code == 0, text.output
+    assert "quantized: gptq (GPTQ), 4 bits, groups of 32" in " ".join(text.output.split())
+    for bad, message in [
+        (["--quant", "int3"], "unknown format 'int3'"),
+        (["--group-size", "64"], "--double-quant and --group-size go with --quant"),
+        (["--quant", "int8", "--double-quant"], "bitsandbytes' 4-bit only"),
+    ]:
+        out = CliRunner().invoke(app, [*args, *bad])
+        assert out.exit_code != 0 and message in " ".join(out.output.split()), out.output
