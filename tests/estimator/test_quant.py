@@ -268,19 +268,40 @@ def test_the_command_line_takes_quant(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(CONFIG.to_json_string())
     args = ["estimate", str(config), "--batch", "2", "--seq-len", "32", "--device", "cpu"]
-    qlora = ["--quant", "nf4", "--double-quant", "--lora", "r=8,targets=q_proj,v_proj"]
+    qlora = ["--quant", "nf4", "--double-quant", "--kbit-prep", "--lora", "r=8,targets=q_proj"]
     result = CliRunner().invoke(app, [*args, *qlora, "--precision", "bf16", "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert (doc["inputs"]["quant"], doc["inputs"]["double_quant"]) == ("nf4", True)
+    assert doc["inputs"]["kbit_prep"] is True
     assert doc["inputs"]["quantization"].startswith("nf4 (bitsandbytes), double quantization")
     text = CliRunner().invoke(app, [*args, "--quant", "gptq", "--group-size", "32"])
     assert text.exit_code == 0, text.output
     assert "quantized: gptq (GPTQ), 4 bits, groups of 32" in " ".join(text.output.split())
     for bad, message in [
         (["--quant", "int3"], "unknown format 'int3'"),
-        (["--group-size", "64"], "--double-quant and --group-size go with --quant"),
+        (["--group-size", "64"], "--group-size and --kbit-prep go with --quant"),
         (["--quant", "int8", "--double-quant"], "bitsandbytes' 4-bit only"),
     ]:
         out = CliRunner().invoke(app, [*args, *bad])
         assert out.exit_code != 0 and message in " ".join(out.output.split()), out.output
+
+
+def test_kbit_prep_keeps_what_is_not_quantized_in_fp32_as_peft_does() -> None:
+    """``prepare_model_for_kbit_training`` (without its checkpointing) on a bitsandbytes nf4
+    Llama, then LoRA: the norms, embeddings and ``lm_head`` in fp32, the activations
+    between layers too."""
+    peft = pytest.importorskip("peft")
+    model, states = quantized_llama("nf4", False)
+    model.is_loaded_in_4bit = True  # as transformers marks a model it quantized
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        adapted = peft.get_peft_model(model, peft.LoraConfig(**QV))
+    real = cpu_step_peak(adapted, batch(), StepSpec(precision="bf16")) + states
+    kw: dict[str, Any] = {"device": "cpu", "precision": "bf16", "adapter": QV, "quant": "nf4"}
+    est = vramctl.estimate(llama(), batch(), kbit_prep=True, **kw)
+    assert abs(est.peak_allocated - real) / real < 1e-4, (est.peak_allocated, real)
+    assert est.peak_allocated > vramctl.estimate(llama(), batch(), **kw).peak_allocated
+    with pytest.raises(EstimateError, match="kbit_prep goes with quant"):
+        vramctl.estimate(llama(), batch(), device="cpu", kbit_prep=True)

@@ -440,6 +440,14 @@ def estimate_cmd(
             "block scales (4.127 bits a weight instead of 4.5).",
         ),
     ] = False,
+    kbit_prep: Annotated[
+        bool,
+        typer.Option(
+            "--kbit-prep",
+            help="With --quant: keep every weight not quantized (norms, embeddings, the "
+            "output head) in fp32, as PEFT's prepare_model_for_kbit_training does.",
+        ),
+    ] = False,
     group_size: Annotated[
         int | None,
         typer.Option(
@@ -490,8 +498,8 @@ def estimate_cmd(
         from vramctl.estimator._quant import quant_spec
 
         quant_arg = quant_spec(quant, group_size=group_size, double_quant=double_quant)
-    elif double_quant or group_size is not None:
-        raise VramctlError("--double-quant and --group-size go with --quant")
+    elif double_quant or group_size is not None or kbit_prep:
+        raise VramctlError("--double-quant, --group-size and --kbit-prep go with --quant")
     step = vramctl.Step(
         mode=mode,
         precision=precision,
@@ -507,6 +515,7 @@ def estimate_cmd(
         parallel=_parallel_arg(parallel, world_size, ranks_per_node, tp_plan),
         adapter=lora,
         quant=quant_arg,
+        kbit_prep=kbit_prep,
     )
     results = []
     with err.status("tracing", spinner="dots") as spin:
@@ -563,6 +572,7 @@ def estimate_cmd(
                     "adapter": first.adapter,
                     "quant": quant,
                     "double_quant": double_quant,
+                    "kbit_prep": kbit_prep,
                     "group_size": group_size,
                     "quantization": first.quant,
                 },

@@ -59,6 +59,7 @@ def estimate(
     throughput: Throughput | None = None,
     adapter: Any = None,
     quant: Any = None,
+    kbit_prep: bool = False,
     step: Step | None = None,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
@@ -125,6 +126,9 @@ def estimate(
     ``"int8-weight-only"``, ``"int4-weight-only"`` and ``"fp8"``; or a Hugging Face
     ``quantization_config``. Each matrix multiply dequantizes its weight into a transient
     in the compute dtype, forward and backward. With ``adapter`` it is QLoRA.
+    ``kbit_prep`` keeps every parameter not quantized in fp32, as PEFT's
+    ``prepare_model_for_kbit_training`` casts them (it also turns on checkpointing:
+    give ``checkpointing=True`` for that).
 
     ``step`` gives all of these options at once as a :class:`~vramctl.estimator.Step`
     (then give none of them one by one): the request this call makes of its options,

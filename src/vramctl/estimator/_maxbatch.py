@@ -170,6 +170,7 @@ def max_batch_size(
     throughput: Throughput | None = None,
     adapter: Any = None,
     quant: Any = None,
+    kbit_prep: bool = False,
     step: Step | None = None,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.

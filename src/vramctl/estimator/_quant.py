@@ -277,11 +277,16 @@ class QuantLinear(nn.Linear):
         return w if w.dtype == dtype else w.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # bitsandbytes' Linear4bit: the input cast to the compute dtype (the weight's here,
+        # as QLoRA sets it), the output back to the input's.
+        given = x.dtype
+        if x.is_floating_point() and x.dtype != self.weight_dtype:
+            x = x.to(self.weight_dtype)
         bias: torch.Tensor | None = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         out: torch.Tensor = _Dequantized.apply(x, bias, self)  # type: ignore[no-untyped-call]
-        return out
+        return out if out.dtype == given else out.to(given)
 
     def extra_repr(self) -> str:
         sizes = f"in_features={self.in_features}, out_features={self.out_features}"

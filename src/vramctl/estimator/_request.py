@@ -71,6 +71,9 @@ class Step:
     #: ``"int8"``, ``"gptq"``, ``"awq"``, ``"int8-weight-only"`` ...), a
     #: :class:`~vramctl.estimator.QuantSpec`, or a Hugging Face ``quantization_config``.
     quant: Any = None
+    #: With ``quant``: what PEFT's ``prepare_model_for_kbit_training`` does to the weights,
+    #: every parameter not quantized (norms, embeddings, the output head) kept in fp32.
+    kbit_prep: bool = False
 
     def __post_init__(self) -> None:
         if self.tf32 is None:

@@ -106,6 +106,8 @@ class Session:
         builder.record = False
         with s.fake_mode, builder:
             model = s.model = build_module(name, obj)
+            if request.kbit_prep and request.quant is None:
+                raise EstimateError("kbit_prep goes with quant (it prepares a quantized model)")
             if request.quant is not None:
                 model = s.model = apply_quant(model, request.quant, spec.param_dtype)
             if request.adapter is not None:
@@ -113,6 +115,8 @@ class Session:
             # A PEFT model's adapters stay fp32 under a 16-bit base, as PEFT keeps them;
             # quantized storage keeps its library's dtypes.
             keep = adapter_parameters(model) | quant_storage_ids(model)
+            if request.kbit_prep:  # prepare_model_for_kbit_training's fp32 upcast
+                keep |= {id(p) for p in model.parameters()}
             s.state = fake_state(model, spec.param_dtype, keep)
             if parallel is not None:
                 s._wrap(parallel)
