@@ -1,17 +1,21 @@
-"""Fine-tuning estimates (LoRA built by PEFT) against real PEFT training steps on the CPU.
+"""Fine-tuning estimates (LoRA built by PEFT, QLoRA on bitsandbytes' 4-bit layers) against
+real training steps on the CPU.
 
 Rows: shrunk decoder configs (Llama, Qwen2, Mistral, Gemma-style) x adapters (LoRA on q and v,
 on every linear layer with dropout, with gradient checkpointing, with a trainable ``lm_head``,
-on a bf16 base) x train (and, in the full run, inference): the estimate of
-``vramctl.estimate(model, batch, adapter=...)`` against the real step's peak on the CPU
+on a bf16 base; QLoRA on nf4, on nf4 with double quantization after
+``prepare_model_for_kbit_training``, and on fp4 on every linear layer) x train (and, in the
+full run, inference): the estimate of
+``vramctl.estimate(model, batch, adapter=..., quant=...)`` against the real step's peak on the CPU
 (PyTorch's profiler, after a warm-up step). Goals: median error <= 1%, max <= 3%, worst
 under-estimate <= 2%.
 
 The full run also prints, for full-size configs (Llama-3.1-8B, Qwen2.5-7B, Mistral-7B,
-Llama-3.1-70B), the estimated peak of full fine-tuning (amp-bf16, AdamW) and of LoRA (r=16 on
-every linear layer, a bf16 base) with gradient checkpointing at batch 1 x 1024 tokens on an
-80 GB and a 24 GB GPU, beside Accelerate's ``estimate-memory`` figure for the same model
-(its own functions on the same empty model). QLoRA and quantized bases are not built yet.
+Llama-3.1-70B), the estimated peak of full fine-tuning (amp-bf16, AdamW), of LoRA (r=16 on
+every linear layer, a bf16 base) and of QLoRA (the same on nf4 with double quantization) with
+gradient checkpointing at batch 1 x 1024 tokens on an 80 GB and a 24 GB GPU, beside
+Accelerate's ``estimate-memory`` figure for the same model (its own functions on the same
+empty model).
 
     python benchmarks/estimate_finetune.py --quick
 """
@@ -26,7 +30,7 @@ from typing import Any
 
 import _common
 
-QUICK = "two configs, four adapters, train only; under a minute"
+QUICK = "two configs, five adapters (one QLoRA), train only; under a minute"
 
 #: Shrunk decoder configs: small enough for a real CPU step in about a second.
 SMALL = {
@@ -45,19 +49,34 @@ _SHRUNK = {
     "max_position_embeddings": 512,
 }
 QV = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
-#: name -> (LoRA settings, precision, gradient checkpointing)
-ADAPTERS: dict[str, tuple[dict[str, Any], str, bool]] = {
-    "lora-qv": (QV, "fp32", False),
+#: name -> (LoRA settings, precision, gradient checkpointing, quantization, kbit prep)
+#: (quantization: bitsandbytes 4-bit ``(kind, double quantization)``, run for real on the CPU)
+ADAPTERS: dict[str, tuple[dict[str, Any], str, bool, tuple[str, bool] | None, bool]] = {
+    "lora-qv": (QV, "fp32", False, None, False),
     "lora-all-dropout": (
         {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "lora_dropout": 0.05},
         "fp32",
         False,
+        None,
+        False,
     ),
-    "lora-qv-ckpt": (QV, "fp32", True),
-    "lora-qv-lm-head": ({**QV, "modules_to_save": ["lm_head"]}, "fp32", False),
-    "lora-qv-bf16": (QV, "bf16", False),
+    "lora-qv-ckpt": (QV, "fp32", True, None, False),
+    "lora-qv-lm-head": ({**QV, "modules_to_save": ["lm_head"]}, "fp32", False, None, False),
+    "lora-qv-bf16": (QV, "bf16", False, None, False),
+    "qlora-nf4": (QV, "bf16", False, ("nf4", False), False),
+    "qlora-nf4-dq-kbit": (QV, "bf16", False, ("nf4", True), True),
+    "qlora-fp4-all": (
+        {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
+        "bf16",
+        False,
+        ("fp4", False),
+        False,
+    ),
 }
-QUICK_ROWS = (("llama", "qwen2"), ("lora-qv", "lora-all-dropout", "lora-qv-ckpt", "lora-qv-bf16"))
+QUICK_ROWS = (
+    ("llama", "qwen2"),
+    ("lora-qv", "lora-all-dropout", "lora-qv-ckpt", "lora-qv-bf16", "qlora-nf4-dq-kbit"),
+)
 
 #: Full-size configs (their published config.json values that set the memory).
 FULL_SIZE = {
@@ -137,18 +156,69 @@ def batch(cfg: Any, size: int = 4, length: int = 64) -> dict[str, Any]:
     return {"input_ids": ids, "labels": ids}
 
 
-def measure(cfg: Any, lora: dict[str, Any], precision: str, ckpt: bool, mode: str) -> int:
-    """The real peak of a PEFT step on the CPU."""
+def quantize(model: Any, kind: str, double: bool) -> int:
+    """Quantize ``model``'s linear layers but ``lm_head`` with bitsandbytes 4-bit, in place;
+    the bytes of their quantization states (not parameters or buffers)."""
+    import bitsandbytes as bnb
     import torch
-    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and name != "lm_head":
+                q = bnb.nn.Linear4bit(
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    compute_dtype=torch.bfloat16,
+                    quant_type=kind,
+                    compress_statistics=double,
+                )
+                q.weight = bnb.nn.Params4bit(
+                    child.weight.data,
+                    requires_grad=False,
+                    quant_type=kind,
+                    compress_statistics=double,
+                    blocksize=64,
+                )
+                setattr(module, name, q.to("cpu"))  # bitsandbytes quantizes as it moves
+    model.is_loaded_in_4bit = True  # as transformers marks a model it quantized
+    held: dict[int, int] = {}
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        if state is not None:
+            parts = [state.absmax, state.code]
+            if state.nested:
+                parts += [state.state2.absmax, state.state2.code, state.offset]
+            for t in parts:
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(held.values())
+
+
+def measure(
+    cfg: Any,
+    lora: dict[str, Any],
+    precision: str,
+    ckpt: bool,
+    mode: str,
+    quant: tuple[str, bool] | None = None,
+    kbit: bool = False,
+) -> int:
+    """The real peak of a PEFT step on the CPU (on bitsandbytes' quantized layers with
+    ``quant``, after ``prepare_model_for_kbit_training`` with ``kbit``)."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     from vramctl.estimator._spec import StepSpec, prepare_model, warm_optimizer
 
     model = build(cfg)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
+    states = quantize(model, *quant) if quant else 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if kbit:
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         model = get_peft_model(model, LoraConfig(**lora))
     spec = StepSpec(mode=mode, precision=precision, checkpointing=ckpt)
     prepare_model(model, spec)
@@ -157,14 +227,23 @@ def measure(cfg: Any, lora: dict[str, Any], precision: str, ckpt: bool, mode: st
     if opt is not None:
         warm_optimizer(opt, params)
     data = batch(cfg)
-    peak = _common.cpu_step_peak(model, data, spec, opt)
+    peak = _common.cpu_step_peak(model, data, spec, opt) + states
     del model, opt
     gc.collect()
     return peak
 
 
-def estimate(cfg: Any, lora: dict[str, Any], precision: str, ckpt: bool, mode: str) -> int:
+def estimate(
+    cfg: Any,
+    lora: dict[str, Any],
+    precision: str,
+    ckpt: bool,
+    mode: str,
+    quant: tuple[str, bool] | None = None,
+    kbit: bool = False,
+) -> int:
     import vramctl
+    from vramctl.estimator import QuantSpec
 
     est = vramctl.estimate(
         build(cfg),
@@ -174,6 +253,8 @@ def estimate(cfg: Any, lora: dict[str, Any], precision: str, ckpt: bool, mode: s
         precision=precision,
         checkpointing=ckpt,
         adapter=lora,
+        quant=QuantSpec(quant[0], double_quant=quant[1]) if quant else None,
+        kbit_prep=kbit,
     )
     return int(est.peak_allocated)
 
@@ -186,6 +267,7 @@ def full_size_table() -> list[dict[str, Any]]:
     from accelerate.utils import calculate_maximum_sizes
 
     import vramctl
+    from vramctl.estimator import QuantSpec
 
     rows = []
     for name, (kind, fields) in FULL_SIZE.items():
@@ -199,9 +281,11 @@ def full_size_table() -> list[dict[str, Any]]:
             "parameters": sum(p.numel() for p in empty.parameters()),
             "accelerate_training_bytes": accelerate_train,
         }
+        qlora = {"adapter": FULL_SIZE_LORA, "quant": QuantSpec("nf4", double_quant=True)}
         for method, options in (
             ("full", {"precision": "amp-bf16"}),
             ("lora", {"precision": "bf16", "adapter": FULL_SIZE_LORA}),
+            ("qlora", {"precision": "bf16", **qlora}),
         ):
             for gpu in GPUS:
                 t0 = time.perf_counter()
@@ -223,7 +307,7 @@ def _full_line(row: dict[str, Any]) -> str:
     from vramctl import format_bytes
 
     cells = [f"{row['model']}: accelerate {format_bytes(row['accelerate_training_bytes'])}"]
-    for method in ("full", "lora"):
+    for method in ("full", "lora", "qlora"):
         for gpu in GPUS:
             r = row[f"{method}_{gpu}"]
             cells.append(
@@ -245,12 +329,12 @@ def main(argv: list[str] | None = None) -> int:
             name, extra = SMALL[kind]
             cfg = config(name, extra)
             for adapter in adapters:
-                lora, precision, ckpt = ADAPTERS[adapter]
+                lora, precision, ckpt, quant, kbit = ADAPTERS[adapter]
                 for mode in modes:
                     if mode == "infer" and ckpt:
                         continue  # checkpointing changes nothing without backward
-                    real = measure(cfg, lora, precision, ckpt, mode)
-                    est = estimate(cfg, lora, precision, ckpt, mode)
+                    real = measure(cfg, lora, precision, ckpt, mode, quant, kbit)
+                    est = estimate(cfg, lora, precision, ckpt, mode, quant, kbit)
                     err = round(100.0 * (est - real) / real, 3)
                     rows.append(
                         {

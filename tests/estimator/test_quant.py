@@ -305,3 +305,21 @@ def test_kbit_prep_keeps_what_is_not_quantized_in_fp32_as_peft_does() -> None:
     assert est.peak_allocated > vramctl.estimate(llama(), batch(), **kw).peak_allocated
     with pytest.raises(EstimateError, match="kbit_prep goes with quant"):
         vramctl.estimate(llama(), batch(), device="cpu", kbit_prep=True)
+
+
+def test_the_largest_batch_of_a_quantized_model_is_larger() -> None:
+    """``max_batch_size`` takes ``quant`` as ``estimate`` does: on a 16 GB GPU a 1B Llama
+    config in QLoRA (nf4) fits a larger batch than in LoRA on a bf16 base."""
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    )
+    kw: dict[str, Any] = {"seq_len": 128, "device": "T4-16GB", "precision": "bf16", "adapter": QV}
+    lora = vramctl.max_batch_size(config, **kw)
+    qlora = vramctl.max_batch_size(config, quant="nf4", **kw)
+    assert qlora.estimate is not None and qlora.estimate.quant is not None
+    assert qlora.batch_size > lora.batch_size > 0
