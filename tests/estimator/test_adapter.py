@@ -19,25 +19,7 @@ from vramctl.estimator._spec import StepSpec
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-CONFIG = transformers.LlamaConfig(
-    vocab_size=1000,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-QV = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
-
-
-def llama() -> Any:
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(CONFIG)
-
-
-def batch() -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, CONFIG.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
-    return {"input_ids": ids, "labels": ids}
+from tests.estimator.small_llama import CONFIG, QV, batch, llama  # noqa: E402
 
 
 def real_peak(lora: dict[str, Any], precision: str = "fp32") -> int:

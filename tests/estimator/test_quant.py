@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,26 +22,10 @@ from vramctl.estimator._spec import StepSpec
 
 transformers = pytest.importorskip("transformers")
 
-CONFIG = transformers.LlamaConfig(
-    vocab_size=1000,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-QV = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+from tests.estimator.small_llama import CONFIG, QV, batch, llama  # noqa: E402
+
 OUT, IN = 256, 512
-
-
-def llama() -> Any:
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(CONFIG)
-
-
-def batch() -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, CONFIG.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
-    return {"input_ids": ids, "labels": ids}
+BENCH = Path(__file__).parents[2] / "benchmarks"
 
 
 def layout(spec: QuantSpec, compute: torch.dtype = torch.bfloat16) -> dict[str, tuple]:
@@ -149,30 +134,14 @@ def test_gptq_and_awq_storage_follow_their_kernels_layouts() -> None:
 def quantized_llama(kind: str, double: bool) -> tuple[nn.Module, int]:
     """A bf16 Llama whose linear layers (not ``lm_head``) bitsandbytes quantized, and the
     bytes of their quantization states (which are not parameters or buffers)."""
-    bnb = pytest.importorskip("bitsandbytes")
+    pytest.importorskip("bitsandbytes")
+    sys.path.insert(0, str(BENCH))
+    try:
+        from estimate_finetune import quantize  # the benchmark's real QLoRA rows do the same
+    finally:
+        sys.path.remove(str(BENCH))
     model = llama().to(torch.bfloat16)
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and name != "lm_head":
-                q = bnb.nn.Linear4bit(
-                    child.in_features, child.out_features, bias=child.bias is not None,
-                    compute_dtype=torch.bfloat16, quant_type=kind, compress_statistics=double,
-                )  # fmt: skip
-                q.weight = bnb.nn.Params4bit(
-                    child.weight.data, requires_grad=False, quant_type=kind,
-                    compress_statistics=double, blocksize=64,
-                )  # fmt: skip
-                setattr(module, name, q.to("cpu"))
-    held: dict[int, int] = {}
-    for p in model.parameters():
-        state = getattr(p, "quant_state", None)
-        if state is not None:
-            parts = [state.absmax, state.code]
-            if state.nested:
-                parts += [state.state2.absmax, state.state2.code, state.offset]
-            for t in parts:
-                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return model, sum(held.values())
+    return model, quantize(model, kind, double)
 
 
 @pytest.mark.parametrize(
@@ -293,7 +262,6 @@ def test_kbit_prep_keeps_what_is_not_quantized_in_fp32_as_peft_does() -> None:
     between layers too."""
     peft = pytest.importorskip("peft")
     model, states = quantized_llama("nf4", False)
-    model.is_loaded_in_4bit = True  # as transformers marks a model it quantized
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
