@@ -291,3 +291,27 @@ def test_the_largest_batch_of_a_quantized_model_is_larger() -> None:
     qlora = vramctl.max_batch_size(config, quant="nf4", **kw)
     assert qlora.estimate is not None and qlora.estimate.quant is not None
     assert qlora.batch_size > lora.batch_size > 0
+
+
+def test_a_config_that_carries_a_quantization_config_is_quantized() -> None:
+    """A quantized checkpoint's config.json carries its ``quantization_config``: estimated by
+    its config, the model is quantized as it says; ``quant=`` may repeat it, not contradict
+    it; a format not modelled leaves the weights in their dtype, with a note."""
+    config = transformers.LlamaConfig(**CONFIG.to_dict())
+    config.quantization_config = {
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+    }
+    kw: dict[str, Any] = {"batch_size": 4, "seq_len": 64, "device": "cpu", "precision": "bf16"}
+    carried = vramctl.estimate(config, **kw)
+    assert carried.quant is not None and carried.quant.startswith("nf4 (bitsandbytes), double")
+    same = vramctl.estimate(config, quant=QuantSpec("nf4", double_quant=True), **kw)
+    assert same.peak_allocated == carried.peak_allocated
+    with pytest.raises(EstimateError, match=r"config carries nf4 .* quant asks for int8"):
+        vramctl.estimate(config, quant="int8", **kw)
+    config.quantization_config = {"quant_method": "mxfp4"}
+    plain = vramctl.estimate(config, **kw)
+    assert plain.quant is None
+    assert any("quant_method 'mxfp4'" in n for n in plain.notes)

@@ -49,6 +49,7 @@ __all__ = [
     "QuantLinear",
     "QuantSpec",
     "apply_quant",
+    "carried_quant",
     "describe_quant",
     "quant_spec",
     "quant_storage_ids",
@@ -156,6 +157,38 @@ def _from_hf(config: Any) -> QuantSpec:
         f"quant: quantization_config with quant_method {method or 'missing'!r} is not "
         "supported; give one of: " + ", ".join(QUANT_FORMATS)
     )
+
+
+def carried_quant(carried: Any, given: Any) -> tuple[Any, str | None]:
+    """The quantization of a model whose config carries ``quantization_config``, with
+    ``given`` (``quant=``) if any: ``(quantization, note)``. A format this module does not
+    model leaves the weights in their dtype, with a note saying so; ``given`` that differs
+    from what the config carries is an error."""
+    try:
+        spec = quant_spec(carried)
+    except EstimateError:
+        if given is not None:
+            return given, None
+        doc = carried if isinstance(carried, Mapping) else getattr(carried, "to_dict", dict)()
+        method = doc.get("quant_method", "?") if isinstance(doc, Mapping) else "?"
+        return None, (
+            f"the config's quantization_config (quant_method {method!r}) is not modelled: "
+            "its weights are priced in the step's dtype"
+        )
+    if given is None:
+        return spec, None
+    mine = quant_spec(given)
+    if (mine.method, mine.bits, mine.group_size, mine.double_quant) != (
+        spec.method,
+        spec.bits,
+        spec.group_size,
+        spec.double_quant,
+    ):
+        raise EstimateError(
+            f"quant: the model's config carries {spec.describe()}, and quant asks for "
+            f"{mine.describe()}: give one of them"
+        )
+    return mine, None
 
 
 def storage_layout(

@@ -32,7 +32,12 @@ from vramctl.estimator._build import (
 from vramctl.estimator._distributed import DDPStandIn, FakeWorld, wrap_fake
 from vramctl.estimator._hub import check_positions
 from vramctl.estimator._parallel import Parallel
-from vramctl.estimator._quant import apply_quant, describe_quant, quant_storage_ids
+from vramctl.estimator._quant import (
+    apply_quant,
+    carried_quant,
+    describe_quant,
+    quant_storage_ids,
+)
 from vramctl.estimator._request import Step
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._spec import (
@@ -106,10 +111,16 @@ class Session:
         builder.record = False
         with s.fake_mode, builder:
             model = s.model = build_module(name, obj)
-            if request.kbit_prep and request.quant is None:
+            quant = request.quant
+            carried = getattr(getattr(resolved.entry, "config", None), "quantization_config", None)
+            if carried is not None:  # a quantized checkpoint's config.json
+                quant, note = carried_quant(carried, quant)
+                if note:
+                    s.source_notes = (*s.source_notes, note)
+            if request.kbit_prep and quant is None:
                 raise EstimateError("kbit_prep goes with quant (it prepares a quantized model)")
-            if request.quant is not None:
-                model = s.model = apply_quant(model, request.quant, spec.param_dtype)
+            if quant is not None:
+                model = s.model = apply_quant(model, quant, spec.param_dtype)
             if request.adapter is not None:
                 model = s.model = apply_adapter(model, request.adapter)
             # A PEFT model's adapters stay fp32 under a 16-bit base, as PEFT keeps them;
