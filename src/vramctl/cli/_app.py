@@ -345,7 +345,12 @@ def estimate_cmd(
         ),
     ] = None,
     optimizer: Annotated[
-        str, typer.Option(help="adamw, adam, sgd, sgd-momentum, rmsprop, adagrad or none.")
+        str,
+        typer.Option(
+            help="adamw, adamw-fused, adam, sgd, sgd-momentum, rmsprop, adagrad, adamw-8bit "
+            "(bitsandbytes' 8-bit state), paged-adamw, paged-adamw-8bit (state in CUDA "
+            "unified memory, shown apart) or none."
+        ),
     ] = "adamw",
     checkpointing: Annotated[
         bool, typer.Option(help="Activation checkpointing (transformers models).")
@@ -590,6 +595,12 @@ def estimate_cmd(
         console.print(f"adapter: {first.adapter}", highlight=False)
     if first.quant:
         console.print(f"quantized: {first.quant}", highlight=False)
+    if first.paged_optimizer:
+        console.print(
+            f"paged optimizer state: {format_bytes(first.paged_optimizer)} in unified memory, "
+            "not in the peaks above",
+            highlight=False,
+        )
     if last.parallel:
         console.print(
             f"per rank: {last.parallel}; --batch is each rank's micro-batch", highlight=False

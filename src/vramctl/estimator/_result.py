@@ -131,6 +131,9 @@ class Estimate:
     adapter: str | None = None
     #: The quantized weights (format, layers, bits a weight), if any.
     quant: str | None = None
+    #: Bytes of a paged optimizer's state (``paged-adamw``, ``paged-adamw-8bit``): in CUDA
+    #: unified memory, outside the caching allocator and every peak above.
+    paged_optimizer: int = 0
     world_size: int = 1
     #: Host bytes one rank keeps (offloaded parameters, gradients and optimizer state).
     host_per_rank: int = 0
@@ -206,6 +209,7 @@ class Estimate:
             "parallel": self.parallel,
             "adapter": self.adapter,
             "quant": self.quant,
+            "paged_optimizer_bytes": self.paged_optimizer,
             "world_size": self.world_size,
             "host_per_rank_bytes": self.host_per_rank,
             "host_per_node_bytes": self.host_per_node,

@@ -209,6 +209,25 @@ class Session:
         quant = describe_quant(self.model) if self.model is not None else None
         if quant is not None:
             est = dataclasses.replace(est, quant=quant)
+        if getattr(self.optimizer, "eight_bit", None) is not None:
+            kind = "8-bit" if getattr(self.optimizer, "eight_bit", False) else "paged"
+            est = dataclasses.replace(
+                est,
+                notes=(
+                    *est.notes,
+                    f"the {kind} optimizer's state is bitsandbytes' own; its fused update's "
+                    "time is not in step_seconds",
+                ),
+            )
+        paged = getattr(self.optimizer, "paged_bytes", 0)
+        if paged:
+            note = (
+                f"the paged optimizer's state ({format_bytes(paged)}) is in CUDA unified "
+                "memory, outside PyTorch's allocator and these peaks; nvidia-smi counts it "
+                "while it is on the GPU, and when the GPU runs short the driver moves it to "
+                "host memory, which slows the step instead of failing it"
+            )
+            est = dataclasses.replace(est, paged_optimizer=paged, notes=(*est.notes, note))
         notes = tuple(getattr(self.entry, "notes", ())) if batch is None else ()
         notes += self.source_notes
         if too_long is not None:

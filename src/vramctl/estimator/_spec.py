@@ -49,6 +49,9 @@ OPTIMIZERS = (
     "sgd-momentum",
     "rmsprop",
     "adagrad",
+    "adamw-8bit",
+    "paged-adamw",
+    "paged-adamw-8bit",
     "none",
 )
 ModelSource = nn.Module | str | Callable[[], nn.Module]
@@ -125,6 +128,13 @@ class StepSpec:
             return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kw)
         if opt == "rmsprop":
             return torch.optim.RMSprop(params, lr=1e-4, **kw)
+        if opt in ("adamw-8bit", "paged-adamw", "paged-adamw-8bit"):
+            # bitsandbytes' state layout (its kernels cannot run on fake tensors)
+            from vramctl.estimator._optim8bit import Blockwise8bitAdamW
+
+            return Blockwise8bitAdamW(
+                params, eight_bit=opt.endswith("8bit"), paged=opt.startswith("paged")
+            )
         return torch.optim.Adagrad(params, lr=1e-3, **kw)
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
