@@ -59,6 +59,11 @@ def test_json_reports_every_input_used_defaults_included() -> None:
         "parallel": None,
         "lora": None,
         "adapter": None,
+        "quant": None,
+        "double_quant": False,
+        "kbit_prep": False,
+        "group_size": None,
+        "quantization": None,
     }
     est = doc["estimates"][0]
     assert est["seq_len"] == 256 and est["optimizer"] == "adamw"

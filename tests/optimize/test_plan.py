@@ -101,11 +101,15 @@ def test_checkpointing_is_skipped_with_a_reason_without_repeated_blocks() -> Non
     assert any(s.startswith("checkpointing:") for s in result.skipped)
 
 
-def test_eight_bit_adamw_is_skipped_without_its_package() -> None:
-    from vramctl.optimize._plan import eight_bit_available
+def test_eight_bit_adamw_is_skipped_without_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
 
-    if eight_bit_available() is not None:
-        pytest.skip("an 8-bit optimizer package is installed here")
+    from vramctl.optimize import _plan
+
+    installed = [n for n in ("torchao", "bitsandbytes") if importlib.util.find_spec(n)]
+    assert _plan.eight_bit_available() == (installed[0] if installed else None)
+    # as if neither were installed (the finetune extra brings both); put back after
+    monkeypatch.setattr(_plan, "eight_bit_available", lambda: None)
     result = plan(Distinct(), _batch, device="cpu", effective_batch=2, precisions=["fp32"])
     assert any(s.startswith("adamw-8bit") for s in result.skipped)
 
