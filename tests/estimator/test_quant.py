@@ -315,3 +315,28 @@ def test_a_config_that_carries_a_quantization_config_is_quantized() -> None:
     plain = vramctl.estimate(config, **kw)
     assert plain.quant is None
     assert any("quant_method 'mxfp4'" in n for n in plain.notes)
+
+
+def test_the_fine_tuning_pages_qlora_answer_holds() -> None:
+    """docs/finetune.md's QLoRA command for Llama-3.1-8B on an L4, run as written: it fits,
+    at the 8.8 GiB the page gives."""
+    from typer.testing import CliRunner
+
+    from vramctl.cli._app import app
+
+    root = Path(__file__).parents[2]
+    page = (root / "docs" / "finetune.md").read_text()
+    lines = [
+        "vramctl estimate docs/examples/llama-3.1-8b --lora r=16,alpha=32,targets=all-linear",
+        "    --quant nf4 --double-quant --precision bf16 --checkpointing --batch 1 --seq-len 1024",
+        "    --device L4-24GB",
+    ]
+    command = " \\\n".join(lines)
+    assert command in page
+    args = command.replace("\\\n", " ").split()[1:]
+    args[1] = str(root / args[1])
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    est = json.loads(result.output)["estimates"][0]
+    assert est["fits"] is True
+    assert f"{est['peak_device_bytes'] / 2**30:.1f} GiB: fits" in page
