@@ -500,7 +500,7 @@ def estimate_cmd(
         _, batch_source = load_model_source(batch_fn)
     quant_arg: Any = None
     if quant is not None:
-        from vramctl.estimator._quant import quant_spec
+        from vramctl.estimator._shared import quant_spec
 
         quant_arg = quant_spec(quant, group_size=group_size, double_quant=double_quant)
     elif double_quant or group_size is not None or kbit_prep:
