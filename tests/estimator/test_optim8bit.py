@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
 import warnings
 
 import pytest
@@ -13,7 +12,7 @@ from torch import nn
 
 import vramctl
 from tests.estimator.real_steps import cpu_step_peak
-from vramctl.estimator._optim8bit import BLOCK, MIN_8BIT_SIZE, Blockwise8bitAdamW, state_bytes
+from vramctl.estimator._optim8bit import MIN_8BIT_SIZE, Blockwise8bitAdamW
 from vramctl.estimator._spec import StepSpec
 
 pytest.importorskip("transformers")
@@ -46,8 +45,6 @@ def test_the_state_is_bitsandbytes_own() -> None:
     # one pair of quantization maps for all parameters, as bitsandbytes keeps them
     for opt in (real, ours):
         assert opt.state[big]["qmap1"].data_ptr() == opt.state[mid]["qmap1"].data_ptr()
-    assert state_bytes(big.numel(), True) == 2 * (big.numel() + 4 * math.ceil(big.numel() / BLOCK))
-    assert state_bytes(small.numel(), True) == 8 * small.numel()
 
 
 @pytest.mark.parametrize("lora", [None, QV], ids=["full", "lora"])

@@ -30,19 +30,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["BLOCK", "MIN_8BIT_SIZE", "Blockwise8bitAdamW", "state_bytes"]
+__all__ = ["BLOCK", "MIN_8BIT_SIZE", "Blockwise8bitAdamW"]
 
 #: Values per fp32 ``absmax`` of bitsandbytes' blockwise 8-bit optimizer state.
 BLOCK = 256
 #: Parameters smaller than this keep fp32 state (bitsandbytes' ``min_8bit_size``).
 MIN_8BIT_SIZE = 4096
-
-
-def state_bytes(numel: int, eight_bit: bool) -> int:
-    """The bytes of one parameter's AdamW state (both moments), the shared maps aside."""
-    if not eight_bit or numel < MIN_8BIT_SIZE:
-        return 2 * 4 * numel
-    return 2 * (numel + 4 * math.ceil(numel / BLOCK))
 
 
 class Blockwise8bitAdamW(torch.optim.Optimizer):

@@ -32,6 +32,7 @@ ExLlama) use less: the estimate is their upper bound.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -117,15 +118,15 @@ def quant_spec(
             raise EstimateError(f"quant: group size must be positive, got {group_size}")
         if spec.method not in ("gptq", "awq", "int4-weight-only"):
             raise EstimateError(f"quant: {spec.method} takes no group size")
-        spec = QuantSpec(spec.method, spec.bits, group_size, spec.double_quant, spec.skip)
+        spec = dataclasses.replace(spec, group_size=group_size)
     if double_quant:
         if spec.method not in ("nf4", "fp4"):
             raise EstimateError(
                 f"quant: double quantization is bitsandbytes' 4-bit only, not {spec.method}"
             )
-        spec = QuantSpec(spec.method, spec.bits, spec.group_size, True, spec.skip)
+        spec = dataclasses.replace(spec, double_quant=True)
     if spec.method in ("gptq", "awq", "int4-weight-only") and spec.group_size is None:
-        spec = QuantSpec(spec.method, spec.bits, 128, spec.double_quant, spec.skip)
+        spec = dataclasses.replace(spec, group_size=128)
     if spec.method == "gptq" and spec.bits not in (2, 3, 4, 8):
         raise EstimateError(f"quant: GPTQ takes 2, 3, 4 or 8 bits, not {spec.bits}")
     return spec
@@ -178,12 +179,7 @@ def carried_quant(carried: Any, given: Any) -> tuple[Any, str | None]:
     if given is None:
         return spec, None
     mine = quant_spec(given)
-    if (mine.method, mine.bits, mine.group_size, mine.double_quant) != (
-        spec.method,
-        spec.bits,
-        spec.group_size,
-        spec.double_quant,
-    ):
+    if dataclasses.replace(mine, skip=spec.skip) != spec:
         raise EstimateError(
             f"quant: the model's config carries {spec.describe()}, and quant asks for "
             f"{mine.describe()}: give one of them"
