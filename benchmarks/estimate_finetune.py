@@ -157,15 +157,16 @@ def batch(cfg: Any, size: int = 4, length: int = 64) -> dict[str, Any]:
 
 
 def quantize(model: Any, kind: str, double: bool) -> int:
-    """Quantize ``model``'s linear layers but ``lm_head`` with bitsandbytes 4-bit, in place;
-    the bytes of their quantization states (not parameters or buffers)."""
+    """Quantize ``model``'s linear layers but its output head (``lm_head``, ``classifier``,
+    ``score``, as transformers leaves them) with bitsandbytes 4-bit, in place; the bytes of
+    their quantization states (not parameters or buffers)."""
     import bitsandbytes as bnb
     import torch
     from torch import nn
 
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and name != "lm_head":
+            if type(child) is nn.Linear and name not in ("lm_head", "classifier", "score"):
                 q = bnb.nn.Linear4bit(
                     child.in_features,
                     child.out_features,

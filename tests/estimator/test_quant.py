@@ -166,6 +166,78 @@ def test_qlora_is_priced_as_a_real_bitsandbytes_and_peft_step(
     assert est.quant is not None and est.quant.startswith(kind)
 
 
+def test_a_model_bitsandbytes_quantized_is_priced_as_its_real_step() -> None:
+    """The user's own QLoRA model (PEFT over bitsandbytes' layers), estimated as it is: its
+    layers' format read from them, and the step's peak that of the real one."""
+    peft = pytest.importorskip("peft")
+    bnb = pytest.importorskip("bitsandbytes")
+    model, states = quantized_llama("nf4", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adapted = peft.get_peft_model(model, peft.LoraConfig(**QV))
+    layers = [m for m in adapted.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    est = vramctl.estimate(adapted, batch(), device="cpu", precision="bf16")
+    # the user's layers are left as they were: bitsandbytes' own, with their states
+    assert [m for m in adapted.modules() if isinstance(m, bnb.nn.Linear4bit)] == layers
+    assert all(m.weight.quant_state is not None for m in layers)
+    assert est.quant is not None and est.quant.startswith("nf4") and "double" in est.quant
+    assert est.adapter is not None
+    spec = QuantSpec("nf4", double_quant=True)
+    built = vramctl.estimate(
+        llama(), batch(), device="cpu", precision="bf16", adapter=QV, quant=spec
+    )
+    assert est.peak_allocated == built.peak_allocated
+    real = cpu_step_peak(adapted, batch(), StepSpec(precision="bf16")) + states
+    assert abs(est.peak_allocated - real) / real < 1e-4, (est.peak_allocated, real)
+    with pytest.raises(EstimateError, match="already quantized by bitsandbytes"):
+        vramctl.estimate(adapted, batch(), device="cpu", precision="bf16", quant="nf4")
+
+
+def test_fit_batch_size_of_a_bitsandbytes_qlora_model() -> None:
+    """fit_batch_size seeds its search of a real QLoRA model with the estimate, and leaves
+    its weights (trained and 4-bit) as they were."""
+    peft = pytest.importorskip("peft")
+    bnb = pytest.importorskip("bitsandbytes")
+    from vramctl.fit import fit_batch_size
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(
+            0, CONFIG.vocab_size, (n, 64), generator=torch.Generator().manual_seed(n)
+        )
+        return {"input_ids": ids, "labels": ids}
+
+    with vramctl.simulate("24MiB") as gpu:
+        model, _ = quantized_llama("nf4", True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            adapted = peft.get_peft_model(model, peft.LoraConfig(**QV))
+        gpu.adopt(adapted)
+        trained = [p for p in adapted.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in trained]
+        packed = [
+            m.weight.detach().clone() for m in adapted.modules() if isinstance(m, bnb.nn.Linear4bit)
+        ]
+        opt = torch.optim.AdamW(trained)
+
+        def step(b: dict[str, torch.Tensor]) -> None:
+            adapted(**b).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        fit = fit_batch_size(step, make, model=adapted, optimizer=opt, cache=False)
+        after = [m.weight for m in adapted.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        assert all(torch.equal(a, b) for a, b in zip(before, trained, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(packed, after, strict=True))
+        assert all(
+            m.weight.quant_state is not None
+            for m in adapted.modules()
+            if isinstance(m, bnb.nn.Linear4bit)
+        )
+    assert fit.predicted is not None and fit.batch_size >= 4
+    assert 0.75 * fit.batch_size <= fit.predicted <= fit.batch_size, fit
+    assert len(fit.probes) <= 3
+
+
 def test_the_dequantized_weight_is_a_transient_in_the_compute_dtype() -> None:
     """One big layer: the forward holds its packed weight and, for the matrix multiply, the
     whole weight in bf16; after the step nothing of it stays."""

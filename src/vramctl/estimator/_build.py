@@ -4,7 +4,7 @@ buffers for it, a private copy for a wrapper to change, and what the optimizer s
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
@@ -84,12 +84,14 @@ def fake_state(
     return state
 
 
-def private_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+def private_copy(
+    model: nn.Module, state: dict[str, torch.Tensor], drop: Iterable[object] = ()
+) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are ``state``'s fake tensors (tied
     ones stay tied), for a wrapper that changes the model it wraps (FSDP2 swaps in its
     shards, DDP's stand-in adds hooks): the model given is left as it was, and no weight is
-    copied."""
-    memo: dict[int, Any] = {}
+    copied. The objects in ``drop`` are None in the copy (states the caller replaces)."""
+    memo: dict[int, Any] = {id(obj): None for obj in drop}
     named: list[tuple[str, torch.Tensor]] = [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),

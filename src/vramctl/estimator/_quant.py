@@ -22,6 +22,12 @@ libraries themselves where they run:
   and a zero point per group in the compute dtype; ``fp8`` (torchao float8 weight-only):
   one byte a weight and an fp32 scale per output row.
 
+A model whose layers bitsandbytes already quantized (``Linear4bit``, ``Linear8bitLt``: a
+model loaded with ``BitsAndBytesConfig``, or a PEFT model over one) is priced the same way:
+:func:`swap_library_layers` reads each layer's format, double quantization and dtype, and
+swaps it for its :class:`QuantLinear` on a private copy, since the libraries' own weight
+classes cannot hold fake tensors.
+
 The matrix multiply dequantizes the weight into a transient in the compute dtype (the
 input's), as the libraries' general paths do (bitsandbytes' ``dequantize_4bit`` then
 ``linear``, which it uses past 1536 rows on CUDA and always on the CPU); the backward does it
@@ -55,6 +61,7 @@ __all__ = [
     "quant_spec",
     "quant_storage_ids",
     "storage_layout",
+    "swap_library_layers",
 ]
 
 #: The formats ``quant=`` takes, and the library each imitates.
@@ -350,6 +357,75 @@ def apply_quant(model: nn.Module, quant: Any, dtype: torch.dtype | None) -> nn.M
         for parent, name, linear in found:
             setattr(parent, name, QuantLinear(linear, spec, dtype or linear.weight.dtype))
         copy.vramctl_quant = spec  # type: ignore[assignment]
+    return copy
+
+
+#: bitsandbytes' quantized linear layers, by class name (``LinearNF4`` and ``LinearFP4`` are
+#: ``Linear4bit``'s subclasses).
+_BNB_LAYERS = ("Linear4bit", "LinearNF4", "LinearFP4", "Linear8bitLt")
+
+
+def _library_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """Each of ``model``'s layers that bitsandbytes quantized, by name."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if type(m).__name__ in _BNB_LAYERS
+        and type(m).__module__.startswith("bitsandbytes")
+        and isinstance(m, nn.Linear)
+    }
+
+
+def _library_spec(layer: nn.Linear) -> tuple[QuantSpec, torch.dtype]:
+    """The format of a bitsandbytes layer and the dtype its weight had before."""
+    weight = layer.weight
+    if type(layer).__name__ == "Linear8bitLt":
+        bias = layer.bias
+        return QuantSpec("int8", bits=8), bias.dtype if bias is not None else torch.float16
+    block = getattr(weight, "blocksize", BNB_BLOCK)
+    if block != BNB_BLOCK:
+        raise EstimateError(
+            f"quant: a bitsandbytes 4-bit layer in blocks of {block}: only blocks of "
+            f"{BNB_BLOCK} (bitsandbytes' default) are modelled"
+        )
+    state = getattr(weight, "quant_state", None)
+    dtype = getattr(state, "dtype", None) or getattr(layer, "compute_dtype", None)
+    spec = QuantSpec(
+        str(getattr(weight, "quant_type", "fp4")),
+        double_quant=bool(getattr(weight, "compress_statistics", False)),
+    )
+    return spec, dtype if isinstance(dtype, torch.dtype) else torch.float16
+
+
+def swap_library_layers(model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` on the meta device with each layer bitsandbytes quantized
+    swapped for its :class:`QuantLinear` (``model`` is left as it is, and neither its
+    weights nor their quantization states are copied); None where it has none."""
+    layers = _library_layers(model)
+    if not layers:
+        return None
+    specs = {name: _library_spec(layer) for name, layer in layers.items()}
+    # the libraries' quantization states hold real tensors: not copied
+    held = [
+        obj
+        for layer in layers.values()
+        for obj in (
+            getattr(layer.weight, "quant_state", None),
+            getattr(layer, "quant_state", None),
+            getattr(layer, "state", None),
+        )
+        if obj is not None
+    ]
+    with _disable_current_modes():
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+        state = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in named}
+        copy = private_copy(model, state, drop=held)
+        for name, layer in _library_layers(copy).items():
+            parent_name, _, child = name.rpartition(".")
+            spec, dtype = specs[name]
+            setattr(copy.get_submodule(parent_name), child, QuantLinear(layer, spec, dtype))
+        if len({spec for spec, _ in specs.values()}) == 1:
+            copy.vramctl_quant = next(iter(specs.values()))[0]  # type: ignore[assignment]
     return copy
 
 

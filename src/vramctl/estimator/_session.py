@@ -37,6 +37,7 @@ from vramctl.estimator._quant import (
     carried_quant,
     describe_quant,
     quant_storage_ids,
+    swap_library_layers,
 )
 from vramctl.estimator._request import Step
 from vramctl.estimator._result import Estimate
@@ -117,9 +118,18 @@ class Session:
                 quant, note = carried_quant(carried, quant)
                 if note:
                     s.source_notes = (*s.source_notes, note)
+            swapped = swap_library_layers(model)
+            if swapped is not None:  # a model bitsandbytes quantized
+                if quant is not None:
+                    raise EstimateError(
+                        f"quant: {type(model).__name__}'s layers are already quantized by "
+                        "bitsandbytes: give no quant"
+                    )
+                model = s.model = swapped
+                quant = getattr(swapped, "vramctl_quant", True)
             if request.kbit_prep and quant is None:
                 raise EstimateError("kbit_prep goes with quant (it prepares a quantized model)")
-            if quant is not None:
+            if quant is not None and swapped is None:
                 model = s.model = apply_quant(model, quant, spec.param_dtype)
             if request.adapter is not None:
                 model = s.model = apply_adapter(model, request.adapter)
