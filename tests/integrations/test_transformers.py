@@ -10,6 +10,7 @@ import contextlib
 import copy
 import gc
 import logging
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -439,6 +440,37 @@ def test_a_peft_model_is_fitted_larger_and_trains_without_an_oom(tmp_path: Path)
         assert gpu.ooms == ooms  # the fitted batch trains
     assert fitted.fit.predicted is not None  # the search was seeded by the estimate
     assert fitted.fit.batch_size > full.fit.batch_size  # no gradients nor state for the base
+
+
+def test_a_qlora_model_is_fitted_and_trains_without_an_oom(tmp_path: Path) -> None:
+    """A PEFT model over bitsandbytes' 4-bit layers, as QLoRA trains it."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    try:
+        from estimate_finetune import quantize  # the benchmark's real QLoRA rows do the same
+    finally:
+        sys.path.pop(0)
+    data = Classification(n=256, length=32)
+    args = arguments(
+        tmp_path, per_device_train_batch_size=64, gradient_accumulation_steps=1, max_steps=6,
+        logging_steps=100, optim="adamw_torch", bf16=True,
+    )  # fmt: skip
+    base = tiny_bert().to(torch.bfloat16)
+    quantize(base, "nf4", True)
+    lora = peft.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["query", "value"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(base, lora)
+    with vramctl.simulate("1536KiB") as gpu:
+        gpu.adopt(model)
+        fitted = fit_trainer_batch_size(model, args, data, cache=False)
+        ooms = gpu.ooms
+        fitted.apply(args)
+        Trainer(model=model, args=args, train_dataset=data).train()
+        assert gpu.ooms == ooms  # the fitted batch trains
+    assert fitted.fit.predicted is not None  # the search was seeded by the estimate
+    assert 1 <= len(fitted.fit.probes) <= 3
 
 
 def test_the_whole_effective_batch_when_it_fits(tmp_path: Path) -> None:

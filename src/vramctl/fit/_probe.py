@@ -165,13 +165,16 @@ def preserved(
     optimizer: torch.optim.Optimizer | None,
     step: Any,
 ) -> Iterator[None]:
-    """Copy weights, buffers and optimizer state to the host; put them back afterwards.
+    """Copy the trained weights, the buffers and the optimizer state to the host; put them
+    back afterwards.
 
-    Train/eval flags come back too, gradients are set to None, and a
+    Frozen weights (a LoRA model's base, a quantized model's packed layers) are not
+    copied: no step changes them, and a 4-bit layer's state would not load back through
+    ``load_state_dict``. Train/eval flags come back too, gradients are set to None, and a
     :class:`vramctl.Guard` used as the step gets back the piece size it had.
     """
     with device.uncounted():
-        model_state = to_host(model.state_dict()) if model is not None else None
+        model_state = _changing(model) if model is not None else None
         opt_state = to_host(optimizer.state_dict()) if optimizer is not None else None
     modes = [(m, m.training) for m in model.modules()] if model is not None else []
     pieces = _pieces_of(step)
@@ -179,7 +182,9 @@ def preserved(
         yield
     finally:
         if model is not None and model_state is not None:
-            model.load_state_dict(model_state)
+            with torch.no_grad():
+                for tensor, saved in model_state:
+                    tensor.copy_(saved)
             model.zero_grad(set_to_none=True)
         if optimizer is not None and opt_state is not None:
             optimizer.load_state_dict(opt_state)
@@ -188,6 +193,19 @@ def preserved(
         for m, training in modes:
             m.training = training
         _set_pieces(step, pieces)
+
+
+def _changing(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What a step may change of ``model`` (its trained parameters and its buffers), each
+    with a copy in host memory."""
+    seen: set[int] = set()
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    tensors = [*(p for p in model.parameters() if p.requires_grad), *model.buffers()]
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((t, to_host(t)))
+    return out
 
 
 #: What a :class:`vramctl.Guard` learns from an OOM about how to run a step.
