@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich import box
 from rich.table import Table
 
-from vramctl import format_bytes
+from vramctl import VramctlError, format_bytes
 from vramctl.cli._common import app, console, emit_json, err, user_errors
+
+if TYPE_CHECKING:
+    from vramctl.optimize import Plan
 
 __all__ = ["plan_cmd"]
 
@@ -57,6 +62,39 @@ def plan_cmd(
         str | None,
         typer.Option(help="Optimizers to price, comma-separated (adamw,adamw-fused,adamw-8bit)."),
     ] = None,
+    finetune: Annotated[
+        str | None,
+        typer.Option(
+            help="Fine-tuning to price, comma-separated (full,lora,qlora). Default: full, "
+            "and all three with --lora or --quant."
+        ),
+    ] = None,
+    lora: Annotated[
+        str | None,
+        typer.Option(
+            help="The LoRA adapter of the lora and qlora plans, as vramctl estimate "
+            "--lora takes it (default r=16,alpha=32,targets=all-linear)."
+        ),
+    ] = None,
+    quant: Annotated[
+        str | None,
+        typer.Option(
+            help="The 4-bit weights of the qlora plans (nf4 or fp4; default nf4 with "
+            "double quantization)."
+        ),
+    ] = None,
+    double_quant: Annotated[
+        bool,
+        typer.Option("--double-quant", help="With --quant: bitsandbytes' double quantization."),
+    ] = False,
+    kbit_prep: Annotated[
+        bool,
+        typer.Option(
+            "--kbit-prep",
+            help="Price the qlora plans as PEFT's prepare_model_for_kbit_training leaves "
+            "the model (what is not quantized kept in fp32).",
+        ),
+    ] = False,
     utilization: Annotated[
         float, typer.Option(min=0.05, max=1.0, help="Share of the memory a plan may use.")
     ] = 0.9,
@@ -71,8 +109,23 @@ def plan_cmd(
     rejected. Takes a minute or more for a large model. Example:
 
         vramctl plan gpt2 --device A10G-24GB --effective-batch 256 --seq-len 512
+
+    With --lora or --quant, full fine-tuning, LoRA on a 16-bit base and QLoRA
+    (LoRA on 4-bit weights) are priced side by side (needs vramctl[finetune]):
+
+        vramctl plan docs/examples/llama-3.1-8b --device L4-24GB --effective-batch 16 \
+            --seq-len 1024 --lora r=16,alpha=32,targets=all-linear \
+            --checkpointing full --offload none --optimizer adamw
     """
     from vramctl.optimize import plan
+
+    quant_arg: object = None
+    if quant is not None:
+        from vramctl.estimator._shared import quant_spec
+
+        quant_arg = quant_spec(quant, double_quant=double_quant)
+    elif double_quant:
+        raise VramctlError("--double-quant goes with --quant")
 
     with err.status("pricing plans", spinner="dots") as status:
         result = plan(
@@ -87,42 +140,62 @@ def plan_cmd(
             offload=_split(offload),
             optimizers=_split(optimizer),
             target_utilization=utilization,
+            finetune=_split(finetune),
+            adapter=lora,
+            quant=quant_arg,
+            kbit_prep=kbit_prep,
             progress=lambda line: status.update(f"pricing {line}"),
         )
     if as_json:
         emit_json(result.to_dict(), indent=True)
         return
     title = f"{result.model} on {result.device}, effective batch {result.effective_batch}"
-    table = Table(title=title, title_justify="left")
-    for col in (
-        "",
-        "precision",
-        "ckpt",
-        "offload",
-        "optimizer",
-        "micro x acc",
-        "peak",
-        "s/step",
-        "samples/s",
-        "why not",
-    ):
-        table.add_column(col, overflow="fold")
-    for p in result.plans:
-        tag = "best" if p is result.best else ("2nd" if p is result.runner_up else "")
+    # The settings every plan shares are said once, above the table, so that the
+    # table keeps to the axes that vary and stays readable in 80 columns.
+    axes: dict[str, Callable[[Plan], str]] = {
+        "parallel": lambda p: p.parallel or "one process",
+        "tuning": lambda p: p.finetune,
+        "precision": lambda p: p.precision + ("+tf32" if p.tf32 else ""),
+        "ckpt": lambda p: p.checkpointing,
+        "offload": lambda p: p.offload,
+        "optimizer": lambda p: p.optimizer,
+    }
+    if not any(p.parallel for p in result.plans):
+        del axes["parallel"]
+    shared = {
+        k: f(result.plans[0]) for k, f in axes.items() if len({f(p) for p in result.plans}) == 1
+    }
+    varying = [k for k in axes if k not in shared]
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col in ("#", *varying, "micro x acc", "peak", "s/step", "samples/s"):
+        table.add_column(col, no_wrap=True)
+    why = Table.grid(padding=(0, 2))
+    why.add_column(justify="right", no_wrap=True)
+    why.add_column(overflow="fold")
+    for n, p in enumerate(result.plans, 1):
+        tag = "best" if p is result.best else ("2nd" if p is result.runner_up else str(n))
         table.add_row(
             tag,
-            p.precision + ("+tf32" if p.tf32 else ""),
-            p.checkpointing,
-            p.offload,
-            p.optimizer,
+            *(axes[k](p) for k in varying),
             f"{p.micro_batch} x {p.accumulation}",
             format_bytes(p.peak_bytes) if p.peak_bytes else "-",
             f"{p.seconds:.3f}" if p.seconds is not None else "-",
             f"{p.samples_per_second:.1f}" if p.samples_per_second else "-",
-            p.rejected,
             style="bold green" if p is result.best else None,
         )
+        if p.rejected and p is not result.runner_up:
+            why.add_row(tag, p.rejected)
+    console.print(title, highlight=False)
+    if shared:
+        console.print(
+            "every plan: " + ", ".join(f"{k} {v}" for k, v in shared.items()), highlight=False
+        )
     console.print(table)
+    if result.runner_up is not None and result.runner_up.rejected:
+        console.print(f"2nd: {result.runner_up.rejected}", highlight=False)
+    if why.row_count:
+        console.print("why not:", highlight=False)
+        console.print(why, highlight=False)
     for line in (*result.skipped, *result.notes):
         console.print(f"  {line}", highlight=False)
     if result.best is None:

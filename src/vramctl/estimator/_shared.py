@@ -1,6 +1,6 @@
 """For vramctl's other packages only: the estimator's helpers that other vramctl packages use
 (tracing a target, the search bounds, the calibration's rows, loading a model source, reading
-a quantization).
+a quantization, an adapter's settings).
 
 Not the public surface (that is ``vramctl.estimator``); the import contracts let sibling
 packages import this module and no other private one of ``vramctl.estimator``.
@@ -8,6 +8,7 @@ packages import this module and no other private one of ``vramctl.estimator``.
 
 from __future__ import annotations
 
+from vramctl.estimator._adapter import lora_config
 from vramctl.estimator._calibration import constant_rows
 from vramctl.estimator._maxbatch import LENGTH_BOUND, SEARCH_INPUT_BYTES
 from vramctl.estimator._quant import quant_spec
@@ -23,6 +24,7 @@ __all__ = [
     "cpu_profile_path",
     "cpu_throughput",
     "load_model_source",
+    "lora_config",
     "quant_spec",
     "resolve_source",
     "resolve_target",

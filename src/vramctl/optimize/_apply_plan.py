@@ -1,9 +1,11 @@
-"""Applying a :class:`~vramctl.optimize.Plan` to a model: checkpointing, TF32, offloading the
-saved activations, the optimizer's kernel, and a step helper in the plan's precision."""
+"""Applying a :class:`~vramctl.optimize.Plan` to a model: its LoRA adapter, checkpointing,
+TF32, offloading the saved activations, the optimizer's kernel, and a step helper in the
+plan's precision."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -11,7 +13,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from vramctl._optional import require
 from vramctl.device import Device, current_device, resolve
+from vramctl.estimator import EstimateError
+from vramctl.estimator._shared import lora_config
 from vramctl.optimize._checkpoint import apply_checkpointing
 from vramctl.optimize._errors import OptimizeError
 from vramctl.optimize._helper import StepHelper
@@ -37,6 +42,10 @@ class Plan(Protocol):
     def micro_batch(self) -> int: ...
     @property
     def accumulation(self) -> int: ...
+    @property
+    def finetune(self) -> str: ...
+    @property
+    def adapter(self) -> Any: ...
 
 
 __all__ = ["AppliedPlan", "apply_plan"]
@@ -114,6 +123,40 @@ def _eight_bit(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         raise OptimizeError("adamw-8bit needs torchao or bitsandbytes installed") from exc
 
 
+#: The layers of a model quantized for QLoRA (bitsandbytes' 4-bit and 8-bit linears).
+_QUANTIZED_LINEARS = ("Linear4bit", "Linear8bitLt")
+
+
+def _adapt(plan: Plan, model: nn.Module, notes: list[str]) -> tuple[nn.Module, Any]:
+    """``model`` with the plan's LoRA adapter (PEFT's ``get_peft_model``), and a function that
+    takes it off again (None where nothing was added)."""
+    if plan.finetune == "full":
+        return model, None
+    peft = require("peft", extra="finetune", what=f"a {plan.finetune} plan")
+    if isinstance(model, peft.PeftModel):
+        notes.append("the model already is a PEFT model: its adapter is trained as it is")
+        return model, None
+    if plan.finetune == "qlora" and not any(
+        type(m).__name__ in _QUANTIZED_LINEARS for m in model.modules()
+    ):
+        raise OptimizeError(
+            "a qlora plan trains an adapter on 4-bit weights: load the model quantized "
+            "(from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+            "bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True))) and apply the "
+            "plan to it"
+        )
+    try:
+        config = lora_config(plan.adapter)
+    except EstimateError as exc:
+        raise OptimizeError(str(exc)) from exc
+    adapted = peft.get_peft_model(model, config)
+    notes.append(
+        f"LoRA adapter added by PEFT: {adapted.get_nb_trainable_parameters()[0]:,} "
+        "trainable parameters"
+    )
+    return adapted, adapted.unload
+
+
 def apply_plan(
     plan: Plan,
     model: nn.Module,
@@ -122,6 +165,11 @@ def apply_plan(
     device: Device | str | int | None = None,
 ) -> AppliedPlan:
     """Apply ``plan`` to ``model`` (in place) and return the step helper that runs it.
+
+    A ``lora`` or ``qlora`` plan adds its LoRA adapter with PEFT's ``get_peft_model``
+    (``applied.model`` is then the PEFT model; ``undo()`` unloads it). A ``qlora`` plan
+    needs the model loaded with 4-bit weights (bitsandbytes), as QLoRA loads it. An
+    optimizer given is made again, with the same settings, over the adapter's parameters.
 
     ``optimizer`` is the user's; for ``adamw-fused`` it is rebuilt with ``fused=True``
     (same groups, hyper-parameters and state) where PyTorch has the kernel for its
@@ -136,6 +184,24 @@ def apply_plan(
     undo: list[Callable[[], None]] = []
     if plan.checkpointing != "none":
         undo.append(apply_checkpointing(model, plan.checkpointing))
+    try:
+        model, unload = _adapt(plan, model, applied_notes)
+    except BaseException:
+        for fn in reversed(undo):
+            fn()
+        raise
+    if unload is not None:
+        undo.append(unload)
+        if optimizer is not None:
+            # the optimizer given holds the base's weights, which the adapter freezes
+            options = inspect.signature(type(optimizer).__init__).parameters
+            kwargs = {k: v for k, v in optimizer.defaults.items() if k in options}
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            optimizer = type(optimizer)(trainable, **kwargs)
+            applied_notes.append(
+                f"{type(optimizer).__name__} made again over the adapter's parameters "
+                "(same settings)"
+            )
     if plan.tf32 and dev.is_cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -1,9 +1,10 @@
 """``vramctl.plan``: the fastest way to train a model at an effective batch on a device.
 
-The planner enumerates precision × activation checkpointing (none, selective, full) ×
-offloading (the saved activations, the optimizer's state, both) × optimizer (AdamW,
-fused AdamW, 8-bit AdamW where torchao or bitsandbytes is installed) × micro-batch with
-gradient accumulation (priced holding the earlier micro-batches' gradients). Each
+The planner enumerates fine-tuning (full; LoRA; QLoRA: LoRA on 4-bit weights) ×
+precision × activation checkpointing (none, selective, full) × offloading (the saved
+activations, the optimizer's state, both) × optimizer (AdamW, fused AdamW, 8-bit AdamW
+where torchao or bitsandbytes is installed) × micro-batch with gradient accumulation
+(priced holding the earlier micro-batches' gradients). Each
 combination's largest micro-batch that fits comes from
 :func:`vramctl.estimator.max_batch_size` (traces on fake tensors; the micro-batch must
 divide the effective batch), and its time from the estimate's step time: ``accumulation``
@@ -15,6 +16,13 @@ is one more axis value: the step is priced per rank (:func:`vramctl.estimate`'s
 rank's share is ``effective_batch / world_size``; tensor parallel ranks share one batch).
 Communication time is not priced: layouts compare by their ranks' compute and by the
 accumulation their memory forces.
+
+With ``adapter`` (PEFT's LoRA settings) or ``quant`` (the 4-bit format of QLoRA), or
+``finetune=["full", "lora", "qlora"]``, the way the model is fine-tuned is one more axis:
+the adapter and quantization are traced as :func:`vramctl.estimate` traces them
+(``adapter=``, ``quant=``). An adapter's plans run on a 16-bit base (bf16, or fp16 on a
+GPU before compute capability 8.0), as PEFT's users load it, and do not offload the
+adapter's optimizer state (a few MiB).
 
 The result keeps every combination: the fastest that fits, the runner-up, and why each
 other was rejected (does not fit, or slower than the best by so much).
@@ -34,18 +42,28 @@ from torch import nn
 from vramctl._errors import VramctlError
 from vramctl._units import format_bytes
 from vramctl.device import ComputeCapability, Device
-from vramctl.estimator import Estimate, EstimateError, Parallel, Step, max_batch_size
-from vramctl.estimator._shared import Target, resolve_source, resolve_target, run_target
+from vramctl.estimator import Estimate, EstimateError, Parallel, QuantSpec, Step, max_batch_size
+from vramctl.estimator._shared import (
+    Target,
+    quant_spec,
+    resolve_source,
+    resolve_target,
+    run_target,
+)
 from vramctl.optimize._checkpoint import apply_checkpointing, find_blocks
 from vramctl.optimize._errors import OptimizeError
 
-__all__ = ["Plan", "PlanResult", "plan", "precisions_for"]
+__all__ = ["FINETUNE", "Plan", "PlanResult", "plan", "precisions_for"]
 
 CHECKPOINTING = ("none", "selective", "full")
 OFFLOAD = ("none", "activations", "optimizer", "activations+optimizer")
-#: 8-bit AdamW keeps two 1-byte states per parameter plus a scale per block of 256
-#: (torchao's and bitsandbytes' layout), where AdamW keeps two fp32 states.
-_EIGHT_BIT_STATE = (2 + 2 * 4 / 256) / 8
+#: How the model is trained: every weight; a LoRA adapter on a frozen 16-bit base; a LoRA
+#: adapter on a frozen 4-bit base (QLoRA).
+FINETUNE = ("full", "lora", "qlora")
+#: The adapter an adapter's plan takes when none is given: LoRA r=16 on every linear layer.
+DEFAULT_ADAPTER = "r=16,alpha=32,targets=all-linear"
+#: The quantization a QLoRA plan takes when none is given (the QLoRA paper's).
+DEFAULT_QUANT = QuantSpec("nf4", double_quant=True)
 
 
 @dataclass(frozen=True)
@@ -69,7 +87,8 @@ class Plan:
     seconds: float | None = None
     #: Why the plan was not chosen (empty for the best).
     rejected: str = ""
-    #: How the plan was priced ("traced", or "formula" for one derived from a trace).
+    #: How the plan was priced: "traced"; "search" for the micro-batch past the largest
+    #: that fits (its peak from the search's traces); "pruned" for one not priced.
     priced: str = "traced"
     estimate: Estimate | None = field(default=None, compare=False, repr=False)
     #: The distributed layout (``Parallel.describe()``); None for one process.
@@ -77,6 +96,12 @@ class Plan:
     #: Ranks the effective batch is split over (the data-parallel ranks).
     data_parallel: int = 1
     layout: Parallel | None = field(default=None, compare=False, repr=False)
+    #: How the model is trained: ``"full"``, ``"lora"`` or ``"qlora"`` (:data:`FINETUNE`).
+    finetune: str = "full"
+    #: The adapter (``"lora"``, ``"qlora"``) and quantization (``"qlora"``) it was priced
+    #: with, as :func:`vramctl.estimate` takes them.
+    adapter: Any = field(default=None, compare=False, repr=False)
+    quant: Any = field(default=None, compare=False, repr=False)
 
     @property
     def effective_batch(self) -> int:
@@ -92,6 +117,8 @@ class Plan:
     def label(self) -> str:
         """A short description: ``amp-bf16, selective, micro 16 x 16, adamw-fused``."""
         parts = [self.parallel] if self.parallel else []
+        if self.finetune != "full":
+            parts.append(self.finetune)
         parts.append(self.precision + ("+tf32" if self.tf32 else ""))
         parts.append(f"ckpt {self.checkpointing}")
         if self.offload != "none":
@@ -102,6 +129,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "finetune": self.finetune,
             "precision": self.precision,
             "tf32": self.tf32,
             "checkpointing": self.checkpointing,
@@ -237,6 +265,75 @@ def eight_bit_available() -> str | None:
     return None
 
 
+def _tunings(
+    finetune: list[str] | None,
+    adapter: Any,
+    quant: Any,
+    mode: str,
+    skipped: list[str],
+    notes: list[str],
+) -> list[str]:
+    """The fine-tuning axis's values (see :func:`plan`)."""
+    if finetune is None:
+        tunings = ["full"] if adapter is None and quant is None else list(FINETUNE)
+    else:
+        tunings = list(dict.fromkeys(finetune))
+        unknown = [t for t in tunings if t not in FINETUNE]
+        if unknown or not tunings:
+            raise OptimizeError(
+                f"finetune must be among {', '.join(FINETUNE)}, got {', '.join(unknown) or 'none'}"
+            )
+    if tunings == ["full"]:
+        if adapter is not None or quant is not None:
+            raise OptimizeError("adapter and quant are for the 'lora' and 'qlora' plans")
+        return tunings
+    if mode != "train":
+        raise OptimizeError("the fine-tuning axis (LoRA, QLoRA) is priced for training")
+    if importlib.util.find_spec("peft") is None:
+        tuned = [t for t in tunings if t != "full"]
+        if tunings == tuned:
+            raise OptimizeError(
+                f"{', '.join(tuned)} plans need PEFT: pip install 'vramctl[finetune]'"
+            )
+        skipped.append(f"{', '.join(tuned)}: needs PEFT (pip install 'vramctl[finetune]')")
+        return ["full"]
+    if adapter is None:
+        notes.append(f"adapter: LoRA {DEFAULT_ADAPTER} (the default; give one to change it)")
+    if "qlora" in tunings and quant is None:
+        notes.append(f"QLoRA's weights: {DEFAULT_QUANT.describe()} (the default)")
+    return tunings
+
+
+def _tuned(step: Step, tuning: str, adapter: Any, quant: Any, kbit_prep: bool) -> Step:
+    """The request of one fine-tuning: ``step`` with its adapter and quantization."""
+    if tuning == "full":
+        return step
+    adapter = DEFAULT_ADAPTER if adapter is None else adapter
+    if tuning == "lora":
+        return step.replace(adapter=adapter)
+    try:
+        spec = quant_spec(DEFAULT_QUANT if quant is None else quant)
+    except EstimateError as exc:
+        raise OptimizeError(str(exc)) from exc
+    return step.replace(adapter=adapter, quant=spec, kbit_prep=kbit_prep)
+
+
+def _finetune_of(step: Step) -> str:
+    """The fine-tuning axis's value of a request (the inverse of :func:`_tuned`)."""
+    if step.adapter is None:
+        return "full"
+    return "lora" if step.quant is None else "qlora"
+
+
+def _sixteen_bit(capability: ComputeCapability | None, cuda: bool) -> str:
+    """The precision an adapter's 16-bit base runs in on a device: bf16 from compute
+    capability 8.0 and on the CPU, fp16 before (no bf16 tensor cores), fp32 on a GPU of
+    no tensor cores."""
+    if not cuda or capability is None or capability.major >= 8:
+        return "bf16"
+    return "fp16" if capability.major == 7 else "fp32"
+
+
 def _combination(
     step: Step, precision: str, offload: str, layout: Parallel | None, tf32: bool
 ) -> Step:
@@ -294,6 +391,10 @@ def plan(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     progress: Callable[[str], None] | None = None,
     parallel: list[Parallel | str] | Parallel | str | None = None,
+    finetune: list[str] | None = None,
+    adapter: Any = None,
+    quant: Any = None,
+    kbit_prep: bool = False,
 ) -> PlanResult:
     """The fastest plan that fits ``device`` at ``effective_batch`` samples per step.
 
@@ -310,6 +411,13 @@ def plan(
 
     ``parallel`` adds distributed layouts as an axis (see the module's description); the
     micro-batch and peak of such a plan are one rank's.
+
+    ``finetune`` is the fine-tuning axis (:data:`FINETUNE`): ``["full"]`` by default, and
+    all three where ``adapter`` or ``quant`` is given. ``adapter`` is the LoRA adapter of
+    the ``"lora"`` and ``"qlora"`` plans (anything :func:`vramctl.estimate`'s ``adapter``
+    takes; default :data:`DEFAULT_ADAPTER`), ``quant`` the quantization of the
+    ``"qlora"`` plans (default nf4 with double quantization), and ``kbit_prep`` prices
+    those as PEFT's ``prepare_model_for_kbit_training`` leaves them.
     """
     t0 = time.perf_counter()
     if effective_batch < 1:
@@ -322,7 +430,9 @@ def plan(
     skipped: list[str] = []
     notes: list[str] = []
 
-    precs = precisions or precisions_for(target.capability if target.cuda else None)
+    capability = target.capability if target.cuda else None
+    precs = precisions or precisions_for(capability)
+    tunings = _tunings(finetune, adapter, quant, mode, skipped, notes)
     if mode == "infer":
         kinds = ["none"]
         offloads = ["none"]
@@ -359,11 +469,19 @@ def plan(
     plans: list[Plan] = []
     first_opts = [o for o in opts if o != "adamw-fused"] if len(opts) > 1 else opts
     layouts = _layouts(parallel, mode, effective_batch, skipped)
-    for layout in layouts:
-        plans += _price_layout(
-            layout, module, batch_fn, step, precs, kinds, offloads, first_opts,
-            effective_batch=effective_batch, tf32=tf32, progress=progress,
-        )  # fmt: skip
+    steps: dict[str, Step] = {}
+    for tuning in tunings:
+        steps[tuning] = _tuned(step, tuning, adapter, quant, kbit_prep)
+        if tuning == "full":
+            tuned_precs, tuned_offloads = precs, offloads
+        else:
+            tuned_precs = precisions or [_sixteen_bit(capability, target.cuda)]
+            tuned_offloads = [o for o in offloads if "optimizer" not in o]
+        for layout in layouts:
+            plans += _price_layout(
+                layout, module, batch_fn, steps[tuning], tuned_precs, kinds, tuned_offloads,
+                first_opts, effective_batch=effective_batch, tf32=tf32, progress=progress,
+            )  # fmt: skip
     if "adamw-fused" in opts and len(opts) > 1:
         # the fused kernel changes the optimizer step alone: priced for the fastest three
         top = sorted(
@@ -373,7 +491,7 @@ def plan(
         for p in top:
             if progress is not None:
                 progress(f"{p.label} with adamw-fused")
-            plans.append(_refused_optimizer(module, batch_fn, step, p, "adamw-fused"))
+            plans.append(_refused_optimizer(module, batch_fn, steps[p.finetune], p, "adamw-fused"))
         notes.append(
             "adamw-fused priced for the three fastest combinations (it changes the "
             "optimizer step alone)"
@@ -457,7 +575,12 @@ def _price_layout(
     dp = _data_parallel(layout)
     share = effective_batch // dp
     plans: list[Plan] = []
-    where = f"{layout.describe()}, " if layout is not None else ""
+    tuning = _finetune_of(step)
+    where = "".join(
+        f"{part}, "
+        for part in (tuning if tuning != "full" else None, layout.describe() if layout else None)
+        if part
+    )
     label = layout.describe() if layout is not None else None
     for prec in precs:
         # Checkpointing and offloading only buy a larger micro-batch, at a cost in time:
@@ -482,6 +605,9 @@ def _price_layout(
                             priced="pruned",
                             parallel=label,
                             data_parallel=dp,
+                            finetune=_finetune_of(step),
+                            adapter=step.adapter,
+                            quant=step.quant,
                         )
                     )
                     continue
@@ -558,6 +684,9 @@ def _price(
         parallel=layout.describe() if layout is not None else None,
         data_parallel=_data_parallel(layout),
         layout=layout,
+        finetune=_finetune_of(step),
+        adapter=step.adapter,
+        quant=step.quant,
     )
     offload = base.offload
     undo = apply_checkpointing(module, kind) if kind != "none" else (lambda: None)
@@ -688,8 +817,6 @@ def _at(
     combination's request), or from ``known`` (an estimate of it already made)."""
     from vramctl.estimator import estimate
 
-    priced = "traced"
-    traced_opt = "adamw" if optimizer == "adamw-8bit" else optimizer
     train = step.mode == "train"
     est = known
     if est is None:
@@ -698,7 +825,7 @@ def _at(
                 module,
                 batch_fn(micro),
                 step=step.replace(
-                    optimizer=traced_opt if train else None,
+                    optimizer=optimizer if train else None,
                     grad_accumulation=train and micro < effective_batch,
                 ),
             )
@@ -711,10 +838,6 @@ def _at(
                 rejected=f"could not be priced: {exc}",
             )
     peak = est.judged_peak
-    if optimizer == "adamw-8bit":
-        # the states at the peak shrink to 8 bits (with a scale per block)
-        peak -= int(est.breakdown.get("optimizer", 0) * (1 - _EIGHT_BIT_STATE))
-        priced = "formula"
     fits = peak <= base.budget_bytes
     return replace(
         base,
@@ -727,6 +850,5 @@ def _at(
         rejected=""
         if fits
         else f"does not fit (peak {format_bytes(peak)} > {format_bytes(base.budget_bytes)})",
-        priced=priced,
         estimate=est,
     )
