@@ -766,6 +766,8 @@ def _price(
             why = f"micro-batch {nxt} does not fit"
             if peak is not None:
                 why += f" (peak {format_bytes(peak)} > {format_bytes(base.budget_bytes)})"
+            else:
+                why += f" (the largest micro-batch that fits is {found.batch_size})"
             out.append(
                 replace(
                     base,
