@@ -131,9 +131,17 @@ def last_json(text: str) -> Any:
 
 
 def storages_bytes(tensors: list[Any]) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
+    """Bytes of the distinct storages behind ``tensors`` (a wrapper subclass, such as
+    torchao's quantized weights, by the plain tensors it holds)."""
     seen: dict[int, int] = {}
-    for t in tensors:
+    todo = list(tensors)
+    while todo:
+        t = todo.pop()
+        flatten = getattr(type(t), "__tensor_flatten__", None)
+        if flatten is not None:
+            names, _ = t.__tensor_flatten__()
+            todo += [getattr(t, n) for n in names]
+            continue
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())

@@ -4,8 +4,8 @@ real training steps on the CPU.
 Rows: shrunk decoder configs (Llama, Qwen2, Mistral, Gemma-style) x adapters (LoRA on q and v,
 on every linear layer with dropout, with gradient checkpointing, with a trainable ``lm_head``,
 on a bf16 base; QLoRA on nf4, on nf4 with double quantization after
-``prepare_model_for_kbit_training``, and on fp4 on every linear layer) x train (and, in the
-full run, inference): the estimate of
+``prepare_model_for_kbit_training``, and on fp4 on every linear layer; LoRA on torchao's
+int8 and float8 weight-only layers) x train (and, in the full run, inference): the estimate of
 ``vramctl.estimate(model, batch, adapter=..., quant=...)`` against the real step's peak on the CPU
 (PyTorch's profiler, after a warm-up step). Goals: median error <= 1%, max <= 3%, worst
 under-estimate <= 2%.
@@ -30,7 +30,7 @@ from typing import Any
 
 import _common
 
-QUICK = "two configs, five adapters (one QLoRA), train only; under a minute"
+QUICK = "two configs, six adapters (one QLoRA, one torchao int8), train only; under a minute"
 
 #: Shrunk decoder configs: small enough for a real CPU step in about a second.
 SMALL = {
@@ -73,9 +73,20 @@ ADAPTERS: dict[str, tuple[dict[str, Any], str, bool, tuple[str, bool] | None, bo
         False,
     ),
 }
+#: torchao's weight-only formats, quantized for real by ``quantize_`` (they run on the CPU).
+TORCHAO = {"int8-weight-only": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig"}
+ADAPTERS["lora-qv-int8wo"] = (QV, "bf16", False, ("int8-weight-only", False), False)
+ADAPTERS["lora-qv-fp8wo"] = (QV, "bf16", False, ("fp8", False), False)
 QUICK_ROWS = (
     ("llama", "qwen2"),
-    ("lora-qv", "lora-all-dropout", "lora-qv-ckpt", "lora-qv-bf16", "qlora-nf4-dq-kbit"),
+    (
+        "lora-qv",
+        "lora-all-dropout",
+        "lora-qv-ckpt",
+        "lora-qv-bf16",
+        "qlora-nf4-dq-kbit",
+        "lora-qv-int8wo",
+    ),
 )
 
 #: Full-size configs (their published config.json values that set the memory).
@@ -215,7 +226,16 @@ def measure(
     model = build(cfg)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
-    states = quantize(model, *quant) if quant else 0
+    states = 0
+    if quant and quant[0] in TORCHAO:
+        import torchao.quantization as tq
+
+        def linear(module: Any, fqn: str) -> bool:
+            return isinstance(module, torch.nn.Linear) and not fqn.endswith("lm_head")
+
+        tq.quantize_(model, getattr(tq, TORCHAO[quant[0]])(), filter_fn=linear)
+    elif quant:
+        states = quantize(model, *quant)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if kbit:
@@ -244,7 +264,7 @@ def estimate(
     kbit: bool = False,
 ) -> int:
     import vramctl
-    from vramctl.estimator import QuantSpec
+    from vramctl.estimator._shared import quant_spec
 
     est = vramctl.estimate(
         build(cfg),
@@ -254,7 +274,7 @@ def estimate(
         precision=precision,
         checkpointing=ckpt,
         adapter=lora,
-        quant=QuantSpec(quant[0], double_quant=quant[1]) if quant else None,
+        quant=quant_spec(quant[0], double_quant=quant[1]) if quant else None,
         kbit_prep=kbit,
     )
     return int(est.peak_allocated)

@@ -69,10 +69,23 @@ def cpu_step_peak(model: nn.Module, batch: Any, spec: StepSpec | None = None) ->
     held = [*model.parameters(), *model.buffers(), *tensors(batch)]
     if opt is not None:
         held += [v for s in opt.state.values() for k, v in s.items() if k != "step"]
-    base = sum(
-        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values()
-    )
-    return base + profiled_peak(lambda: run_step(model, batch, spec, opt))
+    return storages_bytes(held) + profiled_peak(lambda: run_step(model, batch, spec, opt))
+
+
+def storages_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a wrapper subclass, such as
+    torchao's quantized weights, by the plain tensors it holds)."""
+    seen: dict[int, int] = {}
+    todo = list(tensors)
+    while todo:
+        t = todo.pop()
+        if hasattr(type(t), "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+            todo += [getattr(t, n) for n in names]
+            continue
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 def cpu_infer_peak(model: nn.Module, batch: torch.Tensor) -> int:

@@ -166,6 +166,31 @@ def test_qlora_is_priced_as_a_real_bitsandbytes_and_peft_step(
     assert est.quant is not None and est.quant.startswith(kind)
 
 
+@pytest.mark.parametrize(
+    ("method", "config"),
+    [("int8-weight-only", "Int8WeightOnlyConfig"), ("fp8", "Float8WeightOnlyConfig")],
+)
+def test_lora_on_torchao_weights_is_priced_as_a_real_step(method: str, config: str) -> None:
+    """torchao's weight-only layers dequantize under autograd: the dequantized weight is
+    kept from forward to backward, which a LoRA step on them holds at its peak."""
+    peft = pytest.importorskip("peft")
+    tq = pytest.importorskip("torchao.quantization")
+    model = llama().to(torch.bfloat16)
+
+    def linear(module: nn.Module, fqn: str) -> bool:
+        return isinstance(module, nn.Linear) and not fqn.endswith("lm_head")
+
+    tq.quantize_(model, getattr(tq, config)(), filter_fn=linear)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adapted = peft.get_peft_model(model, peft.LoraConfig(**QV))
+    real = cpu_step_peak(adapted, batch(), StepSpec(precision="bf16"))
+    est = vramctl.estimate(
+        llama(), batch(), device="cpu", precision="bf16", adapter=QV, quant=method
+    )
+    assert abs(est.peak_allocated - real) / real < 1e-3, (est.peak_allocated, real)
+
+
 def test_a_model_bitsandbytes_quantized_is_priced_as_its_real_step() -> None:
     """The user's own QLoRA model (PEFT over bitsandbytes' layers), estimated as it is: its
     layers' format read from them, and the step's peak that of the real one."""

@@ -251,6 +251,12 @@ def storage_layout(
     raise EstimateError(f"quant: unknown format {m!r}")
 
 
+#: Formats whose matrix multiply autograd sees through (torchao's int8 and float8
+#: weight-only tensors: ``linear`` of the dequantized weight), where bitsandbytes' own
+#: autograd function keeps nothing but the packed storage.
+_AUTOGRAD_DEQUANT = ("int8-weight-only", "fp8")
+
+
 class _Dequantized(torch.autograd.Function):
     """``linear`` through a dequantized transient weight, forward and backward; nothing
     kept for backward but the module's own storage."""
@@ -321,7 +327,12 @@ class QuantLinear(nn.Linear):
         bias: torch.Tensor | None = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        out: torch.Tensor = _Dequantized.apply(x, bias, self)  # type: ignore[no-untyped-call]
+        if self.spec.method in _AUTOGRAD_DEQUANT:
+            # torchao's weight-only tensors dequantize under autograd: the linear keeps the
+            # dequantized weight for the input's gradient, from forward to backward.
+            out = nn.functional.linear(x, self.dequantize(x.dtype, direct=True), bias)
+        else:
+            out = _Dequantized.apply(x, bias, self)  # type: ignore[no-untyped-call]
         return out if out.dtype == given else out.to(given)
 
     def extra_repr(self) -> str:
