@@ -294,9 +294,13 @@ def estimate_cmd(
             show_default=False,
         ),
     ] = "",
-    mode: Annotated[str, typer.Option(help="train (forward, loss, backward, step) or infer.")] = (
-        "train"
-    ),
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="train (forward, loss, backward, step), infer (one forward), or generate "
+            "(a causal LM's greedy generate: --prompt-len, --max-new-tokens)."
+        ),
+    ] = "train",
     precision: Annotated[
         str, typer.Option(help="fp32, bf16, fp16, amp-bf16 or amp-fp16.")
     ] = "fp32",
@@ -306,11 +310,29 @@ def estimate_cmd(
     seq_len: Annotated[
         int | None,
         typer.Option(
-            help="Tokens per sample (text models); past the model's learned position table "
-            "an error, past the length its RoPE was trained for a note.",
+            "--seq-len",
+            "--prompt-len",
+            help="Tokens per sample (text models; the prompt with --mode generate); past the "
+            "model's learned position table an error, past the length its RoPE was "
+            "trained for a note.",
             min=1,
         ),
     ] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="With --mode generate: the tokens generated after the prompt.",
+            min=1,
+            show_default=False,
+        ),
+    ] = None,
+    cache: Annotated[
+        str,
+        typer.Option(
+            help="With --mode generate: the KV cache, dynamic (grows by concatenation; "
+            "transformers' default) or static (allocated whole on the first step)."
+        ),
+    ] = "dynamic",
     seconds: Annotated[
         float | None, typer.Option(help="Audio seconds per sample (speech models).", min=0.03)
     ] = None,
@@ -484,6 +506,8 @@ def estimate_cmd(
             --precision bf16 --batch 4 --seq-len 1024 --device L4-24GB
         vramctl estimate llama-1b --quant nf4 --double-quant --lora r=16 \\
             --precision bf16 --batch 4 --seq-len 1024 --device L4-24GB
+        vramctl estimate llama-1b --mode generate --prompt-len 4096 \\
+            --max-new-tokens 512 --precision bf16 --batch 8 --device L4-24GB
     """
     from vramctl.estimator import zoo
 
@@ -521,7 +545,11 @@ def estimate_cmd(
         adapter=lora,
         quant=quant_arg,
         kbit_prep=kbit_prep,
+        max_new_tokens=max_new_tokens,
+        cache=cache,
     )
+    if mode != "generate" and (max_new_tokens is not None or cache != "dynamic"):
+        raise VramctlError("--max-new-tokens and --cache go with --mode generate")
     results = []
     with err.status("tracing", spinner="dots") as spin:
         for b in sizes:
@@ -580,6 +608,8 @@ def estimate_cmd(
                     "kbit_prep": kbit_prep,
                     "group_size": group_size,
                     "quantization": first.quant,
+                    "max_new_tokens": max_new_tokens,
+                    "cache": cache if mode == "generate" else None,
                 },
                 "estimates": [e.to_dict() for e in results],
                 "max_batch": None if best is None else best.to_dict(),

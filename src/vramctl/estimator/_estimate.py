@@ -60,6 +60,8 @@ def estimate(
     adapter: Any = None,
     quant: Any = None,
     kbit_prep: bool = False,
+    max_new_tokens: int | None = None,
+    cache: str = "dynamic",
     step: Step | None = None,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
@@ -129,6 +131,12 @@ def estimate(
     ``kbit_prep`` keeps every parameter not quantized in fp32, as PEFT's
     ``prepare_model_for_kbit_training`` casts them (it also turns on checkpointing:
     give ``checkpointing=True`` for that).
+
+    ``mode="generate"`` estimates a greedy ``generate`` of ``max_new_tokens`` tokens after
+    the prompt (the batch's token ids, or ``seq_len`` tokens for a named model) by a causal
+    language model: the prefill and the last decode step are traced, with the model's own
+    cache class (``cache="dynamic"``, transformers' default, or ``"static"``), and the
+    peak is the larger. ``breakdown["kv_cache"]`` is the cache at that peak.
 
     ``step`` gives all of these options at once as a :class:`~vramctl.estimator.Step`
     (then give none of them one by one): the request this call makes of its options,

@@ -171,6 +171,8 @@ def max_batch_size(
     adapter: Any = None,
     quant: Any = None,
     kbit_prep: bool = False,
+    max_new_tokens: int | None = None,
+    cache: str = "dynamic",
     step: Step | None = None,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.
@@ -190,7 +192,8 @@ def max_batch_size(
     :func:`~vramctl.estimator.estimate`. ``calibration`` and ``safe`` are as for
     :func:`~vramctl.estimator.estimate`: by default a size fits when the safe
     end of its device range does. With ``parallel`` the answer is the largest micro-batch
-    per rank.
+    per rank. With ``mode="generate"`` (and ``max_new_tokens``) it is the most sequences
+    generated at once, and with ``lengths=True`` the longest prompt.
     """
     t0 = time.perf_counter()
     if not probe or any(p < 1 for p in probe) or len(set(probe)) < 2:

@@ -74,6 +74,12 @@ class Step:
     #: With ``quant``: what PEFT's ``prepare_model_for_kbit_training`` does to the weights,
     #: every parameter not quantized (norms, embeddings, the output head) kept in fp32.
     kbit_prep: bool = False
+    #: mode="generate": the tokens generated after the prompt (the batch's, or
+    #: ``seq_len`` tokens for a named model), greedily, one at a time.
+    max_new_tokens: int | None = None
+    #: mode="generate": the cache class, ``"dynamic"`` (transformers' default: it grows by
+    #: concatenation) or ``"static"`` (allocated at its whole length on the first step).
+    cache: str = "dynamic"
 
     def __post_init__(self) -> None:
         if self.tf32 is None:

@@ -15,6 +15,7 @@ CATEGORIES = (
     "optimizer",
     "inputs",
     "activations",
+    "kv_cache",
     "temporaries",
     "unsharded",
     "buckets",

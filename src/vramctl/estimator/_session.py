@@ -229,6 +229,13 @@ class Session:
                     "time is not in step_seconds",
                 ),
             )
+        if self.spec.mode == "generate":
+            note = (
+                f"generate: the prefill and the last of {self.spec.max_new_tokens} tokens "
+                f"({self.spec.cache} cache) traced; step_seconds is their time, not the whole "
+                "generation's (the decode steps before the last are as many, and shorter)"
+            )
+            est = dataclasses.replace(est, notes=(*est.notes, note))
         paged = getattr(self.optimizer, "paged_bytes", 0)
         if paged:
             note = (
@@ -286,7 +293,11 @@ def open_session(model: ModelSource, step: Step, rates: Rates) -> Session:
         offload_activations=step.offload_activations,
         offload_optimizer=step.offload_optimizer,
         grad_accumulation=step.grad_accumulation,
+        max_new_tokens=step.max_new_tokens or 0,
+        cache=step.cache,
     )
+    if step.mode == "generate" and not step.max_new_tokens:
+        raise EstimateError("mode='generate' needs max_new_tokens (the tokens after the prompt)")
     if isinstance(parallel, str):
         parallel = Parallel.parse(parallel)
     if parallel is not None and step.mode != "train":

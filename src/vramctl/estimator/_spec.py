@@ -39,7 +39,7 @@ __all__ = [
     "warm_optimizer",
 ]
 
-MODES = ("train", "infer")
+MODES = ("train", "infer", "generate")
 PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16")
 OPTIMIZERS = (
     "adamw",
@@ -87,6 +87,9 @@ class StepSpec:
     #: A micro-batch of gradient accumulation: the gradients of the earlier micro-batches
     #: are held through this one's forward and backward, which add into them.
     grad_accumulation: bool = False
+    #: mode="generate": the tokens generated after the prompt, and the cache class.
+    max_new_tokens: int = 0
+    cache: str = "dynamic"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -139,7 +142,7 @@ class StepSpec:
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         stack = contextlib.ExitStack()
-        if self.mode == "infer":
+        if self.mode != "train":
             stack.enter_context(torch.no_grad())
         dtype = self.autocast_dtype
         if dtype is not None:
@@ -221,7 +224,14 @@ def run_step(
     optimizer: torch.optim.Optimizer | None,
     phase: Callable[[str], None] = lambda _: None,
 ) -> None:
-    """One step: forward (and loss, backward and optimizer step when training)."""
+    """One step: forward (and loss, backward and optimizer step when training), or a whole
+    ``generate`` (mode="generate")."""
+    if spec.mode == "generate":
+        from vramctl.estimator._generate import run_generate
+
+        with spec.forward_context():
+            run_generate(model, batch, spec.max_new_tokens, spec.cache, phase=phase)
+        return
     phase("forward")
     with spec.forward_context():
         out = call_model(model, batch)

@@ -198,6 +198,8 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
         try:
             if spec.mode == "train":
                 _train(session, fake_batch, tracer, phase, grads, states)
+            elif spec.mode == "generate":
+                _generate(session, fake_batch, tracer, phase, inputs)
             else:
                 run_step(model, fake_batch, spec, None, phase)
         except VramctlError:
@@ -301,6 +303,39 @@ def _train(
     else:
         for p in session.params:
             p.grad = None
+
+
+def _generate(
+    session: Traceable, batch: Any, tracer: Tracer, phase: Callable[[str], None], inputs: set[int]
+) -> None:
+    """A whole ``generate``: the prefill and the last decode step traced (see
+    :mod:`vramctl.estimator._generate`), the cache's tensors in their own category."""
+    from vramctl.estimator._generate import run_generate
+
+    assert session.model is not None
+    spec = session.spec
+
+    @contextlib.contextmanager
+    def unrecorded() -> Iterator[None]:
+        tracer.record = False
+        try:
+            yield
+        finally:
+            tracer.record = True
+
+    def register(tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            sid = tracer.register(t)
+            if sid is not None and t.dtype in (torch.long, torch.int):
+                inputs.add(sid)
+            elif sid is not None:
+                tracer.trace.records[sid].category = "kv_cache"
+
+    with spec.forward_context():
+        run_generate(
+            session.model, batch, spec.max_new_tokens, spec.cache,
+            phase=phase, unrecorded=unrecorded, register=register,
+        )  # fmt: skip
 
 
 @contextlib.contextmanager

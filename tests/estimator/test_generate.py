@@ -1,0 +1,141 @@
+"""mode="generate": a causal LM's greedy ``generate`` priced against the real one on the CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import vramctl
+from tests.estimator.real_steps import profiled_peak, storages_bytes
+from vramctl.cli._app import app
+from vramctl.estimator import EstimateError
+from vramctl.estimator._shared import run_target
+
+transformers = pytest.importorskip("transformers")
+
+from tests.estimator.small_llama import CONFIG, llama  # noqa: E402
+
+
+def prompt(batch: int, length: int) -> torch.Tensor:
+    return torch.randint(
+        0, CONFIG.vocab_size, (batch, length), generator=torch.Generator().manual_seed(1)
+    )
+
+
+def generate_peak(model: Any, ids: torch.Tensor, new: int, cache: str) -> int:
+    """The real peak of a greedy ``generate`` of exactly ``new`` tokens, after a warm-up."""
+    model.generation_config.eos_token_id = None
+
+    def run() -> None:
+        with torch.no_grad():
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                pad_token_id=0, cache_implementation=cache,
+            )  # fmt: skip
+
+    run()
+    return storages_bytes([*model.parameters(), *model.buffers(), ids]) + profiled_peak(run)
+
+
+@pytest.mark.parametrize(
+    ("batch", "length", "new", "cache"),
+    [(2, 64, 32, "dynamic"), (2, 64, 32, "static"), (4, 16, 96, "static"), (1, 256, 8, "dynamic")],
+)
+def test_generate_is_priced_as_the_real_one(batch: int, length: int, new: int, cache: str) -> None:
+    model = llama().eval()
+    ids = prompt(batch, length)
+    real = generate_peak(model, ids, new, cache)
+    est = vramctl.estimate(
+        model, ids, device="cpu", mode="generate", max_new_tokens=new, cache=cache
+    )
+    # transformers' decode loop holds two (batch x vocabulary) buffers more, not yet named
+    assert -0.01 < (est.peak_allocated - real) / real < 0.005, (est.peak_allocated, real)
+    assert est.mode == "generate"
+    assert any(n.startswith("generate: the prefill and the last") for n in est.notes)
+
+
+def test_the_cache_is_its_own_category_at_its_whole_length() -> None:
+    """A static cache holds every position from the first step: 2 (keys, values) x layers x
+    key-value heads x head size x batch x (prompt + new tokens - 1: the last token is never
+    cached), in the weights' dtype."""
+    model = llama().eval()
+    batch, length, new = 2, 64, 32
+    est = vramctl.estimate(
+        model, prompt(batch, length), device="cpu", mode="generate", max_new_tokens=new,
+        cache="static",
+    )  # fmt: skip
+    head = CONFIG.hidden_size // CONFIG.num_attention_heads
+    per_token = 2 * CONFIG.num_hidden_layers * CONFIG.num_key_value_heads * head * 4
+    assert est.breakdown["kv_cache"] == per_token * batch * (length + new - 1)
+    longer = vramctl.estimate(
+        model, prompt(batch, length), device="cpu", mode="generate", max_new_tokens=4 * new,
+        cache="static",
+    )  # fmt: skip
+    assert longer.breakdown["kv_cache"] == per_token * batch * (length + 4 * new - 1)
+    assert longer.peak_allocated > est.peak_allocated
+
+
+def test_a_long_generation_peaks_at_its_last_step() -> None:
+    """With a short prompt and many new tokens the dynamic cache's last concatenation is the
+    peak: the whole cache and one layer's keys (or values) twice."""
+    model = llama().eval()
+    short = vramctl.estimate(model, prompt(4, 16), device="cpu", mode="generate", max_new_tokens=8)
+    long = vramctl.estimate(model, prompt(4, 16), device="cpu", mode="generate", max_new_tokens=400)
+    head = CONFIG.hidden_size // CONFIG.num_attention_heads
+    per_token = 2 * CONFIG.num_hidden_layers * CONFIG.num_key_value_heads * head * 4
+    grown = long.peak_allocated - short.peak_allocated
+    assert grown >= per_token * 4 * (400 - 8)
+    assert long.breakdown["kv_cache"] >= per_token * 4 * (16 + 400 - 2)
+
+
+def test_max_batch_size_searches_the_generation() -> None:
+    model = llama().eval()
+    one = vramctl.estimate(model, prompt(1, 64), device="cpu", mode="generate", max_new_tokens=64)
+    found = vramctl.max_batch_size(
+        model,
+        lambda n: prompt(n, 64),
+        # a device of the host's kind (no CUDA context), of that many bytes
+        device=run_target(vramctl.simulate(int(one.peak_allocated * 1.6 / 0.9))),
+        mode="generate",
+        max_new_tokens=64,
+        limit=64,
+    )
+    assert 1 < found.batch_size < 64
+
+
+def test_what_cannot_generate_is_one_clear_line() -> None:
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+        )
+    )
+    ids = prompt(1, 8)
+    with pytest.raises(EstimateError, match="cannot generate"):
+        vramctl.estimate(bert, ids, device="cpu", mode="generate", max_new_tokens=4)
+    with pytest.raises(EstimateError, match="needs max_new_tokens"):
+        vramctl.estimate(llama(), ids, device="cpu", mode="generate")
+    with pytest.raises(EstimateError, match="cache must be one of"):
+        vramctl.estimate(
+            llama(), ids, device="cpu", mode="generate", max_new_tokens=4, cache="paged"
+        )
+
+
+def test_the_command_line_estimates_a_generation(tmp_path: Path) -> None:
+    CONFIG.to_json_file(tmp_path / "config.json")
+    args = ["estimate", str(tmp_path), "--device", "cpu", "--batch", "2"]
+    gen = [*args, "--mode", "generate", "--prompt-len", "32", "--max-new-tokens", "16"]
+    result = CliRunner().invoke(app, [*gen, "--cache", "static", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["inputs"]["max_new_tokens"] == 16 and doc["inputs"]["cache"] == "static"
+    assert doc["inputs"]["seq_len"] == 32
+    assert doc["estimates"][0]["breakdown_bytes"]["kv_cache"] > 0
+    table = CliRunner().invoke(app, gen)
+    assert table.exit_code == 0 and "kv_cache" in table.output, table.output
+    bad = CliRunner().invoke(app, [*args, "--max-new-tokens", "16"])
+    assert bad.exit_code != 0 and "go with --mode generate" in bad.output
