@@ -232,8 +232,8 @@ class Session:
         if self.spec.mode == "generate":
             note = (
                 f"generate: the prefill and the last of {self.spec.max_new_tokens} tokens "
-                f"({self.spec.cache} cache) traced; step_seconds is their time, not the whole "
-                "generation's (the decode steps before the last are as many, and shorter)"
+                f"({self.spec.cache} cache) traced; step_seconds is the time of those two "
+                f"forwards, not of the whole generation's {self.spec.max_new_tokens} steps"
             )
             est = dataclasses.replace(est, notes=(*est.notes, note))
         paged = getattr(self.optimizer, "paged_bytes", 0)
