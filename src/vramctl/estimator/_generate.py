@@ -139,6 +139,7 @@ def run_generate(
                 filled = torch.zeros((logits.shape[0], before - 1), dtype=torch.long)
                 _forward(model, filled, torch.ones_like(filled), kv)
                 del filled
+                _as_after_a_step(kv)
         with unrecorded():
             ids = torch.zeros((logits.shape[0], before), dtype=torch.long)
             mask = torch.ones((logits.shape[0], before), dtype=torch.long)
@@ -151,6 +152,20 @@ def run_generate(
         logits = _forward(model, ids[:, -1:], mask, kv)
         register(cache_tensors(kv))  # the cache the step grew
         del logits
+
+
+def _as_after_a_step(kv: Any) -> None:
+    """A cache built by one long forward, made as a decode step leaves it: a sliding-window
+    layer keeps a view of its last tokens, which after one long forward is a view of the
+    whole forward's keys, and after a decode step a view of the window's (one token more
+    than it keeps)."""
+    for layer in getattr(kv, "layers", ()):
+        for name, t in list(vars(layer).items()):
+            if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[-2] == 0:
+                continue
+            if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                grown = torch.cat([t[..., :1, :], t], dim=-2)
+                setattr(layer, name, grown[..., 1:, :])
 
 
 def _fill_static(model: nn.Module, kv: Any, length: int) -> None:
