@@ -59,6 +59,22 @@ def test_generate_is_priced_as_the_real_one(batch: int, length: int, new: int, c
     assert any(n.startswith("generate: the prefill and the last") for n in est.notes)
 
 
+def test_sliding_window_layers_keep_their_window() -> None:
+    """Gemma-2 alternates full and sliding-window layers: after the window fills, a sliding
+    layer's cache stops growing (priced as the model's own cache class keeps it)."""
+    cfg = transformers.Gemma2Config(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=32,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    ids = prompt(4, 16)
+    real = generate_peak(model, ids, 96, "dynamic")
+    est = vramctl.estimate(model, ids, device="cpu", mode="generate", max_new_tokens=96)
+    assert -0.01 < (est.peak_allocated - real) / real < 0.005, (est.peak_allocated, real)
+
+
 def test_the_cache_is_its_own_category_at_its_whole_length() -> None:
     """A static cache holds every position from the first step: 2 (keys, values) x layers x
     key-value heads x head size x batch x (prompt + new tokens - 1: the last token is never
