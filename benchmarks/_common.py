@@ -206,6 +206,27 @@ def error_stats(pairs: list[tuple[int | None, int | None]]) -> dict[str, float |
     }
 
 
+#: The accuracy goals of the estimate benchmarks against real steps, in percent.
+ACCURACY_GOALS = {"median_pct": 1.0, "max_pct": 3.0, "worst_under_pct": 2.0}
+
+
+def accuracy_figures(pairs: list[tuple[int | None, int | None]]) -> tuple[dict[str, Any], bool]:
+    """The figures of (estimate, measured) pairs against :data:`ACCURACY_GOALS` (median,
+    largest and worst under-estimate in percent, and the goals), and whether they meet them."""
+    stats = error_stats(pairs)
+    ok = stats["median_pct"] is not None and all(
+        (stats[k] or 0) <= goal for k, goal in ACCURACY_GOALS.items()
+    )
+    figures = {
+        "rows": stats["rows"],
+        "median_error_pct": stats["median_pct"],
+        "max_error_pct": stats["max_pct"],
+        "worst_underestimate_pct": stats["worst_under_pct"],
+        "goals": dict(ACCURACY_GOALS),
+    }
+    return figures, ok
+
+
 # -- out-of-memory errors ----------------------------------------------------------------
 
 

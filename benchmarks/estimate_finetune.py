@@ -372,25 +372,15 @@ def main(argv: list[str] | None = None) -> int:
                         f"measured {real:>10,} error {err:+.3f}%",
                         flush=True,
                     )
-    stats = _common.error_stats([(r["estimate"], r["measured"]) for r in rows])
+    figures, ok = _common.accuracy_figures([(r["estimate"], r["measured"]) for r in rows])
     table = [] if args.quick else full_size_table()
-    ok = (
-        stats["median_pct"] is not None
-        and stats["median_pct"] <= 1.0
-        and (stats["max_pct"] or 0) <= 3.0
-        and (stats["worst_under_pct"] or 0) <= 2.0
-    )
     summary = {
         "benchmark": "estimate_finetune",
         "quick": args.quick,
         "machine": _common.machine(False),
         "peft": _common.version("peft"),
         "transformers": _common.version("transformers"),
-        "rows": len(rows),
-        "median_error_pct": stats["median_pct"],
-        "max_error_pct": stats["max_pct"],
-        "worst_underestimate_pct": stats["worst_under_pct"],
-        "goals": {"median_pct": 1.0, "max_pct": 3.0, "worst_under_pct": 2.0},
+        **figures,
         "by_row": {f"{r['config']} {r['adapter']} {r['mode']}": r["error_pct"] for r in rows},
         "full_size": table,
         "wall_s": round(time.perf_counter() - t0, 1),

@@ -122,23 +122,13 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
                     gc.collect()
-    stats = _common.error_stats([(r["estimate"], r["measured"]) for r in rows])
-    ok = (
-        stats["median_pct"] is not None
-        and stats["median_pct"] <= 1.0
-        and (stats["max_pct"] or 0) <= 3.0
-        and (stats["worst_under_pct"] or 0) <= 2.0
-    )
+    figures, ok = _common.accuracy_figures([(r["estimate"], r["measured"]) for r in rows])
     summary = {
         "benchmark": "estimate_generate",
         "quick": args.quick,
         "machine": _common.machine(False),
         "transformers": _common.version("transformers"),
-        "rows": len(rows),
-        "median_error_pct": stats["median_pct"],
-        "max_error_pct": stats["max_pct"],
-        "worst_underestimate_pct": stats["worst_under_pct"],
-        "goals": {"median_pct": 1.0, "max_pct": 3.0, "worst_under_pct": 2.0},
+        **figures,
         "by_row": {
             f"{r['model']} b{r['batch']} p{r['prompt']} n{r['new']} {r['cache']}": r["error_pct"]
             for r in rows
