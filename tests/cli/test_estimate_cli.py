@@ -64,6 +64,8 @@ def test_json_reports_every_input_used_defaults_included() -> None:
         "kbit_prep": False,
         "group_size": None,
         "quantization": None,
+        "max_new_tokens": None,
+        "cache": None,
     }
     est = doc["estimates"][0]
     assert est["seq_len"] == 256 and est["optimizer"] == "adamw"

@@ -310,12 +310,17 @@ def estimate_cmd(
     seq_len: Annotated[
         int | None,
         typer.Option(
-            "--seq-len",
-            "--prompt-len",
-            help="Tokens per sample (text models; the prompt with --mode generate); past the "
-            "model's learned position table an error, past the length its RoPE was "
-            "trained for a note.",
+            help="Tokens per sample (text models); past the model's learned position table "
+            "an error, past the length its RoPE was trained for a note.",
             min=1,
+        ),
+    ] = None,
+    prompt_len: Annotated[
+        int | None,
+        typer.Option(
+            help="With --mode generate: the prompt's tokens (the same as --seq-len).",
+            min=1,
+            show_default=False,
         ),
     ] = None,
     max_new_tokens: Annotated[
@@ -548,8 +553,14 @@ def estimate_cmd(
         max_new_tokens=max_new_tokens,
         cache=cache,
     )
-    if mode != "generate" and (max_new_tokens is not None or cache != "dynamic"):
-        raise VramctlError("--max-new-tokens and --cache go with --mode generate")
+    if mode != "generate" and (
+        max_new_tokens is not None or cache != "dynamic" or prompt_len is not None
+    ):
+        raise VramctlError("--prompt-len, --max-new-tokens and --cache go with --mode generate")
+    if prompt_len is not None:
+        if seq_len is not None and seq_len != prompt_len:
+            raise VramctlError("--prompt-len is --seq-len under another name: give one")
+        seq_len = prompt_len
     results = []
     with err.status("tracing", spinner="dots") as spin:
         for b in sizes:

@@ -280,7 +280,9 @@ def _model_problems(path: str, values: Mapping[str, Any]) -> list[str]:
         )
     _positive_int(f"{path}.batch_size", values.get("batch_size"), problems)
     _positive_int(f"{path}.seq_len", values.get("seq_len"), problems)
-    for key, allowed in (("precision", PRECISIONS), ("mode", MODES)):
+    # a job's step is a training or inference step (a generation's admission is to come)
+    job_modes = tuple(m for m in MODES if m != "generate")
+    for key, allowed in (("precision", PRECISIONS), ("mode", job_modes)):
         if key in values and values[key] not in allowed:
             problems.append(
                 f"{path}.{key}: must be one of {', '.join(allowed)}, got {values[key]!r}"
