@@ -186,14 +186,20 @@ def quantize(model: Any, kind: str, double: bool) -> int:
                     quant_type=kind,
                     compress_statistics=double,
                 )
-                q.weight = bnb.nn.Params4bit(
+                # The weight is quantized as it moves (Params4bit.to), on its own: moving the
+                # module may keep the old parameter and take only the new data, without its
+                # quantization state. module= lets the layer recover that state, as
+                # transformers' loading sets it.
+                weight = bnb.nn.Params4bit(
                     child.weight.data,
                     requires_grad=False,
                     quant_type=kind,
                     compress_statistics=double,
                     blocksize=64,
+                    module=q,
                 )
-                setattr(module, name, q.to("cpu"))  # bitsandbytes quantizes as it moves
+                q.weight = weight.to("cpu")
+                setattr(module, name, q)
     model.is_loaded_in_4bit = True  # as transformers marks a model it quantized
     held: dict[int, int] = {}
     for p in model.parameters():

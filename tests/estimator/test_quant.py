@@ -46,10 +46,12 @@ def bnb_4bit(kind: str, double: bool) -> Any:
         IN, OUT, bias=False, compute_dtype=torch.bfloat16, quant_type=kind,
         compress_statistics=double,
     )  # fmt: skip
-    layer.weight = bnb.nn.Params4bit(
-        weight, requires_grad=False, quant_type=kind, compress_statistics=double, blocksize=64
-    )
-    return layer.to("cpu")  # bitsandbytes quantizes as it moves the weight
+    param = bnb.nn.Params4bit(
+        weight, requires_grad=False, quant_type=kind, compress_statistics=double, blocksize=64,
+        module=layer,
+    )  # fmt: skip
+    layer.weight = param.to("cpu")  # bitsandbytes quantizes as it moves the weight
+    return layer
 
 
 @pytest.mark.parametrize("kind", ["nf4", "fp4"])
