@@ -148,7 +148,7 @@ def run_generate(
         if cache == "static":
             with unrecorded():
                 # its length so far: the positions written (a static cache keeps no count)
-                _fill_static(model, kv, before - 1)
+                _fill_static(kv, before - 1)
         logits = _forward(model, ids[:, -1:], mask, kv)
         register(cache_tensors(kv))  # the cache the step grew
         del logits
@@ -168,7 +168,7 @@ def _as_after_a_step(kv: Any) -> None:
                 setattr(layer, name, grown[..., 1:, :])
 
 
-def _fill_static(model: nn.Module, kv: Any, length: int) -> None:
+def _fill_static(kv: Any, length: int) -> None:
     """Mark a static cache as holding ``length`` tokens (its tensors are already whole)."""
     for layer in getattr(kv, "layers", ()):
         if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
