@@ -47,9 +47,11 @@ if typing.TYPE_CHECKING:
         EstimateError,
         MaxBatch,
         Parallel,
+        ServePlan,
         Step,
         estimate,
         max_batch_size,
+        serve_plan,
     )
     from vramctl.fit import FitError, FitResult, fit_batch_size
     from vramctl.guard import (
@@ -96,7 +98,17 @@ _LAZY = {
         "vramctl.device",
     ),
     **dict.fromkeys(
-        ("Estimate", "EstimateError", "MaxBatch", "Parallel", "Step", "estimate", "max_batch_size"),
+        (
+            "Estimate",
+            "EstimateError",
+            "MaxBatch",
+            "Parallel",
+            "ServePlan",
+            "Step",
+            "estimate",
+            "max_batch_size",
+            "serve_plan",
+        ),
         "vramctl.estimator",
     ),
     **dict.fromkeys(("FitError", "FitResult", "fit_batch_size"), "vramctl.fit"),
@@ -147,6 +159,7 @@ __all__ = [
     "Policy",
     "ProcessMemory",
     "Selection",
+    "ServePlan",
     "SimulatedDevice",
     "SimulatedOutOfMemoryError",
     "SplitBatchNormWarning",
@@ -175,6 +188,7 @@ __all__ = [
     "plan",
     "rank_devices",
     "select_device",
+    "serve_plan",
     "simulate",
     "use_device",
 ]

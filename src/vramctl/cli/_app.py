@@ -26,6 +26,7 @@ from vramctl.cli import (  # noqa: F401
     _plan,
     _ray,
     _serve,
+    _serveplan,
     _top,
 )
 from vramctl.cli._common import (

@@ -30,11 +30,21 @@ from vramctl.estimator._parallel import STRATEGIES, Parallel, ParallelError, par
 from vramctl.estimator._quant import QUANT_FORMATS, QuantSpec
 from vramctl.estimator._request import Step
 from vramctl.estimator._result import Estimate
+from vramctl.estimator._serve import (
+    ENGINES,
+    KV_DTYPES,
+    EngineBudget,
+    KVShape,
+    ServePlan,
+    serve_plan,
+)
 from vramctl.estimator._spec import MODES, PRECISIONS, EstimateError
 from vramctl.estimator._timing import GPU_EFFICIENCY, StepTime, Throughput
 
 __all__ = [
+    "ENGINES",
     "GPU_EFFICIENCY",
+    "KV_DTYPES",
     "MODES",
     "PRECISIONS",
     "QUANT_FORMATS",
@@ -45,12 +55,15 @@ __all__ = [
     "CachingAllocatorModel",
     "Calibration",
     "CalibrationError",
+    "EngineBudget",
     "Estimate",
     "EstimateError",
+    "KVShape",
     "MaxBatch",
     "Parallel",
     "ParallelError",
     "QuantSpec",
+    "ServePlan",
     "Step",
     "StepTime",
     "Throughput",
@@ -63,5 +76,6 @@ __all__ = [
     "load_calibration",
     "max_batch_size",
     "parallelize",
+    "serve_plan",
     "zoo",
 ]
