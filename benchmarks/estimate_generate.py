@@ -18,8 +18,10 @@ SGLang logged for known configurations (the issue each comes from is named):
   These are printed, not held to a goal: the profiling forward runs vLLM's kernels, not
   transformers'.
 
-Not covered yet: encoder-decoder models (T5, Whisper: refused with a clear error), Mamba and
-hybrid models, offloaded caches.
+Also encoder-decoders (T5, BART: the encoder once, the decoder's self- and cross-attention
+caches) and state-space and hybrid decoders (Mamba, Mamba-2, Jamba, Qwen3-Next: each layer's
+fixed state in the cache, dynamic cache only). Not covered yet: Whisper (its own generate
+holds more than the estimate, 7-9% here), offloaded and quantized caches, beam search.
 
     python benchmarks/estimate_generate.py --quick
 """
@@ -45,6 +47,54 @@ SMALL = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "gemma2": ("Gemma2Config", {"head_dim": 32, "sliding_window": 32, "num_hidden_layers": 4}),
 }
+#: Encoder-decoders, as wide: T5 (relative positions) and BART (learned ones).
+ENCDEC = {
+    "t5": (
+        "T5Config",
+        {"vocab_size": 1000, "d_model": 128, "d_kv": 32, "d_ff": 256, "num_layers": 2,
+         "num_decoder_layers": 2, "num_heads": 4, "decoder_start_token_id": 0, "pad_token_id": 0},
+    ),
+    "bart": (
+        "BartConfig",
+        {"vocab_size": 1000, "d_model": 128, "encoder_layers": 2, "decoder_layers": 2,
+         "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 256,
+         "decoder_ffn_dim": 256, "max_position_embeddings": 1024},
+    ),
+}  # fmt: skip
+#: State-space and hybrid decoders (their cache holds each Mamba or linear-attention layer's
+#: fixed state beside the attention layers' keys and values), with the dynamic cache only:
+#: transformers' PyTorch paths, as they run without the mamba-ssm and flash-linear-attention
+#: kernels.
+STATE = {
+    "mamba": (
+        "MambaConfig",
+        {"vocab_size": 1000, "hidden_size": 128, "state_size": 16, "num_hidden_layers": 2,
+         "expand": 2, "conv_kernel": 4},
+    ),
+    "mamba2": (
+        "Mamba2Config",
+        {"vocab_size": 1000, "hidden_size": 128, "state_size": 16, "num_hidden_layers": 2,
+         "expand": 2, "conv_kernel": 4, "num_heads": 8, "head_dim": 32, "n_groups": 1},
+    ),
+    "jamba": (
+        "JambaConfig",
+        {"vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "mamba_d_state": 16, "mamba_expand": 2, "mamba_d_conv": 4, "attn_layer_period": 2,
+         "attn_layer_offset": 1, "expert_layer_period": 100, "num_experts": 1,
+         "max_position_embeddings": 1024},
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {"vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 32, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+         "linear_key_head_dim": 32, "linear_value_head_dim": 32, "num_experts": 2,
+         "num_experts_per_tok": 1, "moe_intermediate_size": 64,
+         "shared_expert_intermediate_size": 64, "full_attention_interval": 2,
+         "max_position_embeddings": 1024},
+    ),
+}  # fmt: skip
 #: (batch, prompt tokens, new tokens)
 SHAPES = ((2, 64, 32), (1, 256, 8), (4, 16, 96))
 CACHES = ("dynamic", "static")
@@ -55,9 +105,21 @@ def build(kind: str) -> tuple[Any, Any]:
     import torch
     import transformers
 
-    name, extra = SMALL[kind]
-    cfg = getattr(transformers, name)(**{**_SHRUNK, **extra})
     torch.manual_seed(0)
+    if kind in ENCDEC:
+        name, fields = ENCDEC[kind]
+        cfg = getattr(transformers, name)(**fields)
+        model = transformers.AutoModelForSeq2SeqLM.from_config(cfg).eval()
+        # exactly max_new_tokens, from the decoder's start token, as the estimate
+        for key in ("eos_token_id", "forced_eos_token_id", "forced_bos_token_id"):
+            setattr(model.generation_config, key, None)
+        return cfg, model
+    if kind in STATE:
+        name, fields = STATE[kind]
+        cfg = getattr(transformers, name)(**fields)
+    else:
+        name, extra = SMALL[kind]
+        cfg = getattr(transformers, name)(**{**_SHRUNK, **extra})
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     model.generation_config.eos_token_id = None  # exactly max_new_tokens, as the estimate
     return cfg, model
@@ -90,16 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     import vramctl
 
     t0 = time.perf_counter()
-    kinds, shapes = QUICK_ROWS if args.quick else (tuple(SMALL), SHAPES)
+    kinds, shapes = QUICK_ROWS if args.quick else ((*SMALL, *ENCDEC, *STATE), SHAPES)
     rows = []
     with _common.quiet():
         for kind in kinds:
             for batch, prompt, new in shapes:
-                for cache in CACHES:
+                for cache in CACHES if kind not in STATE else ("dynamic",):
                     # a fresh model per row: generate keeps a static cache on the model
                     cfg, model = build(kind)
                     ids = torch.randint(
-                        0,
+                        3,
                         cfg.vocab_size,
                         (batch, prompt),
                         generator=torch.Generator().manual_seed(1),

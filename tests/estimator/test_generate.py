@@ -141,6 +141,67 @@ def test_what_cannot_generate_is_one_clear_line() -> None:
         )
 
 
+def t5() -> Any:
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=1000, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_decoder_layers=2,
+        num_heads=4, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def bart() -> Any:
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=1000, d_model=128, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
+        decoder_ffn_dim=256, max_position_embeddings=512,
+    )  # fmt: skip
+    model = transformers.BartForConditionalGeneration(config).eval()
+    for key in ("eos_token_id", "forced_eos_token_id", "forced_bos_token_id"):
+        setattr(model.generation_config, key, None)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("make", "batch", "length", "new", "cache"),
+    [(t5, 4, 16, 96, "dynamic"), (t5, 2, 64, 32, "static"), (bart, 4, 16, 96, "dynamic"),
+     (bart, 2, 64, 32, "static")],
+)  # fmt: skip
+def test_an_encoder_decoder_generates_as_the_real_one(
+    make: Any, batch: int, length: int, new: int, cache: str
+) -> None:
+    """The encoder once, its output kept; the decoder's self-attention cache grows and its
+    cross-attention cache holds the encoder's keys and values."""
+    model = make()
+    ids = torch.randint(3, 1000, (batch, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+
+    def run() -> None:
+        with torch.no_grad():
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, do_sample=False, num_beams=1,
+                cache_implementation=cache,
+            )  # fmt: skip
+
+    run()
+    real = storages_bytes([*model.parameters(), *model.buffers(), ids]) + profiled_peak(run)
+    est = vramctl.estimate(
+        model, {"input_ids": ids, "attention_mask": mask}, device="cpu", mode="generate",
+        max_new_tokens=new, cache=cache,
+    )  # fmt: skip
+    assert abs(est.peak_allocated - real) / real < 0.001, (est.peak_allocated, real)
+
+
+def test_an_encoder_decoder_by_its_config_generates() -> None:
+    est = vramctl.estimate(
+        t5().config, device="cpu", mode="generate", max_new_tokens=32, batch_size=2, seq_len=64
+    )
+    assert est.mode == "generate" and est.peak_allocated > 0
+
+
 def test_the_command_line_estimates_a_generation(tmp_path: Path) -> None:
     CONFIG.to_json_file(tmp_path / "config.json")
     args = ["estimate", str(tmp_path), "--device", "cpu", "--batch", "2"]

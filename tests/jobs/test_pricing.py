@@ -329,3 +329,35 @@ def test_the_limits_come_from_the_arguments_or_the_environment(
             with pytest.raises(JobSpecError) as info:
                 EstimateWorker()
             assert str(info.value).startswith("invalid estimate worker settings: " + says)
+
+
+def test_a_generate_job_is_priced_by_its_whole_generation(worker: EstimateWorker) -> None:
+    """An inference job that generates is admitted by the peak of its generation (the
+    prompt's prefill and the last token's step, the cache at its longest), in the worker as
+    here."""
+    gen = {"model": "gpt2", "batch_size": 2, "seq_len": 64, "mode": "generate"}
+    job = spec(**gen, max_new_tokens=256)
+    need = price(job, "sim:T4-16GB")
+    assert price(job, "sim:T4-16GB", estimator=worker) == need
+    est = vramctl.estimate(
+        "gpt2", batch_size=2, seq_len=64, mode="generate", max_new_tokens=256,
+        device="sim:T4-16GB",
+    )  # fmt: skip
+    assert need == est.judged_peak
+    # a longer generation holds a longer cache
+    assert need > price(spec(**gen, max_new_tokens=8), "sim:T4-16GB")
+    assert JobSpec.from_dict(job.to_dict()) == job
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"mode": "generate"}, "memory.estimate.max_new_tokens: missing"),
+        ({"mode": "infer", "max_new_tokens": 8}, "max_new_tokens: only with mode"),
+        ({"mode": "generate", "max_new_tokens": 8, "cache": "paged"}, "cache: must be one of"),
+        ({"mode": "generate", "max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
+def test_a_generate_jobs_spec_is_checked(fields: dict[str, Any], problem: str) -> None:
+    with pytest.raises(JobSpecError, match=problem):
+        spec(model="gpt2", **fields)

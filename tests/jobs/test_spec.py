@@ -249,7 +249,7 @@ def test_constructing_directly_validates_too() -> None:
         ),
         (
             base(memory={"estimate": {"model": "gpt2", "mode": "training"}}),
-            "memory.estimate.mode: must be one of train, infer, got 'training'",
+            "memory.estimate.mode: must be one of train, infer, generate, got 'training'",
         ),
         (
             base(memory={"estimate": {"model": "gtp2"}}),

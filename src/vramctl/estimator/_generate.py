@@ -45,20 +45,39 @@ def _inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     )
 
 
-def _new_cache(model: nn.Module, kind: str, length: int) -> Any:
+def _new_cache(model: nn.Module, kind: str, length: int, source: int = 0) -> Any:
+    """The cache ``generate`` makes: ``length`` tokens in all (a static cache holds every one
+    but the last generated); an encoder-decoder's pairs it with a cross-attention cache of
+    the ``source`` length."""
     import transformers
 
     config: Any = getattr(model, "config", None)
+    decoder = config.get_text_config(decoder=True) if config is not None else None
     if kind == "static":
         # generate sizes it to hold every token but the last generated one
-        return transformers.StaticCache(config=config, max_cache_len=length - 1)
+        cache = transformers.StaticCache(config=decoder, max_cache_len=length - 1)
+        if is_encoder_decoder(model):
+            cross = transformers.StaticCache(config=decoder, max_cache_len=source)
+            return transformers.EncoderDecoderCache(cache, cross)
+        return cache
+    if is_encoder_decoder(model):
+        return transformers.EncoderDecoderCache(
+            transformers.DynamicCache(config=decoder), transformers.DynamicCache(config=decoder)
+        )
     return transformers.DynamicCache(config=config)
+
+
+def _layers(cache: Any) -> list[Any]:
+    layers = list(getattr(cache, "layers", ()))
+    for part in ("self_attention_cache", "cross_attention_cache"):
+        layers.extend(getattr(getattr(cache, part, None), "layers", ()))
+    return layers
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor]:
     """The tensors a cache holds (each layer's keys and values, or its states)."""
     out: list[torch.Tensor] = []
-    for layer in getattr(cache, "layers", ()):
+    for layer in _layers(cache):
         for value in vars(layer).values():
             if isinstance(value, torch.Tensor):
                 out.append(value)
@@ -73,11 +92,15 @@ def check_generates(model: nn.Module) -> None:
             f"{type(model).__name__} cannot generate: mode='generate' needs a causal language "
             "model (a ...ForCausalLM, with a language-model head)"
         )
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+    if is_encoder_decoder(model) and not callable(getattr(model, "get_encoder", None)):
         raise EstimateError(
-            f"{type(model).__name__} is an encoder-decoder: mode='generate' prices "
-            "decoder-only models for now"
+            f"{type(model).__name__} is an encoder-decoder without get_encoder(): "
+            "mode='generate' cannot run its encoder apart"
         )
+
+
+def is_encoder_decoder(model: nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
 def _forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
@@ -110,6 +133,9 @@ def run_generate(
         raise EstimateError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if cache not in CACHES:
         raise EstimateError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
+    if is_encoder_decoder(model):
+        _run_encoder_decoder(model, batch, max_new_tokens, cache, phase, unrecorded, register)
+        return
     ids, mask = _inputs(batch)
     if mask is None:
         mask = torch.ones_like(ids)
@@ -154,12 +180,101 @@ def run_generate(
         del logits
 
 
+def _encoder_inputs(batch: Any) -> dict[str, torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return {"input_ids": batch}
+    if isinstance(batch, Mapping):
+        return {
+            k: v
+            for k, v in batch.items()
+            if isinstance(v, torch.Tensor) and not k.startswith("decoder_") and k != "labels"
+        }
+    raise EstimateError(
+        "generate needs the encoder's inputs: a tensor of token ids or a mapping of the "
+        "encoder's keyword inputs (input_ids, input_features ...)"
+    )
+
+
+def _decoder_step(
+    model: nn.Module, encoder_outputs: Any, mask: torch.Tensor | None, ids: torch.Tensor, kv: Any
+) -> torch.Tensor:
+    out = model(
+        encoder_outputs=encoder_outputs, attention_mask=mask, decoder_input_ids=ids, cache=kv,
+        use_cache=True,
+    )  # fmt: skip
+    last: torch.Tensor = out.logits[:, -1]
+    del out
+    return last.clone() if last.dtype == torch.float32 else last.to(torch.float32)
+
+
+def _run_encoder_decoder(
+    model: nn.Module,
+    batch: Any,
+    max_new_tokens: int,
+    cache: str,
+    phase: Callable[[str], None],
+    unrecorded: Callable[[], Any] | None,
+    register: Callable[[list[torch.Tensor]], None] | None,
+) -> None:
+    """An encoder-decoder's ``generate``: the encoder once (its output kept to the end), the
+    decoder from its start token, with a self-attention cache that grows and a
+    cross-attention cache of the encoder's keys and values made by the first step."""
+    inputs = _encoder_inputs(batch)
+    mask = inputs.get("attention_mask")
+    if mask is None and isinstance(inputs.get("input_ids"), torch.Tensor):
+        # generate makes one for token inputs
+        mask = inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    config: Any = getattr(model, "config", None)
+    start = getattr(getattr(model, "generation_config", None), "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(config, "decoder_start_token_id", None) or 0
+    with torch.no_grad():
+        phase("forward")
+        encoder_outputs = model.get_encoder()(**inputs, return_dict=True)  # type: ignore[operator]
+        size = encoder_outputs[0].shape[0]
+        source = encoder_outputs[0].shape[1]
+        total = 1 + max_new_tokens
+        kv = _new_cache(model, cache, total, source)
+        ids = torch.full((size, 1), int(start), dtype=torch.long)
+        logits = _decoder_step(model, encoder_outputs, mask, ids, kv)
+        if register is not None:
+            register(cache_tensors(kv))
+        ids = torch.cat([ids, logits.argmax(-1)[:, None]], -1)
+        if max_new_tokens == 1:
+            return
+        if unrecorded is None:
+            for _ in range(max_new_tokens - 1):
+                logits = _decoder_step(model, encoder_outputs, mask, ids[:, -1:], kv)
+                ids = torch.cat([ids, logits.argmax(-1)[:, None]], -1)
+            return
+        before = total - 1
+        del ids
+        if cache == "dynamic":
+            del kv
+            with unrecorded():
+                kv = _new_cache(model, cache, total, source)
+                filled = torch.zeros((size, before - 1), dtype=torch.long)
+                _decoder_step(model, encoder_outputs, mask, filled, kv)
+                del filled
+                _as_after_a_step(kv)
+        with unrecorded():
+            ids = torch.zeros((size, before), dtype=torch.long)
+        assert register is not None
+        register([ids, *(cache_tensors(kv) if cache == "dynamic" else [])])
+        if cache == "static":
+            with unrecorded():
+                _fill_static(kv, before - 1)
+        logits = _decoder_step(model, encoder_outputs, mask, ids[:, -1:], kv)
+        register(cache_tensors(kv))
+        del logits
+
+
 def _as_after_a_step(kv: Any) -> None:
     """A cache built by one long forward, made as a decode step leaves it: a sliding-window
     layer keeps a view of its last tokens, which after one long forward is a view of the
     whole forward's keys, and after a decode step a view of the window's (one token more
     than it keeps)."""
-    for layer in getattr(kv, "layers", ()):
+    for layer in _layers(kv):
         for name, t in list(vars(layer).items()):
             if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[-2] == 0:
                 continue
@@ -170,6 +285,6 @@ def _as_after_a_step(kv: Any) -> None:
 
 def _fill_static(kv: Any, length: int) -> None:
     """Mark a static cache as holding ``length`` tokens (its tensors are already whole)."""
-    for layer in getattr(kv, "layers", ()):
+    for layer in _layers(getattr(kv, "self_attention_cache", kv)):
         if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
             layer.cumulative_length = torch.tensor(length)

@@ -1,6 +1,6 @@
 """For vramctl's other packages only: the estimator's helpers that other vramctl packages use
 (tracing a target, the search bounds, the calibration's rows, loading a model source, reading
-a quantization, an adapter's settings).
+a quantization, an adapter's settings, generate's caches).
 
 Not the public surface (that is ``vramctl.estimator``); the import contracts let sibling
 packages import this module and no other private one of ``vramctl.estimator``.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from vramctl.estimator._adapter import lora_config
 from vramctl.estimator._calibration import constant_rows
+from vramctl.estimator._generate import CACHES
 from vramctl.estimator._maxbatch import LENGTH_BOUND, SEARCH_INPUT_BYTES
 from vramctl.estimator._quant import quant_spec
 from vramctl.estimator._rates import cpu_profile_path, cpu_throughput
@@ -17,6 +18,7 @@ from vramctl.estimator._spec import load_model_source, resolve_source
 from vramctl.estimator._target import Target, resolve_target, run_target
 
 __all__ = [
+    "CACHES",
     "LENGTH_BOUND",
     "SEARCH_INPUT_BYTES",
     "Target",

@@ -109,6 +109,8 @@ def price(
         mode=model.mode,
         precision=model.precision,
         allocator_config=_allocator_config(spec),
+        max_new_tokens=model.max_new_tokens,
+        cache=model.cache or "dynamic",
     )
     try:
         if estimator is not None:

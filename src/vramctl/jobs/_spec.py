@@ -235,7 +235,10 @@ class ModelNeed:
     """A model step for :func:`vramctl.estimate` to price on each candidate device.
 
     ``model`` is a built-in name (:func:`vramctl.estimator.zoo.names`), ``"module:factory"``
-    or a Hugging Face id or config path; ``batch_size`` defaults to the job's.
+    or a Hugging Face id or config path; ``batch_size`` defaults to the job's. An inference
+    job that generates (``mode="generate"``) is priced by its whole generation: ``seq_len``
+    prompt tokens, ``max_new_tokens`` after them, with ``cache`` (``dynamic`` or
+    ``static``).
     """
 
     model: str
@@ -243,8 +246,10 @@ class ModelNeed:
     seq_len: int | None = None
     precision: str = "fp32"
     mode: str = "train"
+    max_new_tokens: int | None = None
+    cache: str | None = None
 
-    FIELDS = ("model", "batch_size", "seq_len", "precision", "mode")
+    FIELDS = ("model", "batch_size", "seq_len", "precision", "mode", "max_new_tokens", "cache")
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -261,6 +266,7 @@ class ModelNeed:
 def _model_problems(path: str, values: Mapping[str, Any]) -> list[str]:
     # The estimator (and PyTorch) only for a job priced by its model, not for every job.
     from vramctl.estimator import MODES, PRECISIONS, zoo
+    from vramctl.estimator._shared import CACHES
 
     problems: list[str] = []
     model = values.get("model")
@@ -280,13 +286,21 @@ def _model_problems(path: str, values: Mapping[str, Any]) -> list[str]:
         )
     _positive_int(f"{path}.batch_size", values.get("batch_size"), problems)
     _positive_int(f"{path}.seq_len", values.get("seq_len"), problems)
-    # a job's step is a training or inference step (a generation's admission is to come)
-    job_modes = tuple(m for m in MODES if m != "generate")
-    for key, allowed in (("precision", PRECISIONS), ("mode", job_modes)):
-        if key in values and values[key] not in allowed:
+    _positive_int(f"{path}.max_new_tokens", values.get("max_new_tokens"), problems)
+    for key, allowed in (("precision", PRECISIONS), ("mode", MODES), ("cache", CACHES)):
+        if values.get(key) is not None and values[key] not in allowed:
             problems.append(
                 f"{path}.{key}: must be one of {', '.join(allowed)}, got {values[key]!r}"
             )
+    generates = values.get("mode") == "generate"
+    if generates and values.get("max_new_tokens") is None:
+        problems.append(
+            f"{path}.max_new_tokens: missing; a generate job is priced by the tokens it "
+            "generates after its seq_len prompt tokens"
+        )
+    for key in ("max_new_tokens", "cache"):
+        if not generates and values.get(key) is not None:
+            problems.append(f'{path}.{key}: only with mode = "generate"')
     return problems
 
 
