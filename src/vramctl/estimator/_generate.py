@@ -52,7 +52,7 @@ def _new_cache(model: nn.Module, kind: str, length: int, source: int = 0) -> Any
     import transformers
 
     config: Any = getattr(model, "config", None)
-    decoder = config.get_text_config(decoder=True) if config is not None else None
+    decoder: Any = config.get_text_config(decoder=True) if config is not None else None
     if kind == "static":
         # generate sizes it to hold every token but the last generated one
         cache = transformers.StaticCache(config=decoder, max_cache_len=length - 1)
