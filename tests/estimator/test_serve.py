@@ -289,3 +289,35 @@ def test_the_command_prints_both_engines_and_json() -> None:
     bad = runner.invoke(app, ["serve-plan", LLAMA_8B, "--gpu-memory-utilization", "0"])
     assert bad.exit_code != 0
     assert "(0, 1]" in bad.output
+
+
+def test_a_quantized_checkpoint_frees_room_for_the_cache() -> None:
+    """Llama-3.1-8B in AWQ int4 and in fp8: the linear layers in their libraries' storage,
+    the embeddings and output head in 16 bits (vLLM logs about 5.4 and 8.5 GiB)."""
+    base = vramctl.serve_plan(LLAMA_8B, "L4-24GB", max_model_len=8192, engine="vllm")
+    awq = vramctl.serve_plan(LLAMA_8B, "L4-24GB", max_model_len=8192, engine="vllm", quant="awq")
+    fp8 = vramctl.serve_plan(LLAMA_8B, "L4-24GB", max_model_len=8192, engine="vllm", quant="fp8")
+    assert awq.quant == "awq" and fp8.quant == "fp8"
+    assert 5.2 < awq.engines[0].weights / GiB < 5.5
+    assert 8.3 < fp8.engines[0].weights / GiB < 8.6
+    assert awq.engines[0].kv_tokens > fp8.engines[0].kv_tokens > base.engines[0].kv_tokens
+
+
+def test_compare_prices_each_weight_and_cache_format(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    result = CliRunner().invoke(
+        app,
+        ["serve-plan", "docs/examples/llama-3.1-8b", "-d", "L4-24GB", "--max-model-len",
+         "32768", "--compare", "--engine", "vllm", "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    rows = {v["variant"]: v for v in doc["variants"]}
+    assert list(rows) == ["16-bit", "16-bit + fp8 KV", "fp8", "fp8 + fp8 KV", "AWQ int4",
+                          "AWQ + fp8 KV"]  # fmt: skip
+    tokens = {k: v["engines"][0]["kv_tokens"] for k, v in rows.items()}
+    assert tokens["16-bit + fp8 KV"] == 2 * tokens["16-bit"]
+    assert tokens["AWQ + fp8 KV"] == 2 * tokens["AWQ int4"]
+    assert not rows["16-bit"]["engines"][0]["starts"]
+    bad = CliRunner().invoke(app, ["serve-plan", LLAMA_8B, "--compare", "--kv-dtype", "fp8"])
+    assert bad.exit_code != 0 and "--compare prices its own" in bad.output

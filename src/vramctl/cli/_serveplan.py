@@ -28,7 +28,7 @@ def _print(plan: ServePlan) -> None:
     console.print(
         f"[bold]{plan.model}[/] on {plan.device}"
         + (f" x {plan.tp} (tensor parallel; figures are one rank's)" if plan.tp > 1 else "")
-        + f": {plan.dtype} weights, {plan.kv_dtype} KV cache, "
+        + f": {plan.quant or plan.dtype} weights, {plan.kv_dtype} KV cache, "
         f"{format_bytes(kv.token_bytes())} a token ({kinds}"
         + (", MLA latent" if kv.mla else "")
         + ")",
@@ -154,6 +154,22 @@ def serve_plan_command(
             help="Requests of --max-model-len to hold at once: say which settings reach it.",
         ),
     ] = None,
+    quant: Annotated[
+        str | None,
+        typer.Option(
+            "--quant",
+            help="A quantized checkpoint's format: awq, gptq, fp8, int8 ... (a config's own "
+            "quantization_config is read without it).",
+        ),
+    ] = None,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare",
+            help="Price 16-bit, fp8 and AWQ int4 weights, each with a 16-bit and an fp8 KV "
+            "cache, side by side.",
+        ),
+    ] = False,
     trust_remote_code: Annotated[
         bool, typer.Option("--trust-remote-code", help="Let a model with its own code build.")
     ] = False,
@@ -168,30 +184,81 @@ def serve_plan_command(
 
     Example: vramctl serve-plan Qwen/Qwen2.5-7B-Instruct -d L4-24GB --max-model-len 16384
     """
-    from vramctl.estimator._serve import ENGINES, serve_plan
+    from vramctl import VramctlError
+    from vramctl.estimator._serve import ENGINES, VARIANTS, serve_plan, serve_variants
 
     GiB = 1 << 30
+    common = dict(
+        max_model_len=max_model_len,
+        engine=tuple(engine) if engine else ENGINES,
+        gpu_memory_utilization=gpu_memory_utilization,
+        mem_fraction_static=mem_fraction_static,
+        tp=tp,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        chunked_prefill_size=chunked_prefill_size,
+        enforce_eager=enforce_eager,
+        cuda_graph_memory=None if cuda_graph_gib is None else int(cuda_graph_gib * GiB),
+        non_torch_memory=None if non_torch_gib is None else int(non_torch_gib * GiB),
+        target_concurrency=target_concurrency,
+        trust_remote_code=trust_remote_code,
+    )
+    if compare:
+        if quant is not None or kv_dtype != "auto":
+            raise VramctlError("--compare prices its own --quant and --kv-dtype: drop them")
+        with err.status("tracing each variant's weights and profiling forward", spinner="dots"):
+            plans = serve_variants(model, device, **common)
+        if as_json:
+            emit_json(
+                {
+                    "schema": "vramctl.serve-plan-compare/1",
+                    "variants": [
+                        {"variant": label, **p.to_dict()}
+                        for (label, _, _), p in zip(VARIANTS, plans, strict=True)
+                    ],
+                },
+                indent=True,
+            )
+            return
+        _print_compare([label for label, _, _ in VARIANTS], plans)
+        return
     with err.status("tracing the weights and the profiling forward", spinner="dots"):
-        plan = serve_plan(
-            model,
-            device,
-            max_model_len=max_model_len,
-            engine=tuple(engine) if engine else ENGINES,
-            gpu_memory_utilization=gpu_memory_utilization,
-            mem_fraction_static=mem_fraction_static,
-            tp=tp,
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            chunked_prefill_size=chunked_prefill_size,
-            enforce_eager=enforce_eager,
-            cuda_graph_memory=None if cuda_graph_gib is None else int(cuda_graph_gib * GiB),
-            non_torch_memory=None if non_torch_gib is None else int(non_torch_gib * GiB),
-            target_concurrency=target_concurrency,
-            trust_remote_code=trust_remote_code,
-        )
+        plan = serve_plan(model, device, kv_dtype=kv_dtype, quant=quant, **common)
     if as_json:
         emit_json({"schema": "vramctl.serve-plan/1", **plan.to_dict()}, indent=True)
         return
     _print(plan)
+
+
+def _print_compare(labels: list[str], plans: list[ServePlan]) -> None:
+    first = plans[0]
+    console.print(
+        f"[bold]{first.model}[/] on {first.device}"
+        + (f" x {first.tp}" if first.tp > 1 else "")
+        + f", requests of {first.max_model_len:,} tokens",
+        highlight=False,
+        soft_wrap=True,
+    )
+    table = Table(title_justify="left")
+    table.add_column("weights", no_wrap=True)
+    table.add_column("GiB", justify="right", no_wrap=True)
+    for e in first.engines:
+        table.add_column(f"{e.engine} tokens", justify="right", no_wrap=True)
+        table.add_column("requests", justify="right", no_wrap=True)
+    for label, plan in zip(labels, plans, strict=True):
+        cells = [label, f"{plan.engines[0].weights / (1 << 30):.2f}"]
+        for e in plan.engines:
+            cells += [
+                f"{e.kv_tokens:,}",
+                f"{e.concurrency:.2f}x" + ("" if e.starts else " ✗"),
+            ]
+        table.add_row(*cells)
+    console.print(table)
+    console.print(
+        "[dim]quantized weights are priced in their libraries' storage (AWQ: 4-bit, groups of "
+        "128; fp8: a byte a weight and a scale a row); the embeddings and the output head stay "
+        "16-bit; ✗: the engine would not start[/]",
+        highlight=False,
+        soft_wrap=True,
+    )

@@ -52,6 +52,7 @@ __all__ = [
     "ServePlan",
     "kv_shape",
     "serve_plan",
+    "serve_variants",
     "sglang_defaults",
     "vllm_defaults",
 ]
@@ -346,6 +347,8 @@ class ServePlan:
     kv: KVShape
     engines: tuple[EngineBudget, ...]
     notes: tuple[str, ...] = field(default=())
+    #: The weights' quantization (None: the dtype's).
+    quant: str | None = None
 
     def engine(self, name: str) -> EngineBudget:
         for e in self.engines:
@@ -361,6 +364,7 @@ class ServePlan:
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,
             "max_model_len": self.max_model_len,
+            "quant": self.quant,
             "kv": self.kv.to_dict(),
             "engines": [e.to_dict() for e in self.engines],
             "notes": list(self.notes),
@@ -401,6 +405,7 @@ def serve_plan(
     cuda_graph_memory: int | None = None,
     non_torch_memory: int | None = None,
     target_concurrency: int | None = None,
+    quant: Any = None,
     trust_remote_code: bool = False,
     calibration: Any = None,
 ) -> ServePlan:
@@ -418,7 +423,9 @@ def serve_plan(
     ``max_num_batched_tokens`` default to ``vllm serve``'s for the GPU,
     ``chunked_prefill_size`` and ``mem_fraction_static`` to SGLang's. ``cuda_graph_memory``
     and ``non_torch_memory`` (bytes) replace the defaults :data:`CUDA_GRAPHS` and
-    :data:`NON_TORCH`.
+    :data:`NON_TORCH`. ``quant`` serves a quantized checkpoint (``"awq"``, ``"gptq"``,
+    ``"fp8"``, ``"int8"`` ...: :func:`vramctl.estimate`'s formats; a config's own
+    ``quantization_config`` is read without it).
     """
     from vramctl.estimator._hub import config_model
 
@@ -484,7 +491,7 @@ def serve_plan(
 
     def trace(tokens: int) -> _Traced:
         if tokens not in traced:
-            traced[tokens] = _trace(config, tokens, max_model_len, tp, precision, target)
+            traced[tokens] = _trace(config, tokens, max_model_len, tp, precision, target, quant)
         return traced[tokens]
 
     out = []
@@ -534,7 +541,37 @@ def serve_plan(
         kv=kv,
         engines=tuple(out),
         notes=tuple(notes),
+        quant=_quant_name(quant),
     )
+
+
+def _quant_name(quant: Any) -> str | None:
+    if quant is None:
+        return None
+    from vramctl.estimator._quant import quant_spec
+
+    return quant_spec(quant).method
+
+
+#: ``serve_variants``' settings: (label, weight quantization, KV cache dtype).
+VARIANTS = (
+    ("16-bit", None, "auto"),
+    ("16-bit + fp8 KV", None, "fp8"),
+    ("fp8", "fp8", "auto"),
+    ("fp8 + fp8 KV", "fp8", "fp8"),
+    ("AWQ int4", "awq", "auto"),
+    ("AWQ + fp8 KV", "awq", "fp8"),
+)
+
+
+def serve_variants(model: Any, device: Target | Device | str, **kw: Any) -> list[ServePlan]:
+    """:func:`serve_plan` of ``model`` for each of :data:`VARIANTS`: the weights in 16 bits,
+    fp8 or AWQ int4, with a 16-bit or fp8 KV cache; ``kw`` as :func:`serve_plan` takes them
+    (not ``quant`` or ``kv_dtype``)."""
+    for key in ("quant", "kv_dtype"):
+        if key in kw:
+            raise VramctlError(f"serve_variants sets {key} itself; give the other settings")
+    return [serve_plan(model, device, quant=q, kv_dtype=kv, **kw) for _, q, kv in VARIANTS]
 
 
 def _or(value: int | None, default: int) -> int:
@@ -584,7 +621,13 @@ def rank_config(config: Any, tp: int) -> Any:
 
 
 def _trace(
-    config: Any, tokens: int, max_model_len: int, tp: int, precision: str, target: Target
+    config: Any,
+    tokens: int,
+    max_model_len: int,
+    tp: int,
+    precision: str,
+    target: Target,
+    quant: Any = None,
 ) -> _Traced:
     """One rank's weights and the activation peak of a forward of ``tokens`` tokens (as
     sequences of at most ``max_model_len``), logits of the last position only."""
@@ -601,6 +644,7 @@ def _trace(
         precision=precision,
         device=target,
         task="causal-lm",
+        quant=quant,
     )
     b = est.breakdown
     activation = sum(b.get(k, 0) for k in ("activations", "temporaries", "inputs", "workspaces"))
