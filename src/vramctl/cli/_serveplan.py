@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -188,7 +188,7 @@ def serve_plan_command(
     from vramctl.estimator._serve import ENGINES, VARIANTS, serve_plan, serve_variants
 
     GiB = 1 << 30
-    common = dict(
+    common: dict[str, Any] = dict(
         max_model_len=max_model_len,
         engine=tuple(engine) if engine else ENGINES,
         gpu_memory_utilization=gpu_memory_utilization,
