@@ -258,6 +258,11 @@ def test_a_length_beyond_the_configs_positions_is_warned_and_still_priced() -> N
     plan = vramctl.serve_plan(small(), "L4-24GB", max_model_len=8192)
     assert plan.max_model_len == 8192
     assert any("beyond the 4096 positions" in n for n in plan.notes)
+    # a learned position table: the profiling forward is traced as sequences it takes
+    gpt2 = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000)
+    plan = vramctl.serve_plan(gpt2, "L4-24GB", max_model_len=4096, engine="vllm")
+    assert plan.engines[0].starts
+    assert any("beyond the 1024 positions" in n for n in plan.notes)
 
 
 def test_a_logged_gpu_total_can_be_given() -> None:

@@ -491,7 +491,9 @@ def serve_plan(
 
     def trace(tokens: int) -> _Traced:
         if tokens not in traced:
-            traced[tokens] = _trace(config, tokens, max_model_len, tp, precision, target, quant)
+            # sequences no longer than the model's positions (a learned table stops there)
+            longest = min(max_model_len, positions or max_model_len)
+            traced[tokens] = _trace(config, tokens, longest, tp, precision, target, quant)
         return traced[tokens]
 
     out = []
