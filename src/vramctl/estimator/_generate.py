@@ -103,12 +103,14 @@ def is_encoder_decoder(model: nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
-def _forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
-    out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+def _last_logits(out: Any) -> torch.Tensor:
     last: torch.Tensor = out.logits[:, -1]
-    del out
     # transformers' ``.to(copy=True, dtype=torch.float32)``: a copy in fp32 either way
     return last.clone() if last.dtype == torch.float32 else last.to(torch.float32)
+
+
+#: One forward of the loop: ``(ids, mask, cache) -> the last position's fp32 logits``.
+Step = Callable[[torch.Tensor, "torch.Tensor | None", Any], torch.Tensor]
 
 
 def run_generate(
@@ -133,51 +135,115 @@ def run_generate(
         raise EstimateError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if cache not in CACHES:
         raise EstimateError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
-    if is_encoder_decoder(model):
-        _run_encoder_decoder(model, batch, max_new_tokens, cache, phase, unrecorded, register)
-        return
-    ids, mask = _inputs(batch)
-    if mask is None:
-        mask = torch.ones_like(ids)
-    total = ids.shape[1] + max_new_tokens
     with torch.no_grad():
         phase("forward")
-        kv = _new_cache(model, cache, total)
-        logits = _forward(model, ids, mask, kv)
-        if register is not None:
-            register(cache_tensors(kv))
-        ids = torch.cat([ids, logits.argmax(-1)[:, None]], -1)
-        if max_new_tokens == 1:
-            return
-        if unrecorded is None:
-            for _ in range(max_new_tokens - 1):
-                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], -1)
-                logits = _forward(model, ids[:, -1:], mask, kv)
-                ids = torch.cat([ids, logits.argmax(-1)[:, None]], -1)
-            return
-        # The last step: the cache holds every token but the last generated one.
-        before = total - 1
+        if is_encoder_decoder(model):
+            step, ids, mask, source = _encoder_decoder(model, batch)
+        else:
+            ids, mask = _inputs(batch)
+            if mask is None:
+                mask = torch.ones_like(ids)
+            step, source = _decoder_only(model), 0
+        total = ids.shape[1] + max_new_tokens
+
+        def new_cache() -> Any:
+            return _new_cache(model, cache, total, source)
+
+        first = [ids, mask]  # handed over: the loop frees them when generate would
         del ids, mask
-        if cache == "dynamic":
-            del kv
-            with unrecorded():
-                kv = _new_cache(model, cache, total)
-                filled = torch.zeros((logits.shape[0], before - 1), dtype=torch.long)
-                _forward(model, filled, torch.ones_like(filled), kv)
-                del filled
-                _as_after_a_step(kv)
+        _loop(step, new_cache, first, total, max_new_tokens, cache, unrecorded, register)
+
+
+def _decoder_only(model: nn.Module) -> Step:
+    def step(ids: torch.Tensor, mask: torch.Tensor | None, kv: Any) -> torch.Tensor:
+        out = model(input_ids=ids, attention_mask=mask, cache=kv, use_cache=True, logits_to_keep=1)
+        return _last_logits(out)
+
+    return step
+
+
+def _encoder_decoder(model: nn.Module, batch: Any) -> tuple[Step, torch.Tensor, None, int]:
+    """An encoder-decoder's ``generate``: the encoder once (its output kept to the end), the
+    decoder from its start token, with a self-attention cache that grows and a
+    cross-attention cache of the encoder's keys and values made by the first step."""
+    inputs = _encoder_inputs(batch)
+    enc_mask = inputs.get("attention_mask")
+    if enc_mask is None and isinstance(inputs.get("input_ids"), torch.Tensor):
+        # generate makes one for token inputs
+        enc_mask = inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    config: Any = getattr(model, "config", None)
+    start = getattr(getattr(model, "generation_config", None), "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(config, "decoder_start_token_id", None) or 0
+    encoder_outputs = model.get_encoder()(**inputs, return_dict=True)  # type: ignore[operator]
+
+    def step(ids: torch.Tensor, mask: torch.Tensor | None, kv: Any) -> torch.Tensor:
+        out = model(
+            encoder_outputs=encoder_outputs, attention_mask=enc_mask, decoder_input_ids=ids,
+            cache=kv, use_cache=True,
+        )  # fmt: skip
+        return _last_logits(out)
+
+    size, source = encoder_outputs[0].shape[:2]
+    ids = torch.full((size, 1), int(start), dtype=torch.long)
+    return step, ids, None, int(source)
+
+
+def _loop(
+    step: Step,
+    new_cache: Callable[[], Any],
+    first: list[Any],
+    total: int,
+    max_new_tokens: int,
+    cache: str,
+    unrecorded: Callable[[], Any] | None,
+    register: Callable[[list[torch.Tensor]], None] | None,
+) -> None:
+    """The decode loop from the first forward of ``first`` (the ids and the mask, taken out of
+    the list): every step run for real, or, traced, the last step against a cache built
+    unrecorded (``total`` tokens in all)."""
+    ids, mask = first
+    first.clear()
+    kv = new_cache()
+    logits = step(ids, mask, kv)
+    if register is not None:
+        register(cache_tensors(kv))
+    ids = torch.cat([ids, logits.argmax(-1)[:, None]], -1)
+    if max_new_tokens == 1:
+        return
+    if unrecorded is None:
+        for _ in range(max_new_tokens - 1):
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], -1)
+            logits = step(ids[:, -1:], mask, kv)
+            ids = torch.cat([ids, logits.argmax(-1)[:, None]], -1)
+        return
+    # The last step: the cache holds every token but the last generated one.
+    masked = mask is not None
+    size = logits.shape[0]
+    before = total - 1
+    del ids, mask
+    if cache == "dynamic":
+        del kv
         with unrecorded():
-            ids = torch.zeros((logits.shape[0], before), dtype=torch.long)
-            mask = torch.ones((logits.shape[0], before), dtype=torch.long)
-        assert register is not None
-        register([ids, mask, *(cache_tensors(kv) if cache == "dynamic" else [])])
-        if cache == "static":
-            with unrecorded():
-                # its length so far: the positions written (a static cache keeps no count)
-                _fill_static(kv, before - 1)
-        logits = _forward(model, ids[:, -1:], mask, kv)
-        register(cache_tensors(kv))  # the cache the step grew
-        del logits
+            kv = new_cache()
+            filled = torch.zeros((size, before - 1), dtype=torch.long)
+            step(filled, torch.ones_like(filled) if masked else None, kv)
+            del filled
+            _as_after_a_step(kv)
+    with unrecorded():
+        ids = torch.zeros((size, before), dtype=torch.long)
+        mask = torch.ones((size, before), dtype=torch.long) if masked else None
+    assert register is not None
+    kept = [ids, *([mask] if mask is not None else [])]
+    register([*kept, *(cache_tensors(kv) if cache == "dynamic" else [])])
+    if cache == "static":
+        with unrecorded():
+            # its length so far: the positions written (a static cache keeps no count)
+            _fill_static(kv, before - 1)
+    logits = step(ids[:, -1:], mask, kv)
+    register(cache_tensors(kv))  # the cache the step grew
+    del logits
 
 
 def _encoder_inputs(batch: Any) -> dict[str, torch.Tensor]:
@@ -193,80 +259,6 @@ def _encoder_inputs(batch: Any) -> dict[str, torch.Tensor]:
         "generate needs the encoder's inputs: a tensor of token ids or a mapping of the "
         "encoder's keyword inputs (input_ids, input_features ...)"
     )
-
-
-def _decoder_step(
-    model: nn.Module, encoder_outputs: Any, mask: torch.Tensor | None, ids: torch.Tensor, kv: Any
-) -> torch.Tensor:
-    out = model(
-        encoder_outputs=encoder_outputs, attention_mask=mask, decoder_input_ids=ids, cache=kv,
-        use_cache=True,
-    )  # fmt: skip
-    last: torch.Tensor = out.logits[:, -1]
-    del out
-    return last.clone() if last.dtype == torch.float32 else last.to(torch.float32)
-
-
-def _run_encoder_decoder(
-    model: nn.Module,
-    batch: Any,
-    max_new_tokens: int,
-    cache: str,
-    phase: Callable[[str], None],
-    unrecorded: Callable[[], Any] | None,
-    register: Callable[[list[torch.Tensor]], None] | None,
-) -> None:
-    """An encoder-decoder's ``generate``: the encoder once (its output kept to the end), the
-    decoder from its start token, with a self-attention cache that grows and a
-    cross-attention cache of the encoder's keys and values made by the first step."""
-    inputs = _encoder_inputs(batch)
-    mask = inputs.get("attention_mask")
-    if mask is None and isinstance(inputs.get("input_ids"), torch.Tensor):
-        # generate makes one for token inputs
-        mask = inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-    config: Any = getattr(model, "config", None)
-    start = getattr(getattr(model, "generation_config", None), "decoder_start_token_id", None)
-    if start is None:
-        start = getattr(config, "decoder_start_token_id", None) or 0
-    with torch.no_grad():
-        phase("forward")
-        encoder_outputs = model.get_encoder()(**inputs, return_dict=True)  # type: ignore[operator]
-        size = encoder_outputs[0].shape[0]
-        source = encoder_outputs[0].shape[1]
-        total = 1 + max_new_tokens
-        kv = _new_cache(model, cache, total, source)
-        ids = torch.full((size, 1), int(start), dtype=torch.long)
-        logits = _decoder_step(model, encoder_outputs, mask, ids, kv)
-        if register is not None:
-            register(cache_tensors(kv))
-        ids = torch.cat([ids, logits.argmax(-1)[:, None]], -1)
-        if max_new_tokens == 1:
-            return
-        if unrecorded is None:
-            for _ in range(max_new_tokens - 1):
-                logits = _decoder_step(model, encoder_outputs, mask, ids[:, -1:], kv)
-                ids = torch.cat([ids, logits.argmax(-1)[:, None]], -1)
-            return
-        before = total - 1
-        del ids
-        if cache == "dynamic":
-            del kv
-            with unrecorded():
-                kv = _new_cache(model, cache, total, source)
-                filled = torch.zeros((size, before - 1), dtype=torch.long)
-                _decoder_step(model, encoder_outputs, mask, filled, kv)
-                del filled
-                _as_after_a_step(kv)
-        with unrecorded():
-            ids = torch.zeros((size, before), dtype=torch.long)
-        assert register is not None
-        register([ids, *(cache_tensors(kv) if cache == "dynamic" else [])])
-        if cache == "static":
-            with unrecorded():
-                _fill_static(kv, before - 1)
-        logits = _decoder_step(model, encoder_outputs, mask, ids[:, -1:], kv)
-        register(cache_tensors(kv))
-        del logits
 
 
 def _as_after_a_step(kv: Any) -> None:
