@@ -18,10 +18,10 @@ SGLang logged for known configurations (the issue each comes from is named):
   These are printed, not held to a goal: the profiling forward runs vLLM's kernels, not
   transformers'.
 
-Also encoder-decoders (T5, BART: the encoder once, the decoder's self- and cross-attention
-caches) and state-space and hybrid decoders (Mamba, Mamba-2, Jamba, Qwen3-Next: each layer's
-fixed state in the cache, dynamic cache only). Not covered yet: Whisper (its own generate
-holds more than the estimate, 7-9% here), offloaded and quantized caches, beam search.
+Also encoder-decoders (T5, BART, Whisper on 30 s of audio features: the encoder once, the
+decoder's self- and cross-attention caches) and state-space and hybrid decoders (Mamba, Mamba-2, Jamba, Qwen3-Next: each layer's
+fixed state in the cache, dynamic cache only). Not covered yet: offloaded and quantized
+caches, beam search.
 
     python benchmarks/estimate_generate.py --quick
 """
@@ -59,6 +59,15 @@ ENCDEC = {
         {"vocab_size": 1000, "d_model": 128, "encoder_layers": 2, "decoder_layers": 2,
          "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 256,
          "decoder_ffn_dim": 256, "max_position_embeddings": 1024},
+    ),
+    # the prompt is 30 s of audio features (80 mel bins x 3000 frames) whatever the shape says
+    "whisper": (
+        "WhisperConfig",
+        {"vocab_size": 1000, "d_model": 128, "encoder_layers": 2, "decoder_layers": 2,
+         "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 256,
+         "decoder_ffn_dim": 256, "num_mel_bins": 80, "max_target_positions": 448,
+         "decoder_start_token_id": 1, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+         "begin_suppress_tokens": None, "suppress_tokens": None},
     ),
 }  # fmt: skip
 #: State-space and hybrid decoders (their cache holds each Mamba or linear-attention layer's
@@ -109,7 +118,12 @@ def build(kind: str) -> tuple[Any, Any]:
     if kind in ENCDEC:
         name, fields = ENCDEC[kind]
         cfg = getattr(transformers, name)(**fields)
-        model = transformers.AutoModelForSeq2SeqLM.from_config(cfg).eval()
+        auto = (
+            transformers.AutoModelForSpeechSeq2Seq
+            if kind == "whisper"
+            else transformers.AutoModelForSeq2SeqLM
+        )
+        model = auto.from_config(cfg).eval()
         # exactly max_new_tokens, from the decoder's start token, as the estimate
         for key in ("eos_token_id", "forced_eos_token_id", "forced_bos_token_id"):
             setattr(model.generation_config, key, None)
@@ -125,14 +139,26 @@ def build(kind: str) -> tuple[Any, Any]:
     return cfg, model
 
 
+def prompt_of(kind: str, cfg: Any, batch: int, length: int) -> Any:
+    """Token ids, or Whisper's 30 s of log-mel features."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    if kind == "whisper":
+        return torch.randn(batch, cfg.num_mel_bins, 3000, generator=gen)
+    return torch.randint(3, cfg.vocab_size, (batch, length), generator=gen)
+
+
 def measure(model: Any, ids: Any, new: int, cache: str) -> int:
     import torch
+
+    audio = ids.is_floating_point()
 
     def run() -> None:
         with torch.no_grad():
             model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
+                **({"input_features": ids} if audio else {"input_ids": ids}),
+                **({} if audio else {"attention_mask": torch.ones_like(ids)}),
                 max_new_tokens=new,
                 do_sample=False,
                 pad_token_id=0,
@@ -160,21 +186,18 @@ def main(argv: list[str] | None = None) -> int:
                 for cache in CACHES if kind not in STATE else ("dynamic",):
                     # a fresh model per row: generate keeps a static cache on the model
                     cfg, model = build(kind)
-                    ids = torch.randint(
-                        3,
-                        cfg.vocab_size,
-                        (batch, prompt),
-                        generator=torch.Generator().manual_seed(1),
-                    )
+                    ids = prompt_of(kind, cfg, batch, prompt)
                     real = measure(model, ids, new, cache)
+                    given = {"input_features": ids} if kind == "whisper" else ids
                     est = vramctl.estimate(
-                        model, ids, device="cpu", mode="generate", max_new_tokens=new, cache=cache
-                    )
+                        model, given, device="cpu", mode="generate", max_new_tokens=new,
+                        cache=cache,
+                    )  # fmt: skip
                     err = (est.peak_allocated - real) / real * 100
                     row = {
                         "model": kind,
                         "batch": batch,
-                        "prompt": prompt,
+                        "prompt": 3000 if kind == "whisper" else prompt,
                         "new": new,
                         "cache": cache,
                         "estimate": est.peak_allocated,

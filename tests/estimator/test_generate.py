@@ -195,6 +195,31 @@ def test_an_encoder_decoder_generates_as_the_real_one(
     assert abs(est.peak_allocated - real) / real < 0.001, (est.peak_allocated, real)
 
 
+def test_whispers_generate_is_priced_with_its_segment_copy() -> None:
+    """Whisper's own generate feeds the encoder a copy of the features (its segment)."""
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        vocab_size=1000, d_model=64, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, num_mel_bins=80, decoder_start_token_id=1, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, begin_suppress_tokens=None, suppress_tokens=None,
+    )  # fmt: skip
+    model = transformers.WhisperForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None
+    features = torch.randn(2, 80, 3000, generator=torch.Generator().manual_seed(1))
+
+    def run() -> None:
+        with torch.no_grad():
+            model.generate(input_features=features, max_new_tokens=16, do_sample=False)
+
+    run()
+    real = storages_bytes([*model.parameters(), *model.buffers(), features]) + profiled_peak(run)
+    est = vramctl.estimate(
+        model, {"input_features": features}, device="cpu", mode="generate", max_new_tokens=16
+    )
+    assert abs(est.peak_allocated - real) / real < 0.001, (est.peak_allocated, real)
+
+
 def test_an_encoder_decoder_by_its_config_generates() -> None:
     est = vramctl.estimate(
         t5().config, device="cpu", mode="generate", max_new_tokens=32, batch_size=2, seq_len=64

@@ -167,6 +167,11 @@ def _encoder_decoder(model: nn.Module, batch: Any) -> tuple[Step, torch.Tensor, 
     decoder from its start token, with a self-attention cache that grows and a
     cross-attention cache of the encoder's keys and values made by the first step."""
     inputs = _encoder_inputs(batch)
+    features = inputs.get("input_features")
+    if callable(getattr(model, "_get_input_segment", None)) and isinstance(features, torch.Tensor):
+        # Whisper's generate feeds the encoder a segment it cuts out of the features: a copy
+        # of each sample's, concatenated (WhisperGenerationMixin._get_input_segment)
+        inputs["input_features"] = torch.cat([features[i : i + 1] for i in range(len(features))])
     enc_mask = inputs.get("attention_mask")
     if enc_mask is None and isinstance(inputs.get("input_ids"), torch.Tensor):
         # generate makes one for token inputs
