@@ -19,9 +19,9 @@ SGLang logged for known configurations (the issue each comes from is named):
   transformers'.
 
 Also encoder-decoders (T5, BART, Whisper on 30 s of audio features: the encoder once, the
-decoder's self- and cross-attention caches) and state-space and hybrid decoders (Mamba, Mamba-2, Jamba, Qwen3-Next: each layer's
-fixed state in the cache, dynamic cache only). Not covered yet: offloaded and quantized
-caches, beam search.
+decoder's self- and cross-attention caches) and state-space and hybrid decoders (Mamba,
+Mamba-2, Jamba, Qwen3-Next: each layer's fixed state in the cache, dynamic cache only).
+Not covered yet: offloaded and quantized caches, beam search.
 
     python benchmarks/estimate_generate.py --quick
 """
@@ -173,8 +173,6 @@ def measure(model: Any, ids: Any, new: int, cache: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = _common.parser(__doc__, quick=QUICK)
     args = _common.parse(ap, argv)
-    import torch
-
     import vramctl
 
     t0 = time.perf_counter()

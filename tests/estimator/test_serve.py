@@ -326,3 +326,58 @@ def test_compare_prices_each_weight_and_cache_format(monkeypatch: pytest.MonkeyP
     assert not rows["16-bit"]["engines"][0]["starts"]
     bad = CliRunner().invoke(app, ["serve-plan", LLAMA_8B, "--compare", "--kv-dtype", "fp8"])
     assert bad.exit_code != 0 and "--compare prices its own" in bad.output
+
+
+def test_mamba_and_linear_attention_layers_keep_a_state_a_request() -> None:
+    """A request's fixed state: the convolution's last kernel - 1 inputs and the recurrent
+    state, in the model's dtype, split over the ranks."""
+    qwen_next = transformers.Qwen3NextConfig(
+        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        hidden_size=2048, linear_num_value_heads=32, linear_num_key_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+    )  # fmt: skip
+    kv = kv_shape(qwen_next, tp=2)
+    assert (kv.full_layers, kv.state_layers) == (2, 6)
+    conv, state = 3 * (2 * 16 * 128 + 32 * 128), 32 * 128 * 128
+    assert kv.state_layer_bytes == (conv + state) * 2 // 2
+    assert kv.token_bytes() == 1 * 512 * 2 * 2
+    # its pages: the attention's blocks and the state in pages of their size
+    assert kv.request_blocks(32) == 2 * 2 + -(-kv.state_bytes() // kv.page_bytes())
+    jamba = transformers.JambaConfig(
+        num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, hidden_size=256,
+        mamba_expand=2, mamba_d_state=16, mamba_d_conv=4, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    kv = kv_shape(jamba)
+    assert (kv.full_layers, kv.state_layers) == (2, 2)
+    assert kv.state_layer_bytes == (3 * 512 + 512 * 16) * 2
+    mamba2 = transformers.Mamba2Config(
+        num_hidden_layers=2, hidden_size=256, num_heads=8, head_dim=64, state_size=16,
+        n_groups=1, conv_kernel=4, expand=2,
+    )  # fmt: skip
+    kv = kv_shape(mamba2)
+    assert (kv.layers, kv.state_layers) == (0, 2)
+    assert kv.state_layer_bytes == (3 * (512 + 2 * 16) + 8 * 64 * 16) * 2
+    assert kv.request_blocks(100_000) == 1  # a state, whatever the length
+
+
+def test_a_hybrid_models_requests_hold_their_state_too() -> None:
+    config = transformers.Qwen3NextConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        full_attention_interval=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    plan = vramctl.serve_plan(config, "L4-24GB", max_model_len=4096)
+    vllm, sglang = plan.engines
+    kv = plan.kv
+    assert kv.state_layers == 2 and not kv.unpriced
+    assert vllm.concurrency == pytest.approx(vllm.blocks * kv.layers / kv.request_blocks(4096))
+    per_request = 4096 * kv.token_bytes() + kv.state_bytes()
+    assert sglang.concurrency < sglang.kv_bytes / (4096 * kv.token_bytes()) + 1
+    assert sglang.concurrency == pytest.approx(
+        (sglang.budget - sglang.weights) / per_request, rel=0.01
+    )
+    assert any("of state a request" in n for n in plan.notes)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramctl._errors import VramctlError
+from vramctl._units import format_bytes
 from vramctl.device import Device
 from vramctl.estimator._target import Target, resolve_target
 
@@ -110,12 +111,26 @@ class KVShape:
     v_dim: int
     dtype_bytes: int
     mla: bool = False
-    #: Layer kinds this does not price (a Mamba or linear-attention layer's fixed state).
+    #: Layer kinds this does not price.
     unpriced: tuple[str, ...] = ()
+    #: Layers that keep a fixed state a request (Mamba, linear attention), and one request's
+    #: state in one of them on one rank.
+    state_layers: int = 0
+    state_layer_bytes: int = 0
 
     @property
     def layers(self) -> int:
+        """The attention layers."""
         return self.full_layers + self.sliding_layers
+
+    def state_bytes(self) -> int:
+        """One request's fixed state in every Mamba or linear-attention layer."""
+        return self.state_layers * self.state_layer_bytes
+
+    def unit_bytes(self, block: int = BLOCK_SIZE) -> int:
+        """vLLM's page: one block of one attention layer (a model without attention: one
+        request's state)."""
+        return self.page_bytes(block) if self.layers else max(1, self.state_bytes())
 
     def layer_token_bytes(self) -> int:
         """One token of one layer."""
@@ -130,16 +145,20 @@ class KVShape:
         return self.layer_token_bytes() * block
 
     def request_blocks(self, length: int, block: int = BLOCK_SIZE) -> int:
-        """Layer-blocks one request of ``length`` tokens holds (vLLM's pages)."""
+        """Pages one request of ``length`` tokens holds (vLLM's): a block of each attention
+        layer per 16 tokens (a sliding-window layer's window only), and its state in pages
+        of the same size."""
         full = -(-length // block)
         blocks = self.full_layers * full
         if self.sliding_layers:
             keep = full if not self.window else min(full, -(-(self.window - 1) // block) + 1)
             blocks += self.sliding_layers * keep
+        if self.state_layers:
+            blocks += -(-self.state_bytes() // self.unit_bytes(block))
         return blocks
 
     def request_bytes(self, length: int, block: int = BLOCK_SIZE) -> int:
-        return self.request_blocks(length, block) * self.page_bytes(block)
+        return self.request_blocks(length, block) * self.unit_bytes(block)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -153,6 +172,8 @@ class KVShape:
             "mla": self.mla,
             "bytes_per_token": self.token_bytes(),
             "unpriced_layers": list(self.unpriced),
+            "state_layers": self.state_layers,
+            "state_bytes_per_request": self.state_bytes(),
         }
 
 
@@ -176,23 +197,32 @@ def kv_shape(config: Any, *, tp: int = 1, dtype_bytes: int = 2) -> KVShape:
     text = _text(config)
     layers = _int(text, "num_hidden_layers", "n_layer", "num_layers")
     heads = _int(text, "num_attention_heads", "n_head")
+    if tp < 1:
+        raise VramctlError(f"tp must be at least 1, got {tp}")
+    state = _state_layer_bytes(text, tp, dtype_bytes)
+    if layers is not None and heads is None and state is not None:
+        # a state-space model: no attention, a state in every layer
+        return KVShape(0, 0, None, 0, 0, 0, dtype_bytes, False, (), layers, state)
     if layers is None or heads is None:
         raise VramctlError(
             f"{type(config).__name__} has no num_hidden_layers or num_attention_heads: "
             "serving is priced for decoder language models"
         )
-    if tp < 1:
-        raise VramctlError(f"tp must be at least 1, got {tp}")
     if heads % tp:
         raise VramctlError(
             f"tensor parallel size {tp} does not divide the {heads} attention heads: vLLM and "
             "SGLang need the attention heads divisible by --tp"
         )
-    full, sliding, window, unpriced = _layer_kinds(text, layers)
+    full, sliding, window, stateful, unpriced = _layer_kinds(text, layers)
+    if stateful and state is None:
+        unpriced = tuple(sorted({*unpriced, "state"}))
+    states = {"state_layers": stateful, "state_layer_bytes": state or 0} if state else {}
     lora = _int(text, "kv_lora_rank")
     if lora is not None:
         rope = _int(text, "qk_rope_head_dim") or 0
-        return KVShape(full + sliding, 0, None, 1, lora + rope, 0, dtype_bytes, True, unpriced)
+        return KVShape(
+            full + sliding, 0, None, 1, lora + rope, 0, dtype_bytes, True, unpriced, **states
+        )
     kv = _int(text, "num_key_value_heads", "multi_query_group_num") or heads
     if kv >= tp:
         if kv % tp:
@@ -211,36 +241,67 @@ def kv_shape(config: Any, *, tp: int = 1, dtype_bytes: int = 2) -> KVShape:
     hidden = _int(text, "hidden_size", "n_embd") or 0
     head_dim = _int(text, "head_dim") or (hidden // heads)
     v_dim = _int(text, "v_head_dim") or head_dim
-    return KVShape(full, sliding, window, per_rank, head_dim, v_dim, dtype_bytes, False, unpriced)
+    return KVShape(
+        full, sliding, window, per_rank, head_dim, v_dim, dtype_bytes, False, unpriced, **states
+    )
 
 
-def _layer_kinds(text: Any, layers: int) -> tuple[int, int, int | None, tuple[str, ...]]:
+#: Layer kinds in a config's ``layer_types``: attention that keeps every token, a sliding
+#: window, a fixed state (Mamba, linear attention), or both an attention and a state.
+_FULL = ("full_attention", "attention", "global")
+_SLIDING = ("sliding_attention", "local", "chunked_attention")
+_STATE = ("mamba", "linear_attention", "mamba2", "ssm")
+_BOTH = ("hybrid",)
+
+
+def _layer_kinds(text: Any, layers: int) -> tuple[int, int, int | None, int, tuple[str, ...]]:
+    """``(full, sliding, window, stateful, unknown kinds)`` of a config's layers."""
     window = _int(text, "sliding_window")
     kinds = getattr(text, "layer_types", None)
     if isinstance(kinds, (list, tuple)) and len(kinds) == layers:
-        full = sum(1 for k in kinds if k in ("full_attention", "attention", "global"))
-        sliding = sum(1 for k in kinds if k in ("sliding_attention", "local", "chunked_attention"))
-        other = tuple(
-            sorted(
-                {
-                    str(k)
-                    for k in kinds
-                    if k
-                    not in (
-                        "full_attention",
-                        "attention",
-                        "global",
-                        "sliding_attention",
-                        "local",
-                        "chunked_attention",
-                    )
-                }
-            )
-        )
-        return full, sliding, window if sliding else None, other
+        full = sum(1 for k in kinds if k in _FULL or k in _BOTH)
+        sliding = sum(1 for k in kinds if k in _SLIDING)
+        stateful = sum(1 for k in kinds if k in _STATE or k in _BOTH)
+        known = (*_FULL, *_SLIDING, *_STATE, *_BOTH)
+        other = tuple(sorted({str(k) for k in kinds if k not in known}))
+        return full, sliding, window if sliding else None, stateful, other
     if window and getattr(text, "use_sliding_window", True):
-        return 0, layers, window, ()
-    return layers, 0, None, ()
+        return 0, layers, window, 0, ()
+    return layers, 0, None, 0, ()
+
+
+def _state_layer_bytes(text: Any, tp: int, dtype_bytes: int) -> int | None:
+    """One request's state in one Mamba or linear-attention layer on one of ``tp`` ranks
+    (its convolution's last ``kernel - 1`` inputs and its recurrent state, in the model's
+    dtype as vLLM keeps them by default), or None for a config with neither."""
+    nv = _int(text, "linear_num_value_heads")
+    if nv is not None:  # gated delta net (Qwen3-Next)
+        nk = _int(text, "linear_num_key_heads") or nv
+        dk = _int(text, "linear_key_head_dim") or 128
+        dv = _int(text, "linear_value_head_dim") or 128
+        kernel = _int(text, "linear_conv_kernel_dim") or 4
+        conv = (kernel - 1) * (2 * nk * dk + nv * dv)
+        state = nv * dk * dv
+    else:
+        d_state = _int(text, "mamba_d_state", "state_size", "ssm_state_size")
+        if d_state is None:
+            return None
+        kernel = _int(text, "mamba_d_conv", "conv_kernel") or 4
+        hidden = _int(text, "hidden_size") or 0
+        heads = _int(text, "mamba_n_heads") or (
+            _int(text, "num_heads") if getattr(text, "model_type", "") == "mamba2" else None
+        )
+        if heads is not None:  # Mamba-2: heads x head size, grouped B and C
+            head_dim = _int(text, "mamba_d_head", "head_dim") or 64
+            groups = _int(text, "mamba_n_groups", "n_groups") or 1
+            inner = heads * head_dim
+            conv = (kernel - 1) * (inner + 2 * groups * d_state)
+            state = heads * head_dim * d_state
+        else:  # Mamba-1 (Mamba, Jamba): expand x hidden channels
+            inner = (_int(text, "mamba_expand", "expand") or 2) * hidden
+            conv = (kernel - 1) * inner
+            state = inner * d_state
+    return (conv + state) * dtype_bytes // tp
 
 
 # -- the engines' defaults -----------------------------------------------------------------
@@ -472,9 +533,15 @@ def serve_plan(
     kv = kv_shape(config, tp=tp, dtype_bytes=kv_bytes)
     if kv.unpriced:
         notes.append(
-            f"layers of kind {', '.join(kv.unpriced)} keep a fixed state per request that is "
-            "not priced here (Mamba or linear attention); the cache figures count the "
-            "attention layers only"
+            f"layers of kind {', '.join(kv.unpriced)} are not priced here; the cache "
+            "figures count the attention layers only"
+        )
+    if kv.state_layers:
+        notes.append(
+            f"{kv.state_layers} Mamba or linear-attention layers keep "
+            f"{format_bytes(kv.state_bytes())} of state a request, priced beside its keys "
+            "and values (vLLM keeps it in pages of the attention's size; the engines' hybrid "
+            "allocators round it their own ways)"
         )
     if kv.sliding_layers:
         notes.append(
@@ -676,11 +743,14 @@ def _vllm(
     fixed = t.weights + activation + non_torch + cuda_graphs
     budget = int(capacity * utilization)
     available = budget - fixed
-    layer_block = kv.page_bytes() * kv.layers
-    blocks = max(0, available // layer_block) if layer_block else 0
+    # vLLM's blocks span every attention layer: num_blocks = available // page // layers
+    units = max(0, available) // kv.unit_bytes()
+    blocks = units // kv.layers if kv.layers else 0
+    if kv.layers:
+        units = blocks * kv.layers
     tokens = blocks * BLOCK_SIZE
     per_request = kv.request_blocks(max_model_len)
-    concurrency = blocks * kv.layers / per_request if per_request else 0.0
+    concurrency = units / per_request if per_request else 0.0
     error = None
     most = (capacity - context) / capacity
     if utilization > most:
@@ -694,7 +764,7 @@ def _vllm(
             f"buffers take {fixed / GiB:.2f} GiB of the {budget / GiB:.2f} GiB budget"
         )
     elif concurrency < 1:
-        longest = _longest(kv, blocks * kv.layers, max_model_len)
+        longest = _longest(kv, units, max_model_len)
         error = (
             f"To serve at least one request with the model's max seq len ({max_model_len}), "
             f"{kv.request_bytes(max_model_len) / GiB:.2f} GiB KV cache is needed, which is "
@@ -717,7 +787,7 @@ def _vllm(
             )
         else:
             top = math.floor(most * 100) / 100
-            room = max(0, int(capacity * top) - fixed) // kv.page_bytes()
+            room = max(0, int(capacity * top) - fixed) // kv.unit_bytes()
             fit = room // per_request if per_request else 0
             if fit >= 1:
                 suggestions.append(
@@ -760,7 +830,7 @@ def _vllm(
         cuda_graphs=cuda_graphs,
         kv_bytes=max(0, available),
         kv_tokens=tokens,
-        blocks=blocks,
+        blocks=blocks if kv.layers else None,
         max_model_len=max_model_len,
         concurrency=concurrency,
         starts=error is None,
@@ -805,10 +875,16 @@ def _sglang(
     reserved = int(before * (1 - fraction))
     rest = after - reserved
     cell = kv.token_bytes()
-    tokens = max(0, rest // cell) if cell else 0
-    concurrency = tokens / max_model_len
+    # a request's state sits in its own pool beside the tokens' (SGLang's hybrid models)
+    per_request = max_model_len * cell + kv.state_bytes()
+    concurrency = max(0, rest) / per_request if per_request else 0.0
+    if kv.state_layers:
+        tokens = int(concurrency * max_model_len) if cell else 0
+    else:
+        tokens = max(0, rest // cell) if cell else 0
+        concurrency = tokens / max_model_len
     error = None
-    if tokens <= 0:
+    if rest <= 0 or (cell and tokens <= 0):
         error = "Not enough memory. Please try to increase --mem-fraction-static."
     # What is left outside the pool must hold a prefill chunk's activations and the graphs.
     graphs = graph_bs * 2 * MiB
@@ -831,12 +907,12 @@ def _sglang(
             "memory; lower --mem-fraction-static or --chunked-prefill-size"
         )
 
-    def fraction_for(pool_tokens: int) -> float:
-        return math.ceil((1 - (after - pool_tokens * cell) / before) * 1000) / 1000
+    def fraction_for(requests: int) -> float:
+        return math.ceil((1 - (after - requests * per_request) / before) * 1000) / 1000
 
     want = target_concurrency or (1 if concurrency < 1 else 0)
     if want and concurrency < want:
-        f = fraction_for(want * max_model_len)
+        f = fraction_for(want)
         # the largest fraction that still leaves a prefill chunk and the graphs their room
         top = math.floor((1 - (t.activation + graphs) / before) * 1000) / 1000
         if f <= top:
@@ -844,18 +920,21 @@ def _sglang(
                 f"--mem-fraction-static {f:.3f} holds {want} request(s) of {max_model_len} tokens"
             )
         else:
-            pool = max(0, (after - int(before * (1 - top)))) // cell if cell else 0
-            if pool >= max_model_len:
+            room = max(0, after - int(before * (1 - top)))
+            fit = room // per_request
+            # the longest context at which ``want`` requests fit
+            longest = (room // want - kv.state_bytes()) // cell if cell else 0
+            if fit >= 1:
                 suggestions.append(
-                    f"--mem-fraction-static {top:.3f} holds {pool // max_model_len} request(s) "
-                    f"of {max_model_len} tokens, the most this GPU can"
+                    f"--mem-fraction-static {top:.3f} holds {fit} request(s) of "
+                    f"{max_model_len} tokens, the most this GPU can"
                 )
-            if pool // want >= 1 and pool // want < max_model_len:
+            if 1 <= longest < max_model_len:
                 suggestions.append(
-                    f"--mem-fraction-static {top:.3f} --context-length {pool // want} holds "
+                    f"--mem-fraction-static {top:.3f} --context-length {longest} holds "
                     f"{want} request(s)"
                 )
-            if pool < 1:
+            if fit < 1 and longest < 1:
                 suggestions.append(
                     "the weights leave no room: more GPUs (--tp), a quantized checkpoint or a "
                     "smaller model"
@@ -885,7 +964,7 @@ def _sglang(
         blocks=None,
         max_model_len=max_model_len,
         concurrency=concurrency,
-        starts=tokens > 0,
+        starts=error is None,
         error=error,
         suggestions=tuple(suggestions),
         notes=tuple(notes),
