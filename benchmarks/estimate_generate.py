@@ -21,7 +21,8 @@ SGLang logged for known configurations (the issue each comes from is named):
 Also encoder-decoders (T5, BART, Whisper on 30 s of audio features: the encoder once, the
 decoder's self- and cross-attention caches) and state-space and hybrid decoders (Mamba,
 Mamba-2, Jamba, Qwen3-Next: each layer's fixed state in the cache, dynamic cache only).
-Not covered yet: offloaded and quantized caches, beam search.
+Llama and Qwen2 also run with transformers' quantized cache (optimum-quanto, 4 bits; the
+last 128 tokens unquantized). Not covered yet: offloaded caches, beam search.
 
     python benchmarks/estimate_generate.py --quick
 """
@@ -139,6 +140,17 @@ def build(kind: str) -> tuple[Any, Any]:
     return cfg, model
 
 
+#: The decoders also run with transformers' quantized cache (optimum-quanto, 4 bits, the last
+#: 128 tokens kept unquantized).
+QUANTIZED = ("llama", "qwen2")
+
+
+def caches_of(kind: str) -> tuple[str, ...]:
+    if kind in STATE:
+        return ("dynamic",)
+    return (*CACHES, "quantized") if kind in QUANTIZED else CACHES
+
+
 def prompt_of(kind: str, cfg: Any, batch: int, length: int) -> Any:
     """Token ids, or Whisper's 30 s of log-mel features."""
     import torch
@@ -181,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     with _common.quiet():
         for kind in kinds:
             for batch, prompt, new in shapes:
-                for cache in CACHES if kind not in STATE else ("dynamic",):
+                for cache in caches_of(kind):
                     # a fresh model per row: generate keeps a static cache on the model
                     cfg, model = build(kind)
                     ids = prompt_of(kind, cfg, batch, prompt)

@@ -220,6 +220,27 @@ def test_whispers_generate_is_priced_with_its_segment_copy() -> None:
     assert abs(est.peak_allocated - real) / real < 0.001, (est.peak_allocated, real)
 
 
+@pytest.mark.parametrize(("batch", "length", "new"), [(2, 64, 160)])
+def test_a_quantized_cache_is_priced_as_its_steps_leave_it(
+    batch: int, length: int, new: int
+) -> None:
+    """transformers' QuantizedCache (optimum-quanto, 4 bits): the prompt quantized, each new
+    token kept unquantized until 128 are, then all quantized again; every step dequantizes
+    the whole cache for its attention. Quanto's operators' scratch is measured on the CPU."""
+    pytest.importorskip("optimum.quanto")
+    model = llama().eval()
+    model.generation_config.eos_token_id = None
+    ids = prompt(batch, length)
+    real = generate_peak(model, ids, new, "quantized")
+    est = vramctl.estimate(
+        model, ids, device="cpu", mode="generate", max_new_tokens=new, cache="quantized"
+    )
+    # the peak is the step that quantizes all 191 tokens again, in quanto's operator
+    assert est.peak_op == "quantize_affine"
+    assert abs(est.peak_allocated - real) / real < 0.01, (est.peak_allocated, real)
+    assert est.breakdown["kv_cache"] > 0
+
+
 def test_an_encoder_decoder_by_its_config_generates() -> None:
     est = vramctl.estimate(
         t5().config, device="cpu", mode="generate", max_new_tokens=32, batch_size=2, seq_len=64

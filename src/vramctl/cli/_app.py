@@ -336,7 +336,8 @@ def estimate_cmd(
         str,
         typer.Option(
             help="With --mode generate: the KV cache, dynamic (grows by concatenation; "
-            "transformers' default) or static (allocated whole on the first step)."
+            "transformers' default), static (allocated whole on the first step) or quantized "
+            "(optimum-quanto's 4 bits, the last 128 tokens kept unquantized)."
         ),
     ] = "dynamic",
     seconds: Annotated[

@@ -30,8 +30,10 @@ from vramctl.estimator._spec import EstimateError
 
 __all__ = ["CACHES", "cache_tensors", "run_generate"]
 
-#: The cache classes ``cache=`` takes (transformers' ``cache_implementation``).
-CACHES = ("dynamic", "static")
+#: The cache classes ``cache=`` takes (transformers' ``cache_implementation``; ``quantized``
+#: is its ``QuantizedCache`` with its defaults: optimum-quanto, 4 bits, groups of 64, the last
+#: 128 tokens kept unquantized).
+CACHES = ("dynamic", "static", "quantized")
 
 
 def _inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -60,6 +62,13 @@ def _new_cache(model: nn.Module, kind: str, length: int, source: int = 0) -> Any
             cross = transformers.StaticCache(config=decoder, max_cache_len=source)
             return transformers.EncoderDecoderCache(cache, cross)
         return cache
+    if kind == "quantized":
+        if is_encoder_decoder(model):
+            raise EstimateError("transformers' quantized cache is for decoder-only models")
+        from vramctl._optional import require
+
+        require("optimum.quanto", extra="finetune", what="a quantized KV cache")
+        return transformers.QuantizedCache(backend="quanto", config=config)
     if is_encoder_decoder(model):
         return transformers.EncoderDecoderCache(
             transformers.DynamicCache(config=decoder), transformers.DynamicCache(config=decoder)
@@ -75,13 +84,22 @@ def _layers(cache: Any) -> list[Any]:
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor]:
-    """The tensors a cache holds (each layer's keys and values, or its states)."""
+    """The tensors a cache holds (each layer's keys and values, or its states; a quantized
+    tensor's data and scales)."""
     out: list[torch.Tensor] = []
     for layer in _layers(cache):
         for value in vars(layer).values():
             if isinstance(value, torch.Tensor):
-                out.append(value)
+                out.extend(_plain(value))
     return out
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if not callable(flatten) or type(t) is torch.Tensor:
+        return [t]
+    names, _ = flatten()
+    return [inner for name in names for inner in _plain(getattr(t, name))]
 
 
 def check_generates(model: nn.Module) -> None:
@@ -236,12 +254,32 @@ def _loop(
             step(filled, torch.ones_like(filled) if masked else None, kv)
             del filled
             _as_after_a_step(kv)
+    elif cache == "quantized":
+        del kv
+        with unrecorded():
+            layers = getattr(new_cache(), "layers", None) or [None]
+        limit = int(getattr(layers[0], "residual_length", 128) or 128)
+        (q, r), spike = _quantized_counts(total - max_new_tokens, max_new_tokens, limit)
+        if spike is not None:
+            # the last step before this one that quantized the whole cache again
+            with unrecorded():
+                kv = new_cache()
+                _fill_quantized(kv, step, size, *spike, masked)
+                one = torch.zeros((size, 1), dtype=torch.long)
+                grown = torch.ones((size, sum(spike) + 1), dtype=torch.long) if masked else None
+            assert register is not None
+            register(cache_tensors(kv))
+            step(one, grown, kv)
+            del kv, one, grown
+        with unrecorded():
+            kv = new_cache()
+            _fill_quantized(kv, step, size, q, r, masked)
     with unrecorded():
         ids = torch.zeros((size, before), dtype=torch.long)
         mask = torch.ones((size, before), dtype=torch.long) if masked else None
     assert register is not None
     kept = [ids, *([mask] if mask is not None else [])]
-    register([*kept, *(cache_tensors(kv) if cache == "dynamic" else [])])
+    register([*kept, *(cache_tensors(kv) if cache != "static" else [])])
     if cache == "static":
         with unrecorded():
             # its length so far: the positions written (a static cache keeps no count)
@@ -264,6 +302,36 @@ def _encoder_inputs(batch: Any) -> dict[str, torch.Tensor]:
         "generate needs the encoder's inputs: a tensor of token ids or a mapping of the "
         "encoder's keyword inputs (input_ids, input_features ...)"
     )
+
+
+def _quantized_counts(
+    prompt: int, new: int, limit: int
+) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """``((quantized, unquantized), spike)``: a quantized cache's tokens before the last step,
+    and before the last earlier step that quantized them all again (None: none did). The
+    prefill quantizes the prompt; each decode step keeps its token unquantized until
+    ``limit`` are, then quantizes everything (``QuantizedLayer.update``)."""
+    quantized, residual, spike = prompt, 0, None
+    for _ in range(new - 2):  # the decode steps before the last
+        if residual + 1 >= limit:
+            spike = (quantized, residual)
+            quantized, residual = quantized + residual + 1, 0
+        else:
+            residual += 1
+    return (quantized, residual), spike
+
+
+def _fill_quantized(
+    kv: Any, step: Step, size: int, quantized: int, residual: int, masked: bool
+) -> None:
+    """A quantized cache holding ``quantized`` tokens quantized and ``residual`` not: two
+    forwards, the first quantized as a prefill, the second kept as the residual."""
+    filled = torch.zeros((size, quantized), dtype=torch.long)
+    step(filled, torch.ones_like(filled) if masked else None, kv)
+    if residual:
+        more = torch.zeros((size, residual), dtype=torch.long)
+        mask = torch.ones((size, quantized + residual), dtype=torch.long) if masked else None
+        step(more, mask, kv)
 
 
 def _as_after_a_step(kv: Any) -> None:
