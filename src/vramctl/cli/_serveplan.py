@@ -11,7 +11,7 @@ from vramctl import format_bytes
 from vramctl.cli._common import app, console, emit_json, err, user_errors
 
 if TYPE_CHECKING:  # the estimator (and PyTorch) is imported by the command, not by --help
-    from vramctl.estimator._serve import ServePlan
+    from vramctl.estimator import ServePlan
 
 __all__ = ["serve_plan_command"]
 
@@ -185,7 +185,8 @@ def serve_plan_command(
     Example: vramctl serve-plan Qwen/Qwen2.5-7B-Instruct -d L4-24GB --max-model-len 16384
     """
     from vramctl import VramctlError
-    from vramctl.estimator._serve import ENGINES, VARIANTS, serve_plan, serve_variants
+    from vramctl.estimator import ENGINES, serve_plan
+    from vramctl.estimator._shared import VARIANTS, serve_variants
 
     GiB = 1 << 30
     common: dict[str, Any] = dict(

@@ -1,6 +1,6 @@
 """For vramctl's other packages only: the estimator's helpers that other vramctl packages use
 (tracing a target, the search bounds, the calibration's rows, loading a model source, reading
-a quantization, an adapter's settings, generate's caches).
+a quantization, an adapter's settings, generate's caches, the serving plan's variants).
 
 Not the public surface (that is ``vramctl.estimator``); the import contracts let sibling
 packages import this module and no other private one of ``vramctl.estimator``.
@@ -14,6 +14,7 @@ from vramctl.estimator._generate import CACHES
 from vramctl.estimator._maxbatch import LENGTH_BOUND, SEARCH_INPUT_BYTES
 from vramctl.estimator._quant import quant_spec
 from vramctl.estimator._rates import cpu_profile_path, cpu_throughput
+from vramctl.estimator._serve import VARIANTS, serve_variants
 from vramctl.estimator._spec import load_model_source, resolve_source
 from vramctl.estimator._target import Target, resolve_target, run_target
 
@@ -21,6 +22,7 @@ __all__ = [
     "CACHES",
     "LENGTH_BOUND",
     "SEARCH_INPUT_BYTES",
+    "VARIANTS",
     "Target",
     "constant_rows",
     "cpu_profile_path",
@@ -31,4 +33,5 @@ __all__ = [
     "resolve_source",
     "resolve_target",
     "run_target",
+    "serve_variants",
 ]
