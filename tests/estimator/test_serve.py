@@ -48,17 +48,10 @@ def qwen3_235b() -> object:
 
 
 def small(**kw: object) -> object:
-    base = dict(
-        vocab_size=1000,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    )
-    base.update(kw)
-    return transformers.LlamaConfig(**base)
+    """The shrunk Llama of the fine-tuning tests, with 4096 positions."""
+    from tests.estimator.small_llama import CONFIG
+
+    return transformers.LlamaConfig(**{**CONFIG.to_dict(), "max_position_embeddings": 4096, **kw})
 
 
 # -- the cache's shape, by the engines' rules ----------------------------------------------------
