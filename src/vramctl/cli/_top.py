@@ -250,7 +250,7 @@ def _devices(monitor: Monitor, width: int) -> Table:
         title_justify="left",
         title_style="bold",
     )
-    table.add_column("device", overflow="fold", max_width=24 if width >= 100 else 14)
+    table.add_column("device", overflow="fold", max_width=20 if width >= 100 else 14)
     table.add_column("memory", ratio=1)
     for dev in monitor.devices:
         table.add_row(_device_cell(dev), _details(monitor, dev, width))
