@@ -171,9 +171,10 @@ def test_a_killed_worker_loses_no_job(cluster: None, store: JobStore) -> None:
     sched.run_once()
     running = wait_running(store, long.id)
     worker = psutil.Process(running.supervisor_pid or 0).ppid()
-    os.kill(worker, signal.SIGKILL)
+    # what the task holds, read before it dies (after, Ray may have given it back already)
     gpu = next(d for d in devices if d.id == running.device)
     held = gpu.capacity() - gpu.available()
+    os.kill(worker, signal.SIGKILL)
     # Ray gives the dead task's reservation back, runs it again, and the new task holds it
     # while the job runs on.
     assert held > 0 and eventually(lambda: gpu.capacity() - gpu.available() == held)
