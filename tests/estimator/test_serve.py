@@ -369,7 +369,6 @@ def test_a_hybrid_models_requests_hold_their_state_too() -> None:
     assert kv.state_layers == 2 and not kv.unpriced
     assert vllm.concurrency == pytest.approx(vllm.blocks * kv.layers / kv.request_blocks(4096))
     per_request = 4096 * kv.token_bytes() + kv.state_bytes()
-    assert sglang.concurrency < sglang.kv_bytes / (4096 * kv.token_bytes()) + 1
     assert sglang.concurrency == pytest.approx(
         (sglang.budget - sglang.weights) / per_request, rel=0.01
     )
