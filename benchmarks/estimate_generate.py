@@ -38,7 +38,7 @@ import estimate_finetune
 
 import _common
 
-QUICK = "Llama, two shapes, both caches; under a minute"
+QUICK = "Llama, two shapes, dynamic, static and quantized caches; under a minute"
 
 #: estimate_finetune's shrunk decoder, with room for the longest generation here.
 _SHRUNK = {**estimate_finetune._SHRUNK, "max_position_embeddings": 1024}
