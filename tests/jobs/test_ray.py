@@ -3,6 +3,7 @@ tasks, real supervisors, real jobs and real out-of-memory errors."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -103,6 +104,16 @@ def eventually(check: Any, timeout: float = 30.0) -> bool:
     return True
 
 
+def holders(job_id: str) -> set[int]:
+    """The pids of this machine's processes that hold ``job_id`` for a Ray task."""
+    found = set()
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "--hold" in cmd and job_id in cmd:
+            found.add(proc.info["pid"])
+    return found
+
+
 def test_resource_names_and_devices() -> None:
     assert resource_name(0) == "vramctl_gpu0_mib"
     assert resource_name(3, simulated=True) == "vramctl_simgpu3_mib"
@@ -170,14 +181,19 @@ def test_a_killed_worker_loses_no_job(cluster: None, store: JobStore) -> None:
     sched, devices = scheduler(store)
     sched.run_once()
     running = wait_running(store, long.id)
-    worker = psutil.Process(running.supervisor_pid or 0).ppid()
-    # what the task holds, read before it dies (after, Ray may have given it back already)
+    first = running.supervisor_pid or 0
+    worker = psutil.Process(first).ppid()
+    # Ray's view of what a node has free is refreshed a moment after a task starts: wait
+    # until it shows the task's reservation (whole MiB) before killing its worker.
     gpu = next(d for d in devices if d.id == running.device)
-    held = gpu.capacity() - gpu.available()
-    os.kill(worker, signal.SIGKILL)
-    # Ray gives the dead task's reservation back, runs it again, and the new task holds it
-    # while the job runs on.
+    held = math.ceil((running.reserved_bytes or 0) / MiB) * MiB
     assert held > 0 and eventually(lambda: gpu.capacity() - gpu.available() == held)
+    assert holders(long.id) == {first}  # the supervisor is the task's own holder
+    os.kill(worker, signal.SIGKILL)
+    # Ray runs the task again: a second holder of this job starts (it waits for the
+    # supervisor already running it), and the new task holds the reservation again.
+    assert eventually(lambda: holders(long.id) - {first} != set()), holders(long.id)
+    assert eventually(lambda: gpu.capacity() - gpu.available() == held)
     assert store.get(long.id).state == "running"
     run_all(sched)
     done = store.get(long.id)
