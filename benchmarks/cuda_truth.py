@@ -7,8 +7,9 @@
     python benchmarks/cuda_truth.py cases              # the cases a capture runs, in order
 
 ``capture`` runs each case (benchmarks/_truth/cases.py: the zoo, RNNs, the SDPA backends,
-fp16 with a scaler, checkpointing, expandable segments, a second stream, transformers
-classes, torchvision and timm CNNs) on the machine's GPU, a cold and a warm step each, and
+fp16 with a scaler, checkpointing, expandable segments, a second stream, a Llama's
+``generate`` with the dynamic, static and offloaded caches, transformers classes,
+torchvision and timm CNNs) on the machine's GPU, a cold and a warm step each, and
 writes the corpus (benchmarks/data/cuda_truth/README.md says what is in it). It stops
 cleanly at ``--budget`` seconds and keeps every case it finished; the index is rewritten
 after each case. Without a usable GPU it says so in one line and exits with status 2;

@@ -8,6 +8,8 @@ A case's spec is plain JSON, so that the offline check can rebuild exactly what 
   attention block on ``F.scaled_dot_product_attention``);
 - ``mode``, ``precision``, ``batch_size``, ``lengths`` (``seq_len``, ``seconds`` or
   ``image_size``) and ``checkpointing``, as :func:`vramctl.estimate` takes them;
+- ``max_new_tokens`` and ``cache`` for ``mode="generate"`` (a greedy ``generate`` after a
+  prompt of ``seq_len`` tokens, as :func:`vramctl.estimate` takes them);
 - ``options``: what the estimator has no argument for: ``sdpa_backend`` (``flash``,
   ``efficient``, ``math``), ``grad_scaler``, ``expandable_segments`` and ``prefetch_stream``
   (the next batch copied on a second stream during the step).
@@ -89,6 +91,12 @@ TORCHVISION = ["resnet18", "mobilenet_v3_small", "efficientnet_b0", "densenet121
 TIMM = ["resnet26d", "efficientnet_b0", "convnext_atto"]
 CNN_BATCH = 8
 CNN_SIZE = 224
+#: generate cases: a shrunk Llama's greedy generate, (precision, cache) each; the offloaded
+#: cache needs a GPU.
+GENERATE = [("fp32", "dynamic"), ("fp32", "static"), ("bf16", "dynamic"), ("fp32", "offloaded")]
+GENERATE_BATCH = 4
+GENERATE_LENGTHS = {"seq_len": 128}
+GENERATE_NEW = 64
 
 
 def case_id(spec: dict[str, Any]) -> str:
@@ -96,6 +104,8 @@ def case_id(spec: dict[str, Any]) -> str:
     parts = [spec["kind"], spec["model"], spec["mode"], spec["precision"], f"b{spec['batch_size']}"]
     if spec.get("checkpointing"):
         parts.append("ckpt")
+    if spec["mode"] == "generate":
+        parts.append(f"{spec['cache']}-new{spec['max_new_tokens']}")
     for key, value in sorted((spec.get("options") or {}).items()):
         parts.append(key if value is True else f"{key}-{value}")
     return "/".join(parts)
@@ -146,6 +156,13 @@ def all_cases(cuda: bool = True) -> list[dict[str, Any]]:
     if cuda:
         out += [_gpt2(mode, options={"expandable_segments": True}) for mode in MODES]
         out.append(_gpt2("train", options={"prefetch_stream": True}))
+    for precision, cache in GENERATE:
+        if cache != "offloaded" or cuda:
+            kw = {"max_new_tokens": GENERATE_NEW, "cache": cache, "task": "causal-lm"}
+            lengths = dict(GENERATE_LENGTHS)
+            out.append(
+                _spec("hf", "llama", "generate", precision, GENERATE_BATCH, lengths=lengths, **kw)
+            )
     for task, model_type in HF:
         for mode in MODES:
             out.append(
@@ -308,6 +325,8 @@ def estimate_args(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], dict[
         "precision": spec["precision"],
         "checkpointing": bool(spec.get("checkpointing")),
     }
+    if spec["mode"] == "generate":
+        opts.update(max_new_tokens=spec["max_new_tokens"], cache=spec["cache"])
     if kind == "zoo":
         return spec["model"], None, lengths, opts
     if kind == "hf":

@@ -58,6 +58,8 @@ def prepare(spec: dict[str, Any], device: str) -> tuple[Built, Callable[[], None
         autocast_device=kind,
         foreach=True if kind == "cuda" else None,
         loss_fn=loss_fn,
+        max_new_tokens=int(spec.get("max_new_tokens") or 0),
+        cache=str(spec.get("cache") or "dynamic"),
     )
     model = built.model
     if step_spec.param_dtype is not None:

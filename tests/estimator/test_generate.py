@@ -262,3 +262,87 @@ def test_the_command_line_estimates_a_generation(tmp_path: Path) -> None:
     assert table.exit_code == 0 and "kv_cache" in table.output, table.output
     bad = CliRunner().invoke(app, [*args, "--max-new-tokens", "16"])
     assert bad.exit_code != 0 and "go with --mode generate" in bad.output
+
+
+# -- the offloaded cache ----------------------------------------------------------------------
+
+OFFLOAD_CONFIG = transformers.LlamaConfig(
+    vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+    num_attention_heads=4, num_key_value_heads=2,
+)  # fmt: skip
+
+
+def test_an_offloaded_cache_holds_two_or_three_layers_on_the_device() -> None:
+    """transformers' offloaded cache brings a layer's keys and values to the device for its
+    update and sends them back after: during layer i's attention the device holds layer i
+    (grown by one token) and layer i+1 (prefetched), and for the moment of the
+    concatenation layer i's old copy too. The other layers are in host memory."""
+    b, prompt_len, new = 4, 16, 512
+    kw: dict[str, Any] = dict(
+        mode="generate", batch_size=b, seq_len=prompt_len, max_new_tokens=new, device="L4-24GB"
+    )
+    dynamic = vramctl.estimate(OFFLOAD_CONFIG, **kw)
+    offloaded = vramctl.estimate(OFFLOAD_CONFIG, **kw, cache="offloaded")
+    # keys and values, fp32: one layer at the last step's length (every token but the last)
+    head = OFFLOAD_CONFIG.hidden_size // OFFLOAD_CONFIG.num_attention_heads
+    layer = 2 * b * OFFLOAD_CONFIG.num_key_value_heads * head * (prompt_len + new - 1) * 4
+    layers = OFFLOAD_CONFIG.num_hidden_layers
+    assert dynamic.breakdown["kv_cache"] >= layers * layer  # peaks at its last step
+    assert 2 * layer <= offloaded.breakdown["kv_cache"] <= 3 * layer + 2**20
+    saved = dynamic.peak_allocated - offloaded.peak_allocated
+    assert (layers - 3) * layer <= saved <= (layers - 2) * layer + 2**20
+    # every layer crosses the bus twice a step: the step is slower
+    assert offloaded.step_seconds > dynamic.step_seconds
+
+
+def test_the_offloaded_cache_needs_a_gpu_and_a_decoder_only_model() -> None:
+    kw: dict[str, Any] = dict(mode="generate", batch_size=1, seq_len=8, max_new_tokens=4)
+    with pytest.raises(EstimateError, match=r"host memory while a GPU computes.*'cpu'"):
+        vramctl.estimate(OFFLOAD_CONFIG, **kw, cache="offloaded", device="cpu")
+    t5 = transformers.T5Config(
+        vocab_size=500, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4
+    )
+    with pytest.raises(EstimateError, match="offloaded cache is priced for decoder-only"):
+        vramctl.estimate(t5, **kw, cache="offloaded", device="L4-24GB")
+    # run for real, it needs the model on a CUDA device (as transformers' does)
+    from vramctl.estimator._generate import run_generate
+
+    with pytest.raises(EstimateError, match="run it with the model on a CUDA device"):
+        run_generate(llama().eval(), prompt(1, 8), 4, "offloaded")
+
+
+@pytest.mark.cuda
+def test_an_offloaded_generate_is_priced_as_the_real_one_on_a_gpu() -> None:
+    """transformers' own offloaded generate on the GPU, against the estimate; and what it
+    saves against the dynamic cache, against what the estimate says it saves."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(OFFLOAD_CONFIG).cuda().eval()
+    model.generation_config.eos_token_id = None
+    ids = prompt(4, 16).cuda()
+
+    def peak(cache: str) -> int:
+        def run() -> None:
+            with torch.no_grad():
+                model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=512,
+                    do_sample=False, pad_token_id=0, cache_implementation=cache,
+                )  # fmt: skip
+
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated())
+
+    real = {cache: peak(cache) for cache in ("dynamic", "offloaded")}
+    est = {
+        cache: vramctl.estimate(
+            model, ids, device="cuda:0", mode="generate", max_new_tokens=512, cache=cache
+        ).peak_allocated
+        for cache in ("dynamic", "offloaded")
+    }
+    assert abs(est["offloaded"] - real["offloaded"]) / real["offloaded"] < 0.1, (est, real)
+    saved_real = real["dynamic"] - real["offloaded"]
+    saved_est = est["dynamic"] - est["offloaded"]
+    assert abs(saved_est - saved_real) <= 0.1 * saved_real, (est, real)

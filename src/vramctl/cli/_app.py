@@ -336,8 +336,9 @@ def estimate_cmd(
         str,
         typer.Option(
             help="With --mode generate: the KV cache, dynamic (grows by concatenation; "
-            "transformers' default), static (allocated whole on the first step) or quantized "
-            "(optimum-quanto's 4 bits, the last 128 tokens kept unquantized)."
+            "transformers' default), static (allocated whole on the first step), quantized "
+            "(optimum-quanto's 4 bits, the last 128 tokens kept unquantized) or offloaded "
+            "(each layer kept in host memory but while it is used; a GPU device only)."
         ),
     ] = "dynamic",
     seconds: Annotated[

@@ -135,8 +135,10 @@ def estimate(
     ``mode="generate"`` estimates a greedy ``generate`` of ``max_new_tokens`` tokens after
     the prompt (the batch's token ids, or ``seq_len`` tokens for a named model) by a causal
     language model: the prefill and the last decode step are traced, with the model's own
-    cache class (``cache="dynamic"``, transformers' default, or ``"static"``), and the
-    peak is the larger. ``breakdown["kv_cache"]`` is the cache at that peak.
+    cache class (``cache="dynamic"``, transformers' default, ``"static"``, ``"quantized"``
+    or ``"offloaded"``, which keeps the layers it is not using in host memory), and the
+    peak is the larger. ``breakdown["kv_cache"]`` is the cache in device memory at that
+    peak.
 
     ``step`` gives all of these options at once as a :class:`~vramctl.estimator.Step`
     (then give none of them one by one): the request this call makes of its options,

@@ -16,10 +16,20 @@ Other steps hold less: the cache only grows. The estimate traces the prefill, th
 the cache of the last step by the model's own forward over the tokens before it (not
 recorded: on fake tensors a forward costs the same at any length), then traces the last
 step. The peak is the larger of the two.
+
+The **offloaded** cache (``cache_implementation="offloaded"``: a ``DynamicCache`` with
+``offloading=True``) keeps each layer's keys and values in host memory between its uses.
+Entering a layer's update, transformers prefetches the next offloaded layer onto the
+device (circling back to the first after the last); leaving it, the layer goes back to
+the host. Traced on the host, where ``.to("cpu")`` moves nothing, it is made so: the
+copy to the host is made unrecorded (the device's storage is freed once nothing else
+holds it, as the attention still does), the prefetch is a recorded copy, and each move's
+bytes are a host transfer in the step's time.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,7 +43,16 @@ __all__ = ["CACHES", "cache_tensors", "run_generate"]
 #: The cache classes ``cache=`` takes (transformers' ``cache_implementation``; ``quantized``
 #: is its ``QuantizedCache`` with its defaults: optimum-quanto, 4 bits, groups of 64, the last
 #: 128 tokens kept unquantized).
-CACHES = ("dynamic", "static", "quantized")
+CACHES = ("dynamic", "static", "quantized", "offloaded")
+
+#: What a traced offloaded cache needs of the trace: ``(unrecorded, register, transfer)``: a
+#: context that records nothing, a function that counts tensors as live device memory, one
+#: that counts bytes moved between host and device.
+Hooks = tuple[
+    Callable[[], contextlib.AbstractContextManager[Any]],
+    Callable[[list[torch.Tensor]], None],
+    Callable[[int], None],
+]
 
 
 def _inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -47,14 +66,23 @@ def _inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     )
 
 
-def _new_cache(model: nn.Module, kind: str, length: int, source: int = 0) -> Any:
+def _new_cache(
+    model: nn.Module, kind: str, length: int, source: int = 0, hooks: Hooks | None = None
+) -> Any:
     """The cache ``generate`` makes: ``length`` tokens in all (a static cache holds every one
     but the last generated); an encoder-decoder's pairs it with a cross-attention cache of
-    the ``source`` length."""
+    the ``source`` length. An offloaded cache is transformers' own run for real, or traced
+    (``hooks`` given) the one :func:`_traced_offloaded` makes."""
     import transformers
 
     config: Any = getattr(model, "config", None)
     decoder: Any = config.get_text_config(decoder=True) if config is not None else None
+    if kind == "offloaded":
+        if is_encoder_decoder(model):
+            raise EstimateError("transformers' offloaded cache is priced for decoder-only models")
+        if hooks is None:
+            return transformers.DynamicCache(config=config, offloading=True)
+        return _traced_offloaded(config, hooks)
     if kind == "static":
         # generate sizes it to hold every token but the last generated one
         cache = transformers.StaticCache(config=decoder, max_cache_len=length - 1)
@@ -92,6 +120,90 @@ def cache_tensors(cache: Any) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor):
                 out.extend(_plain(value))
     return out
+
+
+def _resident(cache: Any) -> list[torch.Tensor]:
+    """The tensors of a cache in device memory (an offloaded cache's on the device now)."""
+    on_device = getattr(cache, "device_tensors", None)
+    return list(on_device()) if callable(on_device) else cache_tensors(cache)
+
+
+def _check_on_cuda(model: nn.Module) -> None:
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        raise EstimateError(
+            "the offloaded cache keeps keys and values in host memory while a CUDA GPU "
+            "computes: run it with the model on a CUDA device"
+        )
+
+
+def _traced_offloaded(config: Any, hooks: Hooks) -> Any:
+    """transformers' offloaded ``DynamicCache`` as the trace sees it (see the module): its
+    update prefetches the next offloaded layer and offloads this one, by the same rule."""
+    import transformers
+
+    unrecorded, register, transfer = hooks
+
+    class TracedOffloadedCache(transformers.DynamicCache):
+        def __init__(self) -> None:
+            super().__init__(config=config)
+            #: layers that move: neither placeholders nor linear attention (their states
+            #: stay on the device); generate's offloaded cache moves sliding layers too
+            self.movable = [
+                not (dummy or linear)
+                for linear, dummy in zip(
+                    _flags(self, "is_linear"), _flags(self, "is_dummy"), strict=True
+                )
+            ]
+            self.away: set[int] = set()
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+            *args: Any, **kwargs: Any,
+        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+            self.fetch(layer_idx + 1)
+            layer: Any = self.layers[layer_idx]
+            keys, values = layer.update(key_states, value_states, *args, **kwargs)
+            register([keys, values])  # the cache, until the attention lets go of it
+            self.offload_layer(layer_idx)
+            return keys, values
+
+        def fetch(self, start: int) -> None:
+            order = [*range(start, len(self.layers)), *range(min(start, len(self.layers)))]
+            nxt = next((i for i in order if self.movable[i]), None)
+            if nxt is None or nxt not in self.away:
+                return
+            self.away.discard(nxt)
+            layer: Any = self.layers[nxt]
+            layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+            register([layer.keys, layer.values])
+            transfer(_nbytes(layer.keys) + _nbytes(layer.values))
+
+        def offload_layer(self, index: int) -> None:
+            layer: Any = self.layers[index]
+            if not self.movable[index] or not getattr(layer, "is_initialized", False):
+                return
+            transfer(_nbytes(layer.keys) + _nbytes(layer.values))
+            with unrecorded():  # the host's copies
+                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+            self.away.add(index)
+
+        def device_tensors(self) -> list[torch.Tensor]:
+            out: list[torch.Tensor] = []
+            for i, layer in enumerate(self.layers):
+                if i not in self.away:
+                    out.extend(t for t in vars(layer).values() if isinstance(t, torch.Tensor))
+            return out
+
+    return TracedOffloadedCache()
+
+
+def _flags(cache: Any, name: str) -> list[bool]:
+    return list(getattr(cache, name, None) or [False] * len(cache.layers))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _plain(t: torch.Tensor) -> list[torch.Tensor]:
@@ -140,19 +252,28 @@ def run_generate(
     phase: Callable[[str], None] = lambda _: None,
     unrecorded: Callable[[], Any] | None = None,
     register: Callable[[list[torch.Tensor]], None] | None = None,
+    transfer: Callable[[int], None] = lambda _: None,
 ) -> None:
     """A greedy ``generate`` of ``max_new_tokens`` after the prompt in ``batch``.
 
     Run for real (``unrecorded`` None), it is every step of the loop. Traced, ``unrecorded``
     is a context in which the trace records nothing and ``register`` counts tensors made
     there as live: the prefill and the last step are traced, and the cache between them is
-    built by one unrecorded forward (see the module).
+    built by one unrecorded forward (see the module). ``transfer`` counts the bytes an
+    offloaded cache moves between host and device.
     """
     check_generates(model)
     if max_new_tokens < 1:
         raise EstimateError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if cache not in CACHES:
         raise EstimateError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
+    hooks: Hooks | None = None
+    if cache == "offloaded":
+        if unrecorded is None:
+            _check_on_cuda(model)
+        else:
+            assert register is not None
+            hooks = (unrecorded, register, transfer)
     with torch.no_grad():
         phase("forward")
         if is_encoder_decoder(model):
@@ -165,7 +286,7 @@ def run_generate(
         total = ids.shape[1] + max_new_tokens
 
         def new_cache() -> Any:
-            return _new_cache(model, cache, total, source)
+            return _new_cache(model, cache, total, source, hooks)
 
         first = [ids, mask]  # handed over: the loop frees them when generate would
         del ids, mask
@@ -230,7 +351,7 @@ def _loop(
     kv = new_cache()
     logits = step(ids, mask, kv)
     if register is not None:
-        register(cache_tensors(kv))
+        register(_resident(kv))
     ids = torch.cat([ids, logits.argmax(-1)[:, None]], -1)
     if max_new_tokens == 1:
         return
@@ -246,7 +367,7 @@ def _loop(
     size = logits.shape[0]
     before = total - 1
     del ids, mask
-    if cache == "dynamic":
+    if cache in ("dynamic", "offloaded"):
         del kv
         with unrecorded():
             kv = new_cache()
@@ -279,13 +400,13 @@ def _loop(
         mask = torch.ones((size, before), dtype=torch.long) if masked else None
     assert register is not None
     kept = [ids, *([mask] if mask is not None else [])]
-    register([*kept, *(cache_tensors(kv) if cache != "static" else [])])
+    register([*kept, *(_resident(kv) if cache != "static" else [])])
     if cache == "static":
         with unrecorded():
             # its length so far: the positions written (a static cache keeps no count)
             _fill_static(kv, before - 1)
     logits = step(ids[:, -1:], mask, kv)
-    register(cache_tensors(kv))  # the cache the step grew
+    register(_resident(kv))  # the cache the step grew
     del logits
 
 

@@ -298,6 +298,11 @@ def open_session(model: ModelSource, step: Step, rates: Rates) -> Session:
     )
     if step.mode == "generate" and not step.max_new_tokens:
         raise EstimateError("mode='generate' needs max_new_tokens (the tokens after the prompt)")
+    if step.mode == "generate" and step.cache == "offloaded" and not target.cuda:
+        raise EstimateError(
+            "cache='offloaded' keeps the cache in host memory while a GPU computes: give a GPU "
+            f"device (a name such as 'L4-24GB', or a size), not {target.name!r}"
+        )
     if isinstance(parallel, str):
         parallel = Parallel.parse(parallel)
     if parallel is not None and step.mode != "train":

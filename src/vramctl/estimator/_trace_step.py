@@ -317,11 +317,15 @@ def _generate(
 
     @contextlib.contextmanager
     def unrecorded() -> Iterator[None]:
-        tracer.record = False
+        was, tracer.record = tracer.record, False
         try:
             yield
         finally:
-            tracer.record = True
+            tracer.record = was
+
+    def transfer(nbytes: int) -> None:  # an offloaded cache's move, in the step's time
+        if tracer.record:
+            tracer.trace.costs.append(OpCost("transfer", tracer.phase, "other", 0, nbytes, True))
 
     def register(tensors: list[torch.Tensor]) -> None:
         for t in tensors:
@@ -334,7 +338,7 @@ def _generate(
     with spec.forward_context():
         run_generate(
             session.model, batch, spec.max_new_tokens, spec.cache,
-            phase=phase, unrecorded=unrecorded, register=register,
+            phase=phase, unrecorded=unrecorded, register=register, transfer=transfer,
         )  # fmt: skip
 
 
