@@ -22,7 +22,8 @@ Also encoder-decoders (T5, BART, Whisper on 30 s of audio features: the encoder 
 decoder's self- and cross-attention caches) and state-space and hybrid decoders (Mamba,
 Mamba-2, Jamba, Qwen3-Next: each layer's fixed state in the cache, dynamic cache only).
 Llama and Qwen2 also run with transformers' quantized cache (optimum-quanto, 4 bits; the
-last 128 tokens unquantized). Not covered yet: offloaded caches, beam search.
+last 128 tokens unquantized). The offloaded cache needs a GPU (its check is the `cuda` test
+and the CUDA truth capture's generate cases). Not covered yet: beam search.
 
     python benchmarks/estimate_generate.py --quick
 """

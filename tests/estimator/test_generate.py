@@ -27,7 +27,7 @@ def prompt(batch: int, length: int) -> torch.Tensor:
     )
 
 
-def generate_peak(model: Any, ids: torch.Tensor, new: int, cache: str) -> int:
+def generate_peak(model: Any, ids: torch.Tensor, new: int, cache: str, **kw: Any) -> int:
     """The real peak of a greedy ``generate`` of exactly ``new`` tokens, after a warm-up."""
     model.generation_config.eos_token_id = None
 
@@ -35,7 +35,7 @@ def generate_peak(model: Any, ids: torch.Tensor, new: int, cache: str) -> int:
         with torch.no_grad():
             model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                pad_token_id=0, cache_implementation=cache,
+                pad_token_id=0, cache_implementation=cache, **kw,
             )  # fmt: skip
 
     run()
@@ -220,25 +220,43 @@ def test_whispers_generate_is_priced_with_its_segment_copy() -> None:
     assert abs(est.peak_allocated - real) / real < 0.001, (est.peak_allocated, real)
 
 
-@pytest.mark.parametrize(("batch", "length", "new"), [(2, 64, 160)])
-def test_a_quantized_cache_is_priced_as_its_steps_leave_it(
-    batch: int, length: int, new: int
-) -> None:
-    """transformers' QuantizedCache (optimum-quanto, 4 bits): the prompt quantized, each new
-    token kept unquantized until 128 are, then all quantized again; every step dequantizes
-    the whole cache for its attention. Quanto's operators' scratch is measured on the CPU."""
+@pytest.mark.parametrize("kv_dtype", [None, "int2"])
+def test_a_quantized_cache_is_priced_as_its_steps_leave_it(kv_dtype: str | None) -> None:
+    """transformers' QuantizedCache (optimum-quanto, 4 bits or 2): the prompt quantized, each
+    new token kept unquantized until 128 are, then all quantized again; every step
+    dequantizes the whole cache for its attention. Quanto's operators' scratch is measured
+    on the CPU."""
     pytest.importorskip("optimum.quanto")
+    batch, length, new = 2, 64, 160
     model = llama().eval()
     model.generation_config.eos_token_id = None
     ids = prompt(batch, length)
-    real = generate_peak(model, ids, new, "quantized")
+    bits = {"cache_config": {"nbits": 2}} if kv_dtype == "int2" else {}
+    real = generate_peak(model, ids, new, "quantized", **bits)
     est = vramctl.estimate(
-        model, ids, device="cpu", mode="generate", max_new_tokens=new, cache="quantized"
-    )
+        model, ids, device="cpu", mode="generate", max_new_tokens=new, cache="quantized",
+        kv_dtype=kv_dtype,
+    )  # fmt: skip
     # the peak is the step that quantizes all 191 tokens again, in quanto's operator
     assert est.peak_op == "quantize_affine"
     assert abs(est.peak_allocated - real) / real < 0.01, (est.peak_allocated, real)
     assert est.breakdown["kv_cache"] > 0
+    if kv_dtype == "int2":
+        four = vramctl.estimate(
+            model, ids, device="cpu", mode="generate", max_new_tokens=new, cache="quantized"
+        )
+        assert est.breakdown["kv_cache"] < four.breakdown["kv_cache"]
+        assert any("(quantized cache, int2)" in n for n in est.notes)
+
+
+def test_a_kv_dtype_is_the_quantized_caches_width() -> None:
+    kw: dict[str, Any] = dict(mode="generate", batch_size=1, seq_len=8, max_new_tokens=4)
+    with pytest.raises(EstimateError, match=r"kv_dtype='int2' is the quantized cache's width"):
+        vramctl.estimate(OFFLOAD_CONFIG, **kw, kv_dtype="int2", device="cpu")
+    with pytest.raises(EstimateError, match="kv_dtype must be one of int4, int2"):
+        vramctl.estimate(OFFLOAD_CONFIG, **kw, cache="quantized", kv_dtype="fp8", device="cpu")
+    result = CliRunner().invoke(app, ["estimate", "llama-1b", "--kv-dtype", "int2"])
+    assert result.exit_code != 0 and "go with --mode generate" in result.output
 
 
 def test_an_encoder_decoder_by_its_config_generates() -> None:
@@ -346,3 +364,32 @@ def test_an_offloaded_generate_is_priced_as_the_real_one_on_a_gpu() -> None:
     saved_real = real["dynamic"] - real["offloaded"]
     saved_est = est["dynamic"] - est["offloaded"]
     assert abs(saved_est - saved_real) <= 0.1 * saved_real, (est, real)
+
+
+def test_quanto_packs_fakes_only_while_traced_and_is_undone_on_failure() -> None:
+    """quanto keeps a fake tensor's integers unpacked (two to four times their real size);
+    while a quantized cache is traced it packs them as it packs plain tensors, and the
+    patch is gone after, even when the trace raised."""
+    pytest.importorskip("optimum.quanto")
+    from optimum.quanto import MaxOptimizer, qint2, quantize_weight
+    from optimum.quanto.tensor.weights.qbits import WeightQBitsTensor
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramctl.estimator._generate import _plain, _quanto_packs_fakes
+
+    original = WeightQBitsTensor.__init__
+
+    def packed_bytes() -> int:
+        with FakeTensorMode() as mode:
+            x = mode.from_tensor(torch.randn(600, 64))
+            scale, shift = MaxOptimizer()(x, qint2, 0, 64)
+            q = quantize_weight(x, qint2, 0, scale, shift, 64)
+            return _plain(q)[0].untyped_storage().nbytes()
+
+    assert packed_bytes() == 600 * 64  # unpacked: a byte an integer
+    with pytest.raises(RuntimeError, match="inside"), _quanto_packs_fakes():
+        with _quanto_packs_fakes():
+            assert packed_bytes() == 600 * 64 // 4  # four 2-bit integers a byte
+        assert WeightQBitsTensor.__init__ is not original  # the outer use still holds it
+        raise RuntimeError("inside")
+    assert WeightQBitsTensor.__init__ is original

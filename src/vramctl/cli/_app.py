@@ -341,6 +341,16 @@ def estimate_cmd(
             "(each layer kept in host memory but while it is used; a GPU device only)."
         ),
     ] = "dynamic",
+    kv_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-dtype",
+            help="With --cache quantized: the cache's width, int4 (the default) or int2. "
+            "The other caches keep keys and values in the model's dtype (an engine's fp8 "
+            "cache: see `vramctl serve-plan --kv-dtype`).",
+            show_default=False,
+        ),
+    ] = None,
     seconds: Annotated[
         float | None, typer.Option(help="Audio seconds per sample (speech models).", min=0.03)
     ] = None,
@@ -555,11 +565,17 @@ def estimate_cmd(
         kbit_prep=kbit_prep,
         max_new_tokens=max_new_tokens,
         cache=cache,
+        kv_dtype=kv_dtype,
     )
     if mode != "generate" and (
-        max_new_tokens is not None or cache != "dynamic" or prompt_len is not None
+        max_new_tokens is not None
+        or cache != "dynamic"
+        or prompt_len is not None
+        or kv_dtype is not None
     ):
-        raise VramctlError("--prompt-len, --max-new-tokens and --cache go with --mode generate")
+        raise VramctlError(
+            "--prompt-len, --max-new-tokens, --cache and --kv-dtype go with --mode generate"
+        )
     if prompt_len is not None:
         if seq_len is not None and seq_len != prompt_len:
             raise VramctlError("--prompt-len is --seq-len under another name: give one")
@@ -624,6 +640,7 @@ def estimate_cmd(
                     "quantization": first.quant,
                     "max_new_tokens": max_new_tokens,
                     "cache": cache if mode == "generate" else None,
+                    "kv_dtype": kv_dtype,
                 },
                 "estimates": [e.to_dict() for e in results],
                 "max_batch": None if best is None else best.to_dict(),

@@ -62,6 +62,7 @@ def estimate(
     kbit_prep: bool = False,
     max_new_tokens: int | None = None,
     cache: str = "dynamic",
+    kv_dtype: str | None = None,
     step: Step | None = None,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
@@ -136,7 +137,8 @@ def estimate(
     the prompt (the batch's token ids, or ``seq_len`` tokens for a named model) by a causal
     language model: the prefill and the last decode step are traced, with the model's own
     cache class (``cache="dynamic"``, transformers' default, ``"static"``, ``"quantized"``
-    or ``"offloaded"``, which keeps the layers it is not using in host memory), and the
+    or ``"offloaded"``, which keeps the layers it is not using in host memory; ``kv_dtype``
+    ``"int2"`` halves the quantized cache's ``"int4"``), and the
     peak is the larger. ``breakdown["kv_cache"]`` is the cache in device memory at that
     peak.
 

@@ -30,7 +30,8 @@ bytes are a host transfer in the step's time.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -38,12 +39,15 @@ from torch import nn
 
 from vramctl.estimator._spec import EstimateError
 
-__all__ = ["CACHES", "cache_tensors", "run_generate"]
+__all__ = ["CACHES", "cache_tensors", "check_kv_dtype", "run_generate"]
 
 #: The cache classes ``cache=`` takes (transformers' ``cache_implementation``; ``quantized``
 #: is its ``QuantizedCache`` with its defaults: optimum-quanto, 4 bits, groups of 64, the last
 #: 128 tokens kept unquantized).
 CACHES = ("dynamic", "static", "quantized", "offloaded")
+
+#: The quantized cache's widths (``kv_dtype``): optimum-quanto's ``nbits``.
+QUANTIZED_KV = {"int4": 4, "int2": 2}
 
 #: What a traced offloaded cache needs of the trace: ``(unrecorded, register, transfer)``: a
 #: context that records nothing, a function that counts tensors as live device memory, one
@@ -66,8 +70,29 @@ def _inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     )
 
 
+def check_kv_dtype(cache: str, kv_dtype: str | None) -> None:
+    """Raise where ``kv_dtype`` is not a width of ``cache``."""
+    if kv_dtype is None:
+        return
+    if kv_dtype not in QUANTIZED_KV:
+        raise EstimateError(
+            f"kv_dtype must be one of {', '.join(QUANTIZED_KV)} (the quantized cache's "
+            f"widths), got {kv_dtype!r}"
+        )
+    if cache != "quantized":
+        raise EstimateError(
+            f"kv_dtype={kv_dtype!r} is the quantized cache's width: pass cache='quantized' "
+            f"(transformers keeps a {cache} cache in the model's dtype)"
+        )
+
+
 def _new_cache(
-    model: nn.Module, kind: str, length: int, source: int = 0, hooks: Hooks | None = None
+    model: nn.Module,
+    kind: str,
+    length: int,
+    source: int = 0,
+    hooks: Hooks | None = None,
+    kv_dtype: str | None = None,
 ) -> Any:
     """The cache ``generate`` makes: ``length`` tokens in all (a static cache holds every one
     but the last generated); an encoder-decoder's pairs it with a cross-attention cache of
@@ -96,7 +121,8 @@ def _new_cache(
         from vramctl._optional import require
 
         require("optimum.quanto", extra="finetune", what="a quantized KV cache")
-        return transformers.QuantizedCache(backend="quanto", config=config)
+        nbits = QUANTIZED_KV[kv_dtype or "int4"]
+        return transformers.QuantizedCache(backend="quanto", config=config, nbits=nbits)
     if is_encoder_decoder(model):
         return transformers.EncoderDecoderCache(
             transformers.DynamicCache(config=decoder), transformers.DynamicCache(config=decoder)
@@ -120,6 +146,44 @@ def cache_tensors(cache: Any) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor):
                 out.extend(_plain(value))
     return out
+
+
+_PACKING = threading.Lock()
+_PACKERS = [0]
+
+
+@contextlib.contextmanager
+def _quanto_packs_fakes() -> Iterator[None]:
+    """optimum-quanto packs a quantized tensor's integers (two or four to a byte) only when
+    they come as a plain ``torch.Tensor`` (``WeightQBitsTensor.__init__`` tests
+    ``type(data) is torch.Tensor``): a fake tensor is kept unpacked, two to four times its
+    real size. While a quantized cache is traced, fakes are packed as plain tensors are
+    (their real path; plain tensors' is unchanged). Undone when the last trace using it
+    ends, even on failure."""
+    from optimum.quanto.tensor.packed import PackedTensor
+    from optimum.quanto.tensor.weights.qbits import WeightQBitsTensor
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    with _PACKING:
+        if _PACKERS[0] == 0:
+            original = WeightQBitsTensor.__init__
+
+            def init(self: Any, qtype: Any, *args: Any, **kwargs: Any) -> None:
+                # (qtype, axis, group_size, size, stride, data, scale, shift): data is 5th
+                if len(args) > 4 and isinstance(args[4], FakeTensor):
+                    args = (*args[:4], PackedTensor.pack(args[4], qtype.bits), *args[5:])
+                original(self, qtype, *args, **kwargs)
+
+            init.__wrapped__ = original  # type: ignore[attr-defined]
+            WeightQBitsTensor.__init__ = init
+        _PACKERS[0] += 1
+    try:
+        yield
+    finally:
+        with _PACKING:
+            _PACKERS[0] -= 1
+            if _PACKERS[0] == 0:
+                WeightQBitsTensor.__init__ = WeightQBitsTensor.__init__.__wrapped__
 
 
 def _resident(cache: Any) -> list[torch.Tensor]:
@@ -253,6 +317,7 @@ def run_generate(
     unrecorded: Callable[[], Any] | None = None,
     register: Callable[[list[torch.Tensor]], None] | None = None,
     transfer: Callable[[int], None] = lambda _: None,
+    kv_dtype: str | None = None,
 ) -> None:
     """A greedy ``generate`` of ``max_new_tokens`` after the prompt in ``batch``.
 
@@ -260,13 +325,15 @@ def run_generate(
     is a context in which the trace records nothing and ``register`` counts tensors made
     there as live: the prefill and the last step are traced, and the cache between them is
     built by one unrecorded forward (see the module). ``transfer`` counts the bytes an
-    offloaded cache moves between host and device.
+    offloaded cache moves between host and device. ``kv_dtype`` is the quantized cache's
+    width (:data:`QUANTIZED_KV`).
     """
     check_generates(model)
     if max_new_tokens < 1:
         raise EstimateError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if cache not in CACHES:
         raise EstimateError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
+    check_kv_dtype(cache, kv_dtype)
     hooks: Hooks | None = None
     if cache == "offloaded":
         if unrecorded is None:
@@ -274,7 +341,8 @@ def run_generate(
         else:
             assert register is not None
             hooks = (unrecorded, register, transfer)
-    with torch.no_grad():
+    traced_quanto = cache == "quantized" and unrecorded is not None
+    with torch.no_grad(), _quanto_packs_fakes() if traced_quanto else contextlib.nullcontext():
         phase("forward")
         if is_encoder_decoder(model):
             step, ids, mask, source = _encoder_decoder(model, batch)
@@ -286,7 +354,7 @@ def run_generate(
         total = ids.shape[1] + max_new_tokens
 
         def new_cache() -> Any:
-            return _new_cache(model, cache, total, source, hooks)
+            return _new_cache(model, cache, total, source, hooks, kv_dtype)
 
         first = [ids, mask]  # handed over: the loop frees them when generate would
         del ids, mask

@@ -173,6 +173,7 @@ def max_batch_size(
     kbit_prep: bool = False,
     max_new_tokens: int | None = None,
     cache: str = "dynamic",
+    kv_dtype: str | None = None,
     step: Step | None = None,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.

@@ -78,8 +78,13 @@ class Step:
     #: ``seq_len`` tokens for a named model), greedily, one at a time.
     max_new_tokens: int | None = None
     #: mode="generate": the cache class, ``"dynamic"`` (transformers' default: it grows by
-    #: concatenation) or ``"static"`` (allocated at its whole length on the first step).
+    #: concatenation), ``"static"`` (allocated at its whole length on the first step),
+    #: ``"quantized"`` (optimum-quanto's) or ``"offloaded"`` (in host memory between uses).
     cache: str = "dynamic"
+    #: mode="generate", with ``cache="quantized"``: the cache's integer width, ``"int4"``
+    #: (transformers' default) or ``"int2"`` (None: the cache's default; the other caches
+    #: keep keys and values in the model's dtype).
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.tf32 is None:

@@ -30,6 +30,7 @@ from vramctl.estimator._build import (
     trainable,
 )
 from vramctl.estimator._distributed import DDPStandIn, FakeWorld, wrap_fake
+from vramctl.estimator._generate import check_kv_dtype
 from vramctl.estimator._hub import check_positions
 from vramctl.estimator._parallel import Parallel
 from vramctl.estimator._quant import (
@@ -230,9 +231,10 @@ class Session:
                 ),
             )
         if self.spec.mode == "generate":
+            kv = f", {self.spec.kv_dtype}" if self.spec.kv_dtype else ""
             note = (
                 f"generate: the prefill and the last of {self.spec.max_new_tokens} tokens "
-                f"({self.spec.cache} cache) traced; step_seconds is the time of those two "
+                f"({self.spec.cache} cache{kv}) traced; step_seconds is the time of those two "
                 f"forwards, not of the whole generation's {self.spec.max_new_tokens} steps"
             )
             est = dataclasses.replace(est, notes=(*est.notes, note))
@@ -295,9 +297,12 @@ def open_session(model: ModelSource, step: Step, rates: Rates) -> Session:
         grad_accumulation=step.grad_accumulation,
         max_new_tokens=step.max_new_tokens or 0,
         cache=step.cache,
+        kv_dtype=step.kv_dtype,
     )
     if step.mode == "generate" and not step.max_new_tokens:
         raise EstimateError("mode='generate' needs max_new_tokens (the tokens after the prompt)")
+    if step.mode == "generate":
+        check_kv_dtype(step.cache, step.kv_dtype)
     if step.mode == "generate" and step.cache == "offloaded" and not target.cuda:
         raise EstimateError(
             "cache='offloaded' keeps the cache in host memory while a GPU computes: give a GPU "

@@ -90,6 +90,7 @@ class StepSpec:
     #: mode="generate": the tokens generated after the prompt, and the cache class.
     max_new_tokens: int = 0
     cache: str = "dynamic"
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -230,7 +231,9 @@ def run_step(
         from vramctl.estimator._generate import run_generate
 
         with spec.forward_context():
-            run_generate(model, batch, spec.max_new_tokens, spec.cache, phase=phase)
+            run_generate(
+                model, batch, spec.max_new_tokens, spec.cache, phase=phase, kv_dtype=spec.kv_dtype
+            )
         return
     phase("forward")
     with spec.forward_context():

@@ -339,6 +339,7 @@ def _generate(
         run_generate(
             session.model, batch, spec.max_new_tokens, spec.cache,
             phase=phase, unrecorded=unrecorded, register=register, transfer=transfer,
+            kv_dtype=spec.kv_dtype,
         )  # fmt: skip
 
 
