@@ -347,6 +347,10 @@ def test_a_generate_job_is_priced_by_its_whole_generation(worker: EstimateWorker
     # a longer generation holds a longer cache
     assert need > price(spec(**gen, max_new_tokens=8), "sim:T4-16GB")
     assert JobSpec.from_dict(job.to_dict()) == job
+    # an offloaded cache keeps the layers it is not using in host memory: it needs less
+    offloaded = spec(**gen, max_new_tokens=256, cache="offloaded")
+    assert price(offloaded, "sim:T4-16GB") < need
+    assert JobSpec.from_dict(offloaded.to_dict()) == offloaded
 
 
 @pytest.mark.parametrize(
@@ -356,6 +360,12 @@ def test_a_generate_job_is_priced_by_its_whole_generation(worker: EstimateWorker
         ({"mode": "infer", "max_new_tokens": 8}, "max_new_tokens: only with mode"),
         ({"mode": "generate", "max_new_tokens": 8, "cache": "paged"}, "cache: must be one of"),
         ({"mode": "generate", "max_new_tokens": 0}, "max_new_tokens"),
+        ({"mode": "generate", "max_new_tokens": 8, "kv_dtype": "int2"}, "kv_dtype: only with"),
+        (
+            {"mode": "generate", "max_new_tokens": 8, "cache": "quantized", "kv_dtype": "int8"},
+            "kv_dtype: must be one of int4, int2",
+        ),
+        ({"mode": "infer", "kv_dtype": "int2"}, 'kv_dtype: only with mode = "generate"'),
     ],
 )
 def test_a_generate_jobs_spec_is_checked(fields: dict[str, Any], problem: str) -> None:

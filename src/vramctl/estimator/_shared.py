@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vramctl.estimator._adapter import lora_config
 from vramctl.estimator._calibration import constant_rows
-from vramctl.estimator._generate import CACHES
+from vramctl.estimator._generate import CACHES, QUANTIZED_KV
 from vramctl.estimator._maxbatch import LENGTH_BOUND, SEARCH_INPUT_BYTES
 from vramctl.estimator._quant import quant_spec
 from vramctl.estimator._rates import cpu_profile_path, cpu_throughput
@@ -21,6 +21,7 @@ from vramctl.estimator._target import Target, resolve_target, run_target
 __all__ = [
     "CACHES",
     "LENGTH_BOUND",
+    "QUANTIZED_KV",
     "SEARCH_INPUT_BYTES",
     "VARIANTS",
     "Target",

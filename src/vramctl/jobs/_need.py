@@ -111,6 +111,7 @@ def price(
         allocator_config=_allocator_config(spec),
         max_new_tokens=model.max_new_tokens,
         cache=model.cache or "dynamic",
+        kv_dtype=model.kv_dtype,
     )
     try:
         if estimator is not None:

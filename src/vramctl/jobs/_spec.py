@@ -237,8 +237,9 @@ class ModelNeed:
     ``model`` is a built-in name (:func:`vramctl.estimator.zoo.names`), ``"module:factory"``
     or a Hugging Face id or config path; ``batch_size`` defaults to the job's. An inference
     job that generates (``mode="generate"``) is priced by its whole generation: ``seq_len``
-    prompt tokens, ``max_new_tokens`` after them, with ``cache`` (``dynamic`` or
-    ``static``).
+    prompt tokens, ``max_new_tokens`` after them, with ``cache`` (``dynamic``, ``static``,
+    ``quantized`` or ``offloaded``; ``kv_dtype`` ``int4`` or ``int2``: the quantized one's
+    width).
     """
 
     model: str
@@ -248,8 +249,12 @@ class ModelNeed:
     mode: str = "train"
     max_new_tokens: int | None = None
     cache: str | None = None
+    kv_dtype: str | None = None
 
-    FIELDS = ("model", "batch_size", "seq_len", "precision", "mode", "max_new_tokens", "cache")
+    FIELDS = (
+        "model", "batch_size", "seq_len", "precision", "mode", "max_new_tokens", "cache",
+        "kv_dtype",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -266,7 +271,7 @@ class ModelNeed:
 def _model_problems(path: str, values: Mapping[str, Any]) -> list[str]:
     # The estimator (and PyTorch) only for a job priced by its model, not for every job.
     from vramctl.estimator import MODES, PRECISIONS, zoo
-    from vramctl.estimator._shared import CACHES
+    from vramctl.estimator._shared import CACHES, QUANTIZED_KV
 
     problems: list[str] = []
     model = values.get("model")
@@ -287,7 +292,11 @@ def _model_problems(path: str, values: Mapping[str, Any]) -> list[str]:
     _positive_int(f"{path}.batch_size", values.get("batch_size"), problems)
     _positive_int(f"{path}.seq_len", values.get("seq_len"), problems)
     _positive_int(f"{path}.max_new_tokens", values.get("max_new_tokens"), problems)
-    for key, allowed in (("precision", PRECISIONS), ("mode", MODES), ("cache", CACHES)):
+    choices = (
+        ("precision", PRECISIONS), ("mode", MODES), ("cache", CACHES),
+        ("kv_dtype", tuple(QUANTIZED_KV)),
+    )  # fmt: skip
+    for key, allowed in choices:
         if values.get(key) is not None and values[key] not in allowed:
             problems.append(
                 f"{path}.{key}: must be one of {', '.join(allowed)}, got {values[key]!r}"
@@ -298,9 +307,11 @@ def _model_problems(path: str, values: Mapping[str, Any]) -> list[str]:
             f"{path}.max_new_tokens: missing; a generate job is priced by the tokens it "
             "generates after its seq_len prompt tokens"
         )
-    for key in ("max_new_tokens", "cache"):
+    for key in ("max_new_tokens", "cache", "kv_dtype"):
         if not generates and values.get(key) is not None:
             problems.append(f'{path}.{key}: only with mode = "generate"')
+    if generates and values.get("kv_dtype") is not None and values.get("cache") != "quantized":
+        problems.append(f'{path}.kv_dtype: only with cache = "quantized" (its width)')
     return problems
 
 
