@@ -167,3 +167,52 @@ def test_a_rejection_within_the_estimates_uncertainty_says_so() -> None:
     why = result.plans[0].rejected
     assert "not even a micro-batch of 1 fits with the estimate's uncertainty" in why
     assert "calibrate" in why
+
+
+def test_pruning_keeps_the_choice_and_says_why_it_priced_less() -> None:
+    """Pruned, the planner prices only what can beat the best plan (by what is exact in the
+    time model) and chooses as the exhaustive planner does; every plan it did not price
+    says why."""
+    roomy = plan(_encoder(), _batch, device="cpu", effective_batch=16, precisions=["fp32"])
+    assert roomy.best is not None
+    tight = vramctl.simulate(int(roomy.best.peak_bytes * 0.45 / 0.9))
+    kw: dict[str, object] = dict(
+        device=tight, effective_batch=16, precisions=["fp32", "amp-bf16"], optimizers=["adamw"]
+    )
+    every = plan(_encoder(), _batch, prune=False, **kw)  # type: ignore[arg-type]
+    pruned = plan(_encoder(), _batch, **kw)  # type: ignore[arg-type]
+    assert every.best is not None and pruned.best is not None
+    assert pruned.best.label == every.best.label
+    assert pruned.best.seconds == every.best.seconds
+    traced = [p for p in pruned.plans if p.priced == "traced"]
+    assert len(traced) < len([p for p in every.plans if p.priced == "traced"])
+    skipped = [p for p in pruned.plans if p.priced == "pruned"]
+    assert skipped and all(p.rejected.startswith("not priced: ") for p in skipped)
+    # the same combinations are listed either way
+    combos = {(p.precision, p.checkpointing, p.offload) for p in every.plans}
+    assert {(p.precision, p.checkpointing, p.offload) for p in pruned.plans} == combos
+
+
+def test_a_precision_that_cannot_beat_the_best_plan_is_not_priced_further() -> None:
+    """No plan of a precision is faster than its forward and backward of the whole
+    effective batch at once: where the best plan so far is faster, its other combinations
+    are listed as not priced, with both times."""
+    from vramctl.estimator import Step
+    from vramctl.estimator._shared import resolve_target, run_target
+    from vramctl.optimize._plan import _price_layout
+
+    roomy = plan(_encoder(), _batch, device="cpu", effective_batch=16, precisions=["fp32"])
+    assert roomy.best is not None
+    tight = resolve_target(run_target(vramctl.simulate(int(roomy.best.peak_bytes * 0.45 / 0.9))))
+    step = Step(device=tight, mode="train", tf32=False)
+    args = (None, _encoder(), _batch, step, ["fp32"], ["none", "full"], ["none"], ["adamw"])
+    best = [1e-9]  # as if a plan of another precision took next to nothing
+    plans = _price_layout(*args, effective_batch=16, tf32=False, progress=None, best=best)
+    later = [p for p in plans if p.checkpointing == "full"]
+    assert later and all(p.priced == "pruned" for p in later)
+    assert "fp32 cannot beat the best plan (1e-09 s)" in later[0].rejected
+    # without the prune it is priced
+    plans = _price_layout(
+        *args, effective_batch=16, tf32=False, progress=None, best=[1e-9], prune=False
+    )
+    assert any(p.checkpointing == "full" and p.priced == "traced" for p in plans)

@@ -13,7 +13,7 @@ from vramctl import VramctlError, format_bytes
 from vramctl.cli._common import app, console, emit_json, err, user_errors
 
 if TYPE_CHECKING:
-    from vramctl.optimize import Plan
+    from vramctl.optimize import Plan, PlanResult
 
 __all__ = ["plan_cmd"]
 
@@ -98,6 +98,18 @@ def plan_cmd(
     utilization: Annotated[
         float, typer.Option(min=0.05, max=1.0, help="Share of the memory a plan may use.")
     ] = 0.9,
+    show_all: Annotated[
+        bool,
+        typer.Option("--all", help="Print every plan priced, in a table, and why each lost."),
+    ] = False,
+    exhaustive: Annotated[
+        bool,
+        typer.Option(
+            "--exhaustive",
+            help="Price every combination, even those that cannot beat the best plan "
+            "(slower; the choice is the same).",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Find the fastest way to train MODEL on a device at an effective batch.
@@ -105,16 +117,20 @@ def plan_cmd(
     Prices precision x activation checkpointing x offloading x optimizer x
     micro-batch (with gradient accumulation) on fake tensors, nothing run: each
     combination's largest micro-batch that fits, and its predicted step time.
-    Prints the fastest plan that fits, the runner-up, and why every other was
-    rejected. Takes a minute or more for a large model. Example:
+    Prints the fastest plan that fits, the runner-up, and the fastest plan of each
+    other choice (--all: every plan, and why each lost). Combinations that cannot
+    beat the best by the time model are not priced (--exhaustive prices them).
+    About a minute for GPT-2 on a 2-core machine. Example:
 
         vramctl plan gpt2 --device A10G-24GB --effective-batch 256 --seq-len 512
 
     With --lora or --quant, full fine-tuning, LoRA on a 16-bit base and QLoRA
     (LoRA on 4-bit weights) are priced side by side (needs vramctl[finetune]):
 
-        vramctl plan docs/examples/llama-3.1-8b --device L4-24GB --effective-batch 16 \
-            --seq-len 1024 --lora r=16,alpha=32,targets=all-linear \
+    \b
+        vramctl plan docs/examples/llama-3.1-8b --device L4-24GB \\
+            --effective-batch 16 --seq-len 1024 \\
+            --lora r=16,alpha=32,targets=all-linear \\
             --checkpointing full --offload none --optimizer adamw
     """
     from vramctl.optimize import plan
@@ -145,11 +161,15 @@ def plan_cmd(
             quant=quant_arg,
             kbit_prep=kbit_prep,
             progress=lambda line: status.update(f"pricing {line}"),
+            prune=not exhaustive,
         )
     if as_json:
         emit_json(result.to_dict(), indent=True)
         return
     title = f"{result.model} on {result.device}, effective batch {result.effective_batch}"
+    if not show_all:
+        _summary(result, title)
+        return
     # The settings every plan shares are said once, above the table, so that the
     # table keeps to the axes that vary and stays readable in 80 columns.
     axes: dict[str, Callable[[Plan], str]] = {
@@ -200,3 +220,69 @@ def plan_cmd(
         console.print(f"  {line}", highlight=False)
     if result.best is None:
         raise typer.Exit(1)
+
+
+#: The axes a plan varies on, by name and how a plan reads on it.
+_AXES: dict[str, Callable[[Plan], str]] = {
+    "layout": lambda p: p.parallel or "one process",
+    "tuning": lambda p: p.finetune,
+    "precision": lambda p: p.precision,
+    "ckpt": lambda p: p.checkpointing,
+    "offload": lambda p: p.offload,
+    "optimizer": lambda p: p.optimizer,
+}
+
+
+def _summary(result: PlanResult, title: str) -> None:
+    """The best plan, the runner-up, and the fastest plan of each other value of each axis
+    (or why it has none), a line each."""
+    lines = [title]
+    best = result.best
+    if best is None:
+        lines.append("best: none fits: " + (result.plans[0].rejected if result.plans else ""))
+    else:
+        rate = f", {best.samples_per_second:.1f} samples/s" if best.samples_per_second else ""
+        seconds = f"{best.seconds:.3g} s/step{rate}, " if best.seconds is not None else ""
+        lines.append(f"best: {best.label}")
+        peak = f"peak {format_bytes(best.peak_bytes)} of {format_bytes(best.budget_bytes)}"
+        lines.append(f"      {seconds}{peak}")
+        if result.runner_up is not None:
+            lines.append(f"2nd:  {result.runner_up.label}: {_short(result.runner_up.rejected)}")
+        others = []
+        for axis, of in _AXES.items():
+            values = dict.fromkeys(of(p) for p in result.plans)
+            for value in values:
+                if value != of(best) and len(values) > 1:
+                    family = [p for p in result.plans if of(p) == value]
+                    others.append(f"  {axis} {value}: {_family(result, family)}")
+        if others:
+            lines += ["the fastest with another choice:", *others]
+    pruned = sum(p.priced == "pruned" for p in result.plans)
+    if pruned:
+        lines.append(
+            f"{pruned} of {len(result.plans)} plans not priced: they cannot beat the best "
+            "(--all says why, --exhaustive prices them)"
+        )
+    lines += [f"  {line}" for line in (*result.skipped, *result.notes)]
+    for line in lines:
+        console.print(line, highlight=False)
+    if best is None:
+        raise typer.Exit(1)
+
+
+def _short(rejected: str) -> str:
+    return rejected.replace(" slower than the best", " slower")
+
+
+def _family(result: PlanResult, plans: list[Plan]) -> str:
+    """The fastest fitting plan of ``plans`` against the best, or why none fits."""
+    fitting = [p for p in plans if p.fits]
+    if fitting:
+        fastest = fitting[0]  # the plans are ranked, the fastest first
+        if fastest is result.runner_up:
+            return f"{_short(fastest.rejected)} (the 2nd)"
+        return f"{_short(fastest.rejected)} ({fastest.label})"
+    traced = [p for p in plans if p.priced != "pruned"]
+    if not traced:
+        return plans[0].rejected
+    return "nothing fits: " + min(traced, key=lambda p: p.micro_batch).rejected

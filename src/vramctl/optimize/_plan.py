@@ -395,6 +395,7 @@ def plan(
     adapter: Any = None,
     quant: Any = None,
     kbit_prep: bool = False,
+    prune: bool = True,
 ) -> PlanResult:
     """The fastest plan that fits ``device`` at ``effective_batch`` samples per step.
 
@@ -418,6 +419,10 @@ def plan(
     takes; default :data:`DEFAULT_ADAPTER`), ``quant`` the quantization of the
     ``"qlora"`` plans (default nf4 with double quantization), and ``kbit_prep`` prices
     those as PEFT's ``prepare_model_for_kbit_training`` leaves them.
+
+    ``prune`` (the default) prices only the combinations that can beat the best one by
+    what is exact in the time model (see :func:`_price_layout`); the others are listed
+    with why they were not priced. ``prune=False`` prices every combination.
     """
     t0 = time.perf_counter()
     if effective_batch < 1:
@@ -470,6 +475,7 @@ def plan(
     first_opts = [o for o in opts if o != "adamw-fused"] if len(opts) > 1 else opts
     layouts = _layouts(parallel, mode, effective_batch, skipped)
     steps: dict[str, Step] = {}
+    best_seconds: list[float] = []
     for tuning in tunings:
         steps[tuning] = _tuned(step, tuning, adapter, quant, kbit_prep)
         if tuning == "full":
@@ -481,6 +487,7 @@ def plan(
             plans += _price_layout(
                 layout, module, batch_fn, steps[tuning], tuned_precs, kinds, tuned_offloads,
                 first_opts, effective_batch=effective_batch, tf32=tf32, progress=progress,
+                prune=prune, best=best_seconds,
             )  # fmt: skip
     if "adamw-fused" in opts and len(opts) > 1:
         # the fused kernel changes the optimizer step alone: priced for the fastest three
@@ -569,12 +576,30 @@ def _price_layout(
     effective_batch: int,
     tf32: bool,
     progress: Callable[[str], None] | None,
+    prune: bool = True,
+    best: list[float] | None = None,
 ) -> list[Plan]:
     """Every (precision, checkpointing, offload) of one layout, at each rank's share of the
-    effective batch."""
+    effective batch.
+
+    Each precision's plain combination (the first checkpointing and offload) is priced
+    first, by a full search. Then, with ``prune``, the others are priced only where they
+    can be faster, by what is exact in the time model (``best`` holds the fastest fitting
+    plan's seconds so far, shared across calls):
+
+    - checkpointing and offloading only add recomputation and copies, and splitting a
+      batch into micro-batches only adds per-micro-batch work: no plan of a precision is
+      faster than its forward and backward of the whole effective batch at once (traced
+      by the plain combination's search); where the best plan is faster, the precision's
+      other combinations are not priced;
+    - the others can only fit a larger micro-batch than the plain one: each is traced at
+      the next micro-batch first, and where that does not fit, it would run the plain
+      one's micro-batch at more cost, and is not priced further.
+    """
     dp = _data_parallel(layout)
     share = effective_batch // dp
     plans: list[Plan] = []
+    best = best if best is not None else []
     tuning = _finetune_of(step)
     where = "".join(
         f"{part}, "
@@ -582,49 +607,92 @@ def _price_layout(
         if part
     )
     label = layout.describe() if layout is not None else None
+
+    def pruned(prec: str, kind: str, off: str, why: str, micro: int = 0) -> Plan:
+        micro = micro or share
+        return Plan(
+            precision=prec,
+            checkpointing=kind,
+            offload=off,
+            optimizer=first_opts[0],
+            micro_batch=micro,
+            accumulation=share // micro,
+            tf32=tf32 and prec == "fp32",
+            budget_bytes=_budget(step),
+            rejected=why,
+            priced="pruned",
+            parallel=label,
+            data_parallel=dp,
+            finetune=_finetune_of(step),
+            adapter=step.adapter,
+            quant=step.quant,
+        )
+
+    def note_best(priced: list[Plan]) -> None:
+        for p in priced:
+            if p.fits and p.seconds is not None and (not best or p.seconds < best[0]):
+                best[:] = [p.seconds]
+
+    combos = [(kind, off) for kind in kinds for off in offloads]
+    #: per precision: the plain combination's micro-batch, whether it runs the whole
+    #: share at once (and how), and the least seconds any of its plans can take
+    plain: dict[str, tuple[int, str | None, float | None]] = {}
     for prec in precs:
-        # Checkpointing and offloading only buy a larger micro-batch, at a cost in time:
-        # once a cheaper combination runs the whole effective batch in one micro-batch,
-        # the dearer ones cannot be faster and are not priced.
-        whole: str | None = None
-        for kind in kinds:
-            for off in offloads:
-                if whole is not None:
-                    plans.append(
-                        Plan(
-                            precision=prec,
-                            checkpointing=kind,
-                            offload=off,
-                            optimizer=first_opts[0],
-                            micro_batch=share,
-                            accumulation=1,
-                            tf32=tf32 and prec == "fp32",
-                            budget_bytes=_budget(step),
-                            rejected=f"not priced: {whole} already runs the whole effective "
-                            "batch at once, and this adds recomputation or copies",
-                            priced="pruned",
-                            parallel=label,
-                            data_parallel=dp,
-                            finetune=_finetune_of(step),
-                            adapter=step.adapter,
-                            quant=step.quant,
-                        )
-                    )
-                    continue
-                if progress is not None:
-                    progress(f"{where}{prec}, checkpointing {kind}, offload {off}")
-                priced = _price(
-                    module,
-                    batch_fn,
-                    _combination(step, prec, off, layout, tf32 and prec == "fp32"),
-                    kind=kind,
-                    optimizers=first_opts,
-                    effective_batch=share,
+        kind, off = combos[0]
+        if progress is not None:
+            progress(f"{where}{prec}, checkpointing {kind}, offload {off}")
+        whole_est: list[Estimate] = []
+        priced = _price(
+            module, batch_fn, _combination(step, prec, off, layout, tf32 and prec == "fp32"),
+            kind=kind, optimizers=first_opts, effective_batch=share, whole_out=whole_est,
+        )  # fmt: skip
+        plans += priced
+        note_best(priced)
+        fitting = [p.micro_batch for p in priced if p.fits]
+        whole = (
+            f"checkpointing {kind}, offload {off}"
+            if any(p.fits and p.accumulation == 1 for p in priced)
+            else None
+        )
+        plain[prec] = (max(fitting, default=0), whole, _ideal_seconds(whole_est))
+    for prec in precs:
+        micro0, whole, ideal = plain[prec]
+        for kind, off in combos[1:]:
+            if whole is not None:
+                why = (
+                    f"not priced: {whole} already runs the whole effective batch at once, "
+                    "and this adds recomputation or copies"
                 )
-                plans += priced
-                if any(p.fits and p.accumulation == 1 for p in priced):
-                    whole = f"checkpointing {kind}, offload {off}"
+                plans.append(pruned(prec, kind, off, why))
+                continue
+            if prune and ideal is not None and best and best[0] < ideal:
+                why = (
+                    f"not priced: {prec} cannot beat the best plan ({best[0]:.3g} s): its "
+                    f"forward and backward of the whole effective batch at once take "
+                    f"{ideal:.3g} s"
+                )
+                plans.append(pruned(prec, kind, off, why))
+                continue
+            if progress is not None:
+                progress(f"{where}{prec}, checkpointing {kind}, offload {off}")
+            priced = _price(
+                module, batch_fn, _combination(step, prec, off, layout, tf32 and prec == "fp32"),
+                kind=kind, optimizers=first_opts, effective_batch=share,
+                floor=micro0 if prune and micro0 > 0 else None,
+            )  # fmt: skip
+            plans += priced
+            note_best(priced)
     return plans
+
+
+def _ideal_seconds(whole: list[Estimate]) -> float | None:
+    """The forward and backward of a whole effective batch at once (the optimizer's step
+    left out): less than any plan of its precision takes (see :func:`_price_layout`)."""
+    seconds = whole[0].step_seconds if whole else None
+    if seconds is None:
+        return None
+    phases = whole[0].phase_seconds
+    return seconds - sum(phases.get(k, 0.0) for k in ("optimizer", "host"))
 
 
 def _materialize(
@@ -666,10 +734,17 @@ def _price(
     kind: str,
     optimizers: list[str],
     effective_batch: int,
+    floor: int | None = None,
+    whole_out: list[Estimate] | None = None,
 ) -> list[Plan]:
     """The plans of one combination (``step``: its precision, offload, layout and TF32;
     ``kind``: its checkpointing): the largest micro-batch that fits with AdamW, then each
-    other optimizer at that micro-batch."""
+    other optimizer at that micro-batch.
+
+    ``floor`` is a micro-batch known to fit a cheaper combination: this one is traced at
+    the next micro-batch (a divisor of the effective batch) and up, and where the next
+    does not fit, it is one plan marked dominated. ``whole_out`` receives the estimate
+    of the whole effective batch at once, where it was traced."""
     layout = step.parallel if isinstance(step.parallel, Parallel) else None
     train = step.mode == "train"
     base = Plan(
@@ -704,6 +779,8 @@ def _price(
                 ),
             )
 
+        if floor is not None:
+            return _climb(module, batch_fn, step, base, optimizers, effective_batch, floor)
         try:
             found = search(base.optimizer)
         except VramctlError as exc:
@@ -715,6 +792,8 @@ def _price(
             whole = _at(
                 module, batch_fn, step, base, base.optimizer, effective_batch, effective_batch, None
             )
+            if whole_out is not None and whole.estimate is not None:
+                whole_out.append(whole.estimate)
             if whole.fits:
                 micro = effective_batch
         if micro == 0:
@@ -738,11 +817,7 @@ def _price(
                 )
             ]
         out: list[Plan] = []
-        others = [o for o in optimizers if o != "adamw"]
-        if "optimizer" in offload:
-            # 8-bit states in host memory save the device nothing more
-            others = [o for o in others if o != "adamw-8bit"]
-        for opt in [base.optimizer, *others]:
+        for opt in [base.optimizer, *_others(optimizers, offload)]:
             plan_ = _at(
                 module,
                 batch_fn,
@@ -781,6 +856,61 @@ def _price(
         return out
     finally:
         undo()
+
+
+def _others(optimizers: list[str], offload: str) -> list[str]:
+    """The optimizers priced besides AdamW at its micro-batch."""
+    others = [o for o in optimizers if o != "adamw"]
+    if "optimizer" in offload:
+        # 8-bit states in host memory save the device nothing more
+        others = [o for o in others if o != "adamw-8bit"]
+    return others
+
+
+def _climb(
+    module: nn.Module,
+    batch_fn: Callable[[int], Any],
+    step: Step,
+    base: Plan,
+    optimizers: list[str],
+    effective_batch: int,
+    floor: int,
+) -> list[Plan]:
+    """A combination that can only fit more than ``floor`` (see :func:`_price`): traced
+    at each micro-batch above it until one does not fit."""
+    above = [d for d in _divisors(effective_batch) if d > floor]
+    fitting: Plan | None = None
+    failed: Plan | None = None
+    for micro in above:
+        at = _at(module, batch_fn, step, base, base.optimizer, micro, effective_batch, None)
+        if not at.fits:
+            failed = at
+            break
+        fitting = at
+    if fitting is None:
+        assert failed is not None
+        return [
+            replace(
+                failed,
+                micro_batch=floor,
+                accumulation=effective_batch // floor,
+                fits=False,
+                seconds=None,
+                estimate=None,
+                priced="pruned",
+                rejected=f"not priced: micro-batch {failed.micro_batch} does not fit (peak "
+                f"{format_bytes(failed.peak_bytes)} > {format_bytes(base.budget_bytes)}), so "
+                f"it runs micro-batch {floor}, as a plan without its recomputation or copies does",
+            )
+        ]
+    micro = fitting.micro_batch
+    out = [fitting]
+    for opt in _others(optimizers, base.offload):
+        out.append(_at(module, batch_fn, step, base, opt, micro, effective_batch, None))
+    if failed is not None:
+        why = f"micro-batch {failed.micro_batch} {failed.rejected}"
+        out.append(replace(failed, priced="search", seconds=None, estimate=None, rejected=why))
+    return out
 
 
 def _refused_optimizer(
