@@ -199,7 +199,13 @@ def test_the_command_line_prices_the_fine_tuning_axis(tmp_path: Path) -> None:
     doc = json.loads(result.output)
     assert {p["finetune"] for p in doc["plans"]} == {"lora", "qlora"}
     assert doc["best"]["fits"] is True
-    table = CliRunner().invoke(app, args)
+    summary = CliRunner().invoke(app, args)
+    assert summary.exit_code == 0, summary.output
+    # the best plan, and the fastest plan of the other way to fine-tune against it
+    other = "qlora" if doc["best"]["finetune"] == "lora" else "lora"
+    assert "best: " in summary.output and f"tuning {other}: " in summary.output
+    assert max(len(line) for line in summary.output.splitlines()) <= 80
+    table = CliRunner().invoke(app, [*args, "--all"])
     assert table.exit_code == 0, table.output
     assert "tuning" in table.output and "qlora" in table.output
     # the settings every plan shares are said once, and the table keeps to 80 columns
