@@ -454,6 +454,37 @@ def truth_calibration(root: Any, index: dict[str, Any]) -> tuple[Calibration, st
     )
 
 
+def _gpu_seconds(root: Any, case: dict[str, Any]) -> float | None:
+    """The warm step's operators' CUDA times summed (None for a case kept without its
+    trace, or one recorded untimed)."""
+    from _truth import corpus
+
+    if not case.get("file"):
+        return None
+    try:
+        warm = corpus.load_traces(root, case).get("warm") or {}
+    except corpus.CorpusError:
+        return None
+    times = [t for _, t in warm.get("calls") or [] if t is not None]
+    return sum(times) / 1e6 if times else None
+
+
+def time_stats(pairs: list[tuple[float | None, float | None]]) -> dict[str, Any]:
+    """Step-time errors: mean and median absolute percent error, the largest, and the
+    median ratio of predicted to measured."""
+    errs = [100.0 * (p - m) / m for p, m in pairs if p is not None and m]
+    if not errs:
+        return {"rows": 0, "mape_pct": None, "median_pct": None, "max_pct": None}
+    ratios = [p / m for p, m in pairs if p is not None and m]
+    return {
+        "rows": len(errs),
+        "mape_pct": round(statistics.fmean(abs(e) for e in errs), 1),
+        "median_pct": round(statistics.median(abs(e) for e in errs), 1),
+        "max_pct": round(max(abs(e) for e in errs), 1),
+        "median_ratio": round(statistics.median(ratios), 3),
+    }
+
+
 def truth_main(args: argparse.Namespace) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _truth import corpus
@@ -481,7 +512,7 @@ def truth_main(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     not_estimated: dict[str, str] = {}
     print(f"# {args.truth}: {index['source']} corpus of {device}; calibration: {cal_from}")
-    print(f"{'case':<52}{'predicted':>13}{'measured':>13}{'error':>9}{'reserved':>10}")
+    print(f"{'case':<52}{'predicted':>13}{'measured':>13}{'error':>9}{'reserved':>10}{'time':>10}")
     for case in cases:
         spec = case["spec"]
         warm = (case.get("steps") or {}).get("warm") or {}
@@ -496,15 +527,21 @@ def truth_main(args: argparse.Namespace) -> int:
             "allocated": (est.peak_allocated, warm.get("max_allocated")),
             "reserved": (est.peak_reserved, warm.get("max_reserved")),
             "device": (est.peak_device, warm.get("nvml_bytes")),
+            # the warm step's time: its operators' CUDA times summed (traced cases), and
+            # its wall time; both under the capture's per-call recording
+            "gpu_time": (est.step_seconds, _gpu_seconds(args.truth, case)),
+            "wall_time": (est.step_seconds, warm.get("wall_s")),
         }
         rows.append(row)
         p, m = row["allocated"]
         rp, rm = row["reserved"]
         err = f"{100.0 * (p - m) / m:+.2f}%" if m else "-"
         rerr = f"{100.0 * (rp - rm) / rm:+.1f}%" if rm else "-"
+        tp, tm = row["gpu_time"]
+        terr = f"{100.0 * (tp - tm) / tm:+.0f}%" if tp is not None and tm else "-"
         print(
             f"{case['id']:<52}{format_bytes(p):>13}"
-            f"{format_bytes(m) if m else 'not rec.':>13}{err:>9}{rerr:>10}",
+            f"{format_bytes(m) if m else 'not rec.':>13}{err:>9}{rerr:>10}{terr:>10}",
             flush=True,
         )
     here = {"torch": torch.__version__, "transformers": _common.version("transformers")}
@@ -529,6 +566,9 @@ def truth_main(args: argparse.Namespace) -> int:
         "allocated": stats([r["allocated"] for r in rows]),
         "reserved": stats([r["reserved"] for r in rows]),
         "device": stats([r["device"] for r in rows]),
+        "step_time_gpu": time_stats([r["gpu_time"] for r in rows]),
+        "step_time_wall": time_stats([r["wall_time"] for r in rows]),
+        "step_time_goal_mape_pct": 15.0,
         "version_differences": differences,
         "wall_s": round(time.perf_counter() - started, 1),
     }

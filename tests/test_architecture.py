@@ -38,6 +38,10 @@ _ALLOWED = {
     # A LightningModule's own torch.device (where Lightning put its parameters), read when no
     # vramctl device was named or is active, to resolve the CUDA device it is on.
     'if not dev.active and module.device.type == "cuda":',
+    # transformers' offloaded KV cache runs on CUDA only (its prefetch stream): a generate
+    # run for real checks the model's own parameters' torch device, where no vramctl
+    # device is in hand.
+    'if param is None or param.device.type != "cuda":',
 }
 
 

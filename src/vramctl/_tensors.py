@@ -12,10 +12,29 @@ __all__ = ["storage", "tensor_parts", "tensors"]
 
 
 def tensors(tree: Any) -> Iterator[torch.Tensor]:
-    """The tensors among the leaves of a (nested) container."""
-    for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
+    """The tensors among the leaves of a (nested) container, in pytree's order.
+
+    Tuples, lists and dicts (an operator's arguments and outputs, nearly always) are walked
+    here and scalars skipped; anything else is flattened by pytree, as before."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif type(tree) in (tuple, list):
+        for item in tree:
+            yield from tensors(item)
+    elif type(tree) is dict:
+        for item in tree.values():
+            yield from tensors(item)
+    elif type(tree) not in _LEAVES:
+        for leaf in tree_flatten(tree)[0]:
+            if isinstance(leaf, torch.Tensor):
+                yield leaf
+
+
+#: Types pytree keeps as leaves that are never tensors: an operator's scalar arguments.
+_LEAVES = frozenset(
+    {int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout,
+     torch.memory_format}
+)  # fmt: skip
 
 
 def storage(t: torch.Tensor) -> torch.UntypedStorage | None:

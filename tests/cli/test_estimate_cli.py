@@ -66,6 +66,7 @@ def test_json_reports_every_input_used_defaults_included() -> None:
         "quantization": None,
         "max_new_tokens": None,
         "cache": None,
+        "kv_dtype": None,
     }
     est = doc["estimates"][0]
     assert est["seq_len"] == 256 and est["optimizer"] == "adamw"
