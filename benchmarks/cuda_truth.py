@@ -226,6 +226,7 @@ def _capture_cuda(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
         torch.cuda.empty_cache()
         cold, cold_fig = record.record_cuda_step(step, 0, timed=False)
         warm, warm_fig = record.record_cuda_step(step, 0, timed=True)
+        warm_fig["step_s"] = record.clean_step_seconds(step, 0)
         del built, step
     return {"cold": cold, "warm": warm}, {"cold": cold_fig, "warm": warm_fig}
 

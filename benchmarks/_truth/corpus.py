@@ -51,7 +51,8 @@ ACTIONS = (
 )
 COLUMNS = ("action", "addr", "size", "stream", "call")
 STEPS = ("cold", "warm")
-#: The figures a step may record (bytes, except ``wall_s``); any may be null.
+#: The figures a step may record (bytes, except ``wall_s`` and ``step_s``: the warm step's
+#: time with nothing recorded around it, the median of three); any may be null.
 FIGURES = (
     "max_allocated",
     "max_reserved",
@@ -61,6 +62,7 @@ FIGURES = (
     "reserved_before",
     "alloc_retries",
     "wall_s",
+    "step_s",
 )
 
 

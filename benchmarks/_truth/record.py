@@ -183,6 +183,19 @@ def nvml_process_bytes(index: int) -> int | None:
     return None
 
 
+def clean_step_seconds(step: Callable[[], None], index: int, runs: int = 3) -> float:
+    """The median wall time of ``runs`` more warm steps, nothing recorded around them: what
+    the step takes (the recorded steps' times carry the per-call recording)."""
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize(index)
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize(index)
+        times.append(time.perf_counter() - t0)
+    return round(sorted(times)[len(times) // 2], 5)
+
+
 def record_cuda_step(step: Callable[[], None], index: int, timed: bool) -> tuple[dict, dict]:
     """One real step on ``cuda:index``: its trace and its figures."""
     torch.cuda.synchronize(index)
@@ -379,6 +392,7 @@ def record_simulated(spec: dict[str, Any]) -> tuple[dict[str, dict], dict[str, d
             "reserved_before": before[1],
             "alloc_retries": 0,
             "wall_s": round(wall, 4),
+            "step_s": None,
         }
     del built, step
     gc.collect()
