@@ -216,3 +216,39 @@ def test_a_precision_that_cannot_beat_the_best_plan_is_not_priced_further() -> N
         *args, effective_batch=16, tf32=False, progress=None, best=[1e-9], prune=False
     )
     assert any(p.checkpointing == "full" and p.priced == "traced" for p in plans)
+
+
+def test_an_offloaded_optimizers_host_step_counts_toward_what_cannot_beat_the_best() -> None:
+    """An offloaded optimizer steps on the host once a step, whatever the micro-batch:
+    once seen, a combination that offloads it cannot be faster than the whole batch's
+    forward and backward plus that step."""
+    from vramctl.estimator import Step
+    from vramctl.estimator._shared import resolve_target, run_target
+    from vramctl.optimize._plan import _ideal_seconds, _price_layout
+
+    roomy = plan(_encoder(), _batch, device="cpu", effective_batch=16, precisions=["fp32"])
+    assert roomy.best is not None
+    tight = resolve_target(run_target(vramctl.simulate(int(roomy.best.peak_bytes * 0.45 / 0.9))))
+    step = Step(device=tight, mode="train", tf32=False)
+    kinds, offs = ["none", "full"], ["none", "optimizer"]
+    args = (None, _encoder(), _batch, step, ["fp32"], kinds, offs, ["adamw"])
+    every = _price_layout(*args, effective_batch=16, tf32=False, progress=None, prune=False)
+    # the plain combination's forward and backward of all 16 at once
+    whole = vramctl.estimate(_encoder(), _batch(16), step=step.replace(precision="fp32"))
+    ideal = _ideal_seconds([whole])
+    host = min(
+        p.estimate.phase_seconds["host"]
+        for p in every
+        if p.estimate is not None and p.estimate.phase_seconds.get("host")
+    )
+    assert ideal is not None and host > 0
+    # a best plan between the two bounds: what offloads the optimizer, once its host step
+    # was seen (none + optimizer is priced first), is not priced; full + none is
+    best = [ideal + host / 2]
+    plans = _price_layout(*args, effective_batch=16, tf32=False, progress=None, best=best)
+    full_opt = next(p for p in plans if (p.checkpointing, p.offload) == ("full", "optimizer"))
+    assert full_opt.priced == "pruned"
+    assert "with its optimizer offloaded cannot beat the best plan" in full_opt.rejected
+    assert any(
+        p.checkpointing == "full" and p.offload == "none" and p.priced != "pruned" for p in plans
+    )

@@ -637,6 +637,8 @@ def _price_layout(
     #: per precision: the plain combination's micro-batch, whether it runs the whole
     #: share at once (and how), and the least seconds any of its plans can take
     plain: dict[str, tuple[int, str | None, float | None]] = {}
+    #: per precision: the host's optimizer step of an offloaded optimizer, once seen
+    host_seconds: dict[str, float] = {}
     for prec in precs:
         kind, off = combos[0]
         if progress is not None:
@@ -665,24 +667,41 @@ def _price_layout(
                 )
                 plans.append(pruned(prec, kind, off, why))
                 continue
-            if prune and ideal is not None and best and best[0] < ideal:
-                why = (
-                    f"not priced: {prec} cannot beat the best plan ({best[0]:.3g} s): its "
-                    f"forward and backward of the whole effective batch at once take "
-                    f"{ideal:.3g} s"
-                )
-                plans.append(pruned(prec, kind, off, why))
+            host = host_seconds.get(prec, 0.0) if "optimizer" in off else 0.0
+            if prune and ideal is not None and best and best[0] < ideal + host:
+                plans.append(pruned(prec, kind, off, _cannot_beat(prec, off, best[0], ideal, host)))
                 continue
             if progress is not None:
                 progress(f"{where}{prec}, checkpointing {kind}, offload {off}")
+            seen: list[Estimate] = []
             priced = _price(
                 module, batch_fn, _combination(step, prec, off, layout, tf32 and prec == "fp32"),
                 kind=kind, optimizers=first_opts, effective_batch=share,
-                floor=micro0 if prune and micro0 > 0 else None,
+                floor=micro0 if prune and micro0 > 0 else None, seen=seen,
             )  # fmt: skip
             plans += priced
             note_best(priced)
+            seen += [p.estimate for p in priced if p.estimate is not None]
+            if "optimizer" in off:
+                # the offloaded optimizer's step on the host: once a step, whatever the
+                # micro-batch, checkpointing or activations' offload (the least seen)
+                took = [e.phase_seconds.get("host", 0.0) for e in seen]
+                took = [t for t in [*took, host_seconds.get(prec, 0.0)] if t > 0]
+                if took:
+                    host_seconds[prec] = min(took)
     return plans
+
+
+def _cannot_beat(prec: str, off: str, best: float, ideal: float, host: float) -> str:
+    """Why a combination that cannot beat the best plan was not priced."""
+    what = f"{prec} with its optimizer offloaded" if host else prec
+    took = f"{ideal:.3g} s" + (
+        f", and the optimizer's step on the host {host:.3g} s" if host else ""
+    )
+    return (
+        f"not priced: {what} cannot beat the best plan ({best:.3g} s): its forward and "
+        f"backward of the whole effective batch at once take {took}"
+    )
 
 
 def _ideal_seconds(whole: list[Estimate]) -> float | None:
@@ -736,6 +755,7 @@ def _price(
     effective_batch: int,
     floor: int | None = None,
     whole_out: list[Estimate] | None = None,
+    seen: list[Estimate] | None = None,
 ) -> list[Plan]:
     """The plans of one combination (``step``: its precision, offload, layout and TF32;
     ``kind``: its checkpointing): the largest micro-batch that fits with AdamW, then each
@@ -780,7 +800,7 @@ def _price(
             )
 
         if floor is not None:
-            return _climb(module, batch_fn, step, base, optimizers, effective_batch, floor)
+            return _climb(module, batch_fn, step, base, optimizers, effective_batch, floor, seen)
         try:
             found = search(base.optimizer)
         except VramctlError as exc:
@@ -875,14 +895,17 @@ def _climb(
     optimizers: list[str],
     effective_batch: int,
     floor: int,
+    seen: list[Estimate] | None = None,
 ) -> list[Plan]:
     """A combination that can only fit more than ``floor`` (see :func:`_price`): traced
-    at each micro-batch above it until one does not fit."""
+    at each micro-batch above it until one does not fit (each estimate put in ``seen``)."""
     above = [d for d in _divisors(effective_batch) if d > floor]
     fitting: Plan | None = None
     failed: Plan | None = None
     for micro in above:
         at = _at(module, batch_fn, step, base, base.optimizer, micro, effective_batch, None)
+        if seen is not None and at.estimate is not None:
+            seen.append(at.estimate)
         if not at.fits:
             failed = at
             break
