@@ -172,14 +172,7 @@ def plan_cmd(
         return
     # The settings every plan shares are said once, above the table, so that the
     # table keeps to the axes that vary and stays readable in 80 columns.
-    axes: dict[str, Callable[[Plan], str]] = {
-        "parallel": lambda p: p.parallel or "one process",
-        "tuning": lambda p: p.finetune,
-        "precision": lambda p: p.precision + ("+tf32" if p.tf32 else ""),
-        "ckpt": lambda p: p.checkpointing,
-        "offload": lambda p: p.offload,
-        "optimizer": lambda p: p.optimizer,
-    }
+    axes = dict(_AXES)
     if not any(p.parallel for p in result.plans):
         del axes["parallel"]
     shared = {
@@ -224,9 +217,9 @@ def plan_cmd(
 
 #: The axes a plan varies on, by name and how a plan reads on it.
 _AXES: dict[str, Callable[[Plan], str]] = {
-    "layout": lambda p: p.parallel or "one process",
+    "parallel": lambda p: p.parallel or "one process",
     "tuning": lambda p: p.finetune,
-    "precision": lambda p: p.precision,
+    "precision": lambda p: p.precision + ("+tf32" if p.tf32 else ""),
     "ckpt": lambda p: p.checkpointing,
     "offload": lambda p: p.offload,
     "optimizer": lambda p: p.optimizer,

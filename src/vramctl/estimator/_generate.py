@@ -241,13 +241,13 @@ def _traced_offloaded(config: Any, hooks: Hooks) -> Any:
             layer: Any = self.layers[nxt]
             layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
             register([layer.keys, layer.values])
-            transfer(_nbytes(layer.keys) + _nbytes(layer.values))
+            transfer(layer.keys.nbytes + layer.values.nbytes)
 
         def offload_layer(self, index: int) -> None:
             layer: Any = self.layers[index]
             if not self.movable[index] or not getattr(layer, "is_initialized", False):
                 return
-            transfer(_nbytes(layer.keys) + _nbytes(layer.values))
+            transfer(layer.keys.nbytes + layer.values.nbytes)
             with unrecorded():  # the host's copies
                 layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
             self.away.add(index)
@@ -264,10 +264,6 @@ def _traced_offloaded(config: Any, hooks: Hooks) -> Any:
 
 def _flags(cache: Any, name: str) -> list[bool]:
     return list(getattr(cache, name, None) or [False] * len(cache.layers))
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _plain(t: torch.Tensor) -> list[torch.Tensor]:

@@ -608,15 +608,14 @@ def _price_layout(
     )
     label = layout.describe() if layout is not None else None
 
-    def pruned(prec: str, kind: str, off: str, why: str, micro: int = 0) -> Plan:
-        micro = micro or share
+    def pruned(prec: str, kind: str, off: str, why: str) -> Plan:
         return Plan(
             precision=prec,
             checkpointing=kind,
             offload=off,
             optimizer=first_opts[0],
-            micro_batch=micro,
-            accumulation=share // micro,
+            micro_batch=share,
+            accumulation=1,
             tf32=tf32 and prec == "fp32",
             budget_bytes=_budget(step),
             rejected=why,
