@@ -14,7 +14,7 @@ from vramctl.cli._app import app
 from vramctl.estimator import Calibration, Throughput, builtin_calibration
 from vramctl.estimator._opcost import OpCost
 from vramctl.estimator._rates import cpu_profile_path, cpu_throughput, measure_throughput
-from vramctl.estimator._timing import gpu_throughput, predict
+from vramctl.estimator._timing import SCHEMA, gpu_throughput, predict
 
 
 class Mlp(nn.Module):
@@ -136,7 +136,7 @@ def test_the_cpu_profile_is_measured_once_and_kept() -> None:
     tp = cpu_throughput(remeasure=True)
     assert path.exists()
     doc = json.loads(path.read_text())
-    assert doc["schema"] == "vramctl.throughput/2"
+    assert doc["schema"] == SCHEMA
     assert Throughput.from_dict(doc) == tp
     assert tp.rates["matmul"]["fp32"] > 1e8  # any CPU does 0.1 GFLOP/s
     assert tp.bandwidth > 1e8
@@ -149,9 +149,15 @@ def test_measure_throughput_reports_every_group() -> None:
     tp = measure_throughput("cpu", scale=0.25)
     # The first estimate on a machine measures it: a seeded run must not see that.
     assert torch.equal(torch.get_rng_state(), seeded)
-    assert set(tp.rates) == {"matmul", "convolution", "attention"}
+    assert {"matmul", "convolution", "attention", "convolution_backward"} <= set(tp.rates)
     assert {"fp32", "bf16"} <= set(tp.rates["matmul"])
     assert tp.op_overhead > 0 and not tp.asynchronous
+    # the measured terms beyond the roofline: arithmetic-bound element-wise operators,
+    # rates by size, a multi-tensor operator's per-tensor cost, a dispatch mode's
+    assert tp.per_element["bernoulli_"] > 0 and tp.per_element["tanh"] > 0
+    assert len(tp.op_curves["convolution_backward:fp32"]) >= 3
+    assert tp.tensor_overhead >= 0 and tp.dispatch_overhead > 0
+    assert tp.step_factor > 0 and tp.overhead_factor > 0
 
 
 def test_calibrate_cpu_prints_json_and_saves() -> None:
@@ -179,3 +185,77 @@ def test_the_cpu_is_measured_under_any_grad_mode(mode: str) -> None:
     with context:
         tp = measure_throughput("cpu", scale=0.25)
     assert tp.op_overhead > 0
+
+
+def _flat(**extra: object) -> Throughput:
+    """A throughput with round figures: 1 TFLOP/s, 100 GB/s, 1 us an operator."""
+    fields: dict[str, object] = {
+        "device": "test",
+        "rates": {"matmul": {"fp32": 1e12}},
+        "bandwidth": 1e11,
+        "op_overhead": 1e-6,
+        "view_overhead": 0.0,
+    }
+    fields.update(extra)
+    return Throughput(**fields)  # type: ignore[arg-type]
+
+
+def test_an_arithmetic_bound_elementwise_operator_takes_its_measured_time() -> None:
+    # dropout's random numbers: a million elements at 5 ns each, against 8 MB at 100 GB/s
+    op = OpCost("memory", "forward", "fp32", 0, 8_000_000, True, True, "bernoulli_", 10**6)
+    plain = predict([op], _flat()).seconds
+    assert plain == pytest.approx(8e-5 + 1e-6)
+    priced = predict([op], _flat(per_element={"bernoulli_": 5e-9})).seconds
+    assert priced == pytest.approx(5e-3 + 1e-6)
+
+
+def test_per_tensor_and_dispatch_mode_costs_add_to_the_overhead() -> None:
+    foreach = OpCost("optimizer", "optimizer", "fp32", 0, 0, True, True, "_foreach_add_", 0, 100)
+    assert predict([foreach], _flat(tensor_overhead=1e-7)).seconds == pytest.approx(1.1e-5)
+    through = OpCost("memory", "forward", "fp32", 0, 0, True, dispatch=True)
+    assert predict([through], _flat(dispatch_overhead=2e-5)).seconds == pytest.approx(2.1e-5)
+
+
+def test_a_host_transfer_on_the_cpu_is_a_memory_copy() -> None:
+    # no host link: a copy reads and writes its bytes at the memory's bandwidth
+    copy = OpCost("transfer", "forward", "other", 0, 10**8, True)
+    assert predict([copy], _flat()).seconds == pytest.approx(2e8 / 1e11 + 1e-6)
+    assert predict([copy], _flat(host_bandwidth=1e10)).seconds == pytest.approx(1e-2 + 1e-6)
+
+
+def test_a_convolutions_backward_takes_its_own_rate_and_small_ones_their_fixed_cost() -> None:
+    curves = {"convolution_backward:fp32": [(10**7, 1e10), (10**9, 1e11)]}
+    tp = _flat(
+        rates={
+            "matmul": {"fp32": 1e12},
+            "convolution": {"fp32": 1e12},
+            "convolution_backward": {"fp32": 1e11},
+        },
+        op_curves=curves,
+    )
+    back = OpCost("convolution", "backward", "fp32", 10**9, 0, True, op="convolution_backward")
+    assert predict([back], tp).seconds == pytest.approx(1e-2 + 1e-6)
+    # below the smallest size measured: the smallest one's time
+    small = OpCost("convolution", "backward", "fp32", 10**5, 0, True, op="convolution_backward")
+    assert predict([small], tp).seconds == pytest.approx(1e-3 + 1e-6)
+    forward = OpCost("convolution", "forward", "fp32", 10**9, 0, True, op="convolution")
+    assert predict([forward], tp).seconds == pytest.approx(1e-3 + 1e-6)
+
+
+def test_selective_checkpointing_prices_its_dispatch_mode() -> None:
+    from vramctl.optimize import apply_checkpointing
+
+    x = torch.randn(8, 64)
+    step = vramctl.Step(device="cpu", throughput=_flat(dispatch_overhead=1e-3))
+
+    def timed(kind: str) -> vramctl.Estimate:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)])
+        apply_checkpointing(model, kind)
+        return vramctl.estimate(model, x, step=step)
+
+    plain, full, selective = timed("none"), timed("full"), timed("selective")
+    assert plain.step_seconds is not None and full.step_seconds is not None
+    assert selective.step_seconds is not None
+    # each operator of the blocks' forward and recomputation pays a millisecond
+    assert selective.step_seconds - full.step_seconds > 10e-3
+    assert abs(full.step_seconds - plain.step_seconds) < 1e-3

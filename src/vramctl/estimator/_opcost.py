@@ -36,6 +36,8 @@ _CONV = {
 }
 #: One recurrent layer per call (the CPU's oneDNN kernels; CUDA's are traced as these).
 _RNN = {"mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"}
+#: Operators that take lists of tensors and pay a fixed cost per tensor.
+_LISTED = ("_foreach_", "_fused_")
 _ATTENTION_PREFIX = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
 #: Operators that make no kernel although their schema does not say they alias.
 _NO_KERNEL = {
@@ -70,6 +72,17 @@ class OpCost:
     kernel: bool
     #: Whether it writes into an input (``add_``, ``_foreach_mul_``): no new output memory.
     inplace: bool = False
+    #: The ATen operator's name (``"bernoulli_"``): the measured per-element costs are
+    #: kept by it.
+    op: str = ""
+    #: Elements of its largest tensor output (of its first input for an in-place one).
+    elements: int = 0
+    #: Tensors in its first list argument (a ``_foreach_`` or fused optimizer operator,
+    #: which pays a fixed cost per tensor).
+    tensors: int = 0
+    #: Whether it ran through a Python dispatch mode of the step's own before reaching the
+    #: trace (selective checkpointing's), which costs a Python call per operator.
+    dispatch: bool = False
 
 
 def _dtype_key(dtype: torch.dtype | None) -> str:
@@ -143,9 +156,17 @@ def _conv_backward_flops(args: tuple[Any, ...]) -> int:
 
 
 def op_cost(
-    func: Any, name: str, phase: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    func: Any,
+    name: str,
+    phase: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: Any,
+    *,
+    dispatch: bool = False,
 ) -> OpCost:
-    """The cost of one operator call (``out`` is what it returned)."""
+    """The cost of one operator call (``out`` is what it returned; ``dispatch``: it ran
+    through a Python dispatch mode of the step's own first)."""
     outs = list(tensors(out))
     ins = list(tensors((args, kwargs)))
     dtype = _dtype_key(ins[0].dtype if ins else (outs[0].dtype if outs else None))
@@ -155,7 +176,7 @@ def op_cost(
         or getattr(func, "namespace", "") == "prim"
     )
     if view:
-        return OpCost("overhead", phase, dtype, 0, 0, False)
+        return OpCost("overhead", phase, dtype, 0, 0, False, op=name, dispatch=dispatch)
     moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
     packet = getattr(func, "overloadpacket", None)
     formula = flop_counter.flop_registry.get(packet) if packet is not None else None
@@ -182,4 +203,12 @@ def op_cost(
         group = "optimizer"
     else:
         group = "memory"
-    return OpCost(group, phase, dtype, flops, moved, True, name.endswith("_"))
+    inplace = name.endswith("_")
+    elements = max((t.numel() for t in outs), default=0)
+    if inplace and ins:
+        elements = ins[0].numel()
+    first = args[0] if args else None
+    listed = len(first) if isinstance(first, (list, tuple)) and name.startswith(_LISTED) else 0
+    return OpCost(
+        group, phase, dtype, flops, moved, True, inplace, name, elements, listed, dispatch
+    )

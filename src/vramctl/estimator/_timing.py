@@ -43,7 +43,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "vramctl.throughput/2"
+SCHEMA = "vramctl.throughput/3"
 #: The share of a GPU's data-sheet peak a typical training step's kernels reach, per
 #: group, where no measured profile exists; ``vramctl calibrate`` replaces them.
 GPU_EFFICIENCY = {"matmul": 0.70, "convolution": 0.50, "attention": 0.45, "memory": 0.75}
@@ -80,27 +80,54 @@ class Throughput:
     #: B/s)`` rows, smallest first; empty: ``bandwidth`` at every size.
     bandwidth_curve: list[tuple[int, float, float]] = field(default_factory=list)
 
-    #: Measured over predicted time of a reference training step (a small transformer
-    #: and a small CNN) on this device: what the micro-benchmarks' best cases leave out
-    #: (frequency under sustained load, caches shared with the rest of the step). Kernel
-    #: times are multiplied by it.
+    #: What kernel times are multiplied by, fitted with ``overhead_factor`` to reference
+    #: training steps measured on this device (a small transformer in fp32 and bf16, a
+    #: small CNN, a stack of tiny layers): what the micro-benchmarks leave out (frequency
+    #: under sustained load, caches shared with the rest of the step).
     step_factor: float = 1.0
+    #: The same for the per-operator overheads (Python, modules, autograd, the
+    #: allocator): fitted with ``step_factor`` to the reference steps' measured times.
+    overhead_factor: float = 1.0
     #: Measured matrix-multiply rates by size where they vary with it: per dtype,
     #: ``(FLOPs of one multiply, FLOP/s)`` rows, smallest first.
     matmul_curve: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    #: Measured rates by size of other operators whose rate varies with it: per
+    #: ``"name:dtype"`` (a group, ``"convolution:fp32"``, or a backward,
+    #: ``"attention_backward:bf16"``), ``(FLOPs of one call, FLOP/s)`` rows, smallest first.
+    op_curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    #: Seconds per element of the element-wise operators whose arithmetic, not their
+    #: memory, bounds them on this device (random numbers, transcendental functions,
+    #: softmax), by ATen name; an operator takes the longer of this and its bytes' time.
+    per_element: dict[str, float] = field(default_factory=dict)
+    #: Seconds per tensor of an operator over a list of tensors (``_foreach_add_``, a
+    #: fused optimizer's step), beyond its fixed ``op_overhead``.
+    tensor_overhead: float = 0.0
+    #: Seconds an operator costs for passing through a Python dispatch mode (selective
+    #: checkpointing runs every operator of its blocks through one).
+    dispatch_overhead: float = 0.0
 
     def matmul_rate(self, dtype: str, flops: int) -> float:
         """FLOP/s of a matrix multiply of ``flops`` (small ones run below the peak)."""
         rows = self.matmul_curve.get(dtype)
         if not rows:
             return self.rate("matmul", dtype)
-        if flops <= rows[0][0]:
-            return rows[0][1]
-        for lo, hi in itertools.pairwise(rows):
-            if flops <= hi[0]:
-                w = (math.log(flops) - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
-                return float(lo[1] + w * (hi[1] - lo[1]))
-        return rows[-1][1]
+        return _along(rows, flops)
+
+    def op_rate(self, group: str, op: str, dtype: str, flops: int) -> float:
+        """FLOP/s of one compute-bound operator: by its measured curve where one exists
+        (its own name's, else its group's backward or forward), else its group's rate."""
+        if group == "matmul" and op not in self.rates:
+            return self.matmul_rate(dtype, flops)
+        for key in (op, f"{group}_backward" if op.endswith("_backward") else group):
+            rows = self.op_curves.get(f"{key}:{dtype}")
+            if rows:
+                # below the smallest measured, the call's fixed cost: the same time
+                return (
+                    _along(rows, flops) if flops >= rows[0][0] else rows[0][1] * flops / rows[0][0]
+                )
+            if dtype in self.rates.get(key, {}):
+                return self.rates[key][dtype]
+        return self.rate(group, dtype)
 
     def memory_bandwidth(self, nbytes: int, inplace: bool) -> float:
         """Bytes per second of a memory-bound kernel moving ``nbytes``."""
@@ -127,12 +154,24 @@ class Throughput:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Throughput:
-        fields = {k: v for k, v in data.items() if k != "schema"}
+        """A kept throughput (an older schema's fields take their defaults)."""
+        known = set(cls.__dataclass_fields__)
+        fields = {k: v for k, v in data.items() if k in known}
         fields["bandwidth_curve"] = [tuple(r) for r in fields.get("bandwidth_curve", [])]
-        fields["matmul_curve"] = {
-            k: [tuple(r) for r in rows] for k, rows in fields.get("matmul_curve", {}).items()
-        }
+        for name in ("matmul_curve", "op_curves"):
+            fields[name] = {k: [tuple(r) for r in rows] for k, rows in fields.get(name, {}).items()}
         return cls(**fields)
+
+
+def _along(rows: list[tuple[int, float]], flops: int) -> float:
+    """A rate from ``(FLOPs, FLOP/s)`` rows, interpolated in log FLOPs."""
+    if flops <= rows[0][0]:
+        return rows[0][1]
+    for lo, hi in itertools.pairwise(rows):
+        if flops <= hi[0]:
+            w = (math.log(flops) - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
+            return float(lo[1] + w * (hi[1] - lo[1]))
+    return rows[-1][1]
 
 
 @dataclass(frozen=True)
@@ -171,21 +210,26 @@ def predict(
         if op.kernel:
             overhead = tp.op_overhead
             dtype = "tf32" if tf32 and op.dtype == "fp32" and op.group == "matmul" else op.dtype
-            rate = (
-                tp.matmul_rate(dtype, op.flops)
-                if op.group == "matmul"
-                else tp.rate(op.group, dtype)
-            )
+            rate = tp.op_rate(op.group, op.op, dtype, op.flops)
             compute = op.flops / rate if op.flops else 0.0
-            link = tp.host_bandwidth or tp.bandwidth / 2  # the host: a copy reads and writes
-            bandwidth = tp.memory_bandwidth(op.bytes, op.inplace)
-            memory = op.bytes / (link if op.group == "transfer" else bandwidth)
+            if op.group == "transfer" and tp.host_bandwidth:
+                memory = op.bytes / tp.host_bandwidth
+            elif op.group == "transfer":  # the host itself: a copy reads and writes
+                memory = 2 * op.bytes / tp.memory_bandwidth(2 * op.bytes, False)
+            else:
+                memory = op.bytes / tp.memory_bandwidth(op.bytes, op.inplace)
+            arithmetic = op.elements * tp.per_element.get(op.op, 0.0)
+            compute = max(compute, arithmetic)
             kernel = max(compute, memory) * tp.step_factor
             if compute > memory:
                 compute_bound += compute
             by_group[op.group] += kernel
             flops += op.flops
             moved += op.bytes
+        overhead += op.tensors * tp.tensor_overhead
+        overhead *= tp.overhead_factor
+        if op.dispatch:
+            overhead += tp.dispatch_overhead
         t = max(kernel, overhead) if tp.asynchronous else kernel + overhead
         by_group["overhead"] += t - kernel
         by_phase[op.phase] = by_phase.get(op.phase, 0.0) + t

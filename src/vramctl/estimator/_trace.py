@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -338,9 +339,29 @@ class Tracer(TorchDispatchMode):
             self.trace.records[sid].freed_phase = self.phase
         if self.record:
             phase = "host" if self.host else self.phase
-            self.trace.costs.append(op_cost(func, name, phase, args, kwargs, out))
+            self.trace.costs.append(
+                op_cost(func, name, phase, args, kwargs, out, dispatch=self._through_mode())
+            )
         self.failed_op = None
         return out
+
+    def _through_mode(self) -> bool:
+        """Whether the operator being traced came through a Python dispatch mode of the
+        step's own (selective checkpointing's caching modes): its handler is a few frames
+        up, beyond torch's wrappers of this one."""
+        frame = sys._getframe(2)
+        for _ in range(5):
+            if frame is None:
+                return False
+            if frame.f_code.co_name == "__torch_dispatch__":
+                owner = frame.f_locals.get("self")
+                return (
+                    isinstance(owner, TorchDispatchMode)
+                    and owner is not self
+                    and not isinstance(owner, (FakeTensorMode, Tracer))
+                )
+            frame = frame.f_back
+        return False
 
     # -- gradient sums -------------------------------------------------------------
 
