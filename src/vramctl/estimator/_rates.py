@@ -196,6 +196,10 @@ def _measure_throughput(dev: torch.device, scale: float) -> Throughput:
     return replace(tp, step_factor=kernels, overhead_factor=overheads)
 
 
+def _self_attention(q: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
 def _forward_backward(
     rates: dict[str, dict[str, float]],
     curves: dict[str, list[tuple[int, float]]],
@@ -253,10 +257,7 @@ def _trained_rates(
         for heads, length, dim in ((4, 64, 48), (8, 256, 64), (8, 512, 64)):
             q = torch.randn(int(4 * scale), heads, length, dim, device=dev, dtype=dtype)
             flops = 4 * q.shape[0] * heads * length * length * dim
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            _forward_backward(
-                rates, curves, "attention", key, lambda q: sdpa(q, q, q), q, flops, sync
-            )
+            _forward_backward(rates, curves, "attention", key, _self_attention, q, flops, sync)
         if cuda:
             continue
         rnn = nn.LSTM(256, 256, batch_first=True).to(dev)
