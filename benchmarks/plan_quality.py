@@ -269,9 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--effective-batch", type=int, default=None, help="samples per step (16)")
     ap.add_argument("--steps", type=int, default=2, help="timed effective batches per plan")
-    ap.add_argument(
-        "--models", default=None, help="comma-separated model names (default: all six)"
-    )
+    ap.add_argument("--models", default=None, help="comma-separated model names (default: all six)")
     args = _common.parse(ap, argv)
     if args.effective_batch is None:
         args.effective_batch = 16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -36,7 +37,9 @@ class Distinct(nn.Module):
 
 
 def test_the_best_plan_fits_and_every_other_says_why() -> None:
-    result = plan(_encoder(), _batch, device="cpu", effective_batch=8, optimizers=["adamw"])
+    result = plan(
+        _encoder(), _batch, device="cpu", effective_batch=8, optimizers=["adamw"], prune=False
+    )
     assert result.best is not None and result.best.fits
     assert result.best.micro_batch * result.best.accumulation == 8
     assert result.best.seconds is not None and result.best.seconds > 0
@@ -252,3 +255,46 @@ def test_an_offloaded_optimizers_host_step_counts_toward_what_cannot_beat_the_be
     assert any(
         p.checkpointing == "full" and p.offload == "none" and p.priced != "pruned" for p in plans
     )
+
+
+def test_a_precision_whose_whole_batch_is_slower_than_the_best_is_not_searched() -> None:
+    """With several precisions, each one's whole effective batch is traced first: the
+    fastest bound is searched first, and a precision the best plan already beats is
+    listed as not priced, its plain combination too."""
+    from vramctl.estimator import Step
+    from vramctl.estimator._shared import resolve_target, run_target
+    from vramctl.optimize._plan import _price_layout
+
+    roomy = plan(_encoder(), _batch, device="cpu", effective_batch=16, precisions=["fp32"])
+    assert roomy.best is not None
+    tight = resolve_target(run_target(vramctl.simulate(int(roomy.best.peak_bytes * 0.45 / 0.9))))
+    step = Step(device=tight, mode="train", tf32=False)
+    precs = ["fp32", "amp-bf16"]
+    args = (None, _encoder(), _batch, step, precs, ["none"], ["none"], ["adamw"])
+    plans = _price_layout(*args, effective_batch=16, tf32=False, progress=None, best=[1e-9])
+    assert {p.precision for p in plans} == set(precs)
+    assert all(p.priced == "pruned" for p in plans)
+    assert all("cannot beat the best plan (1e-09 s)" in p.rejected for p in plans)
+    # with no best yet, the faster-bounded precision is searched and priced
+    plans = _price_layout(*args, effective_batch=16, tf32=False, progress=None, best=[])
+    assert any(p.priced == "traced" for p in plans)
+
+
+def test_plans_within_the_time_models_error_are_called_equivalent() -> None:
+    result = plan(
+        _encoder(), _batch, device="cpu", effective_batch=8, precisions=["fp32"],
+        optimizers=["adamw"], checkpointing=["none", "full"],
+    )  # fmt: skip
+    best = result.best
+    assert best is not None and best.seconds is not None and best.seconds_error
+    low, high = best.seconds_range or (0.0, 0.0)
+    assert low < best.seconds < high
+    assert high / best.seconds - 1 == pytest.approx(best.seconds_error)
+    for p in result.plans:
+        if p is best or not p.fits or p.seconds is None:
+            continue
+        assert p.equivalent_to(best) == (p.seconds * (1 - best.seconds_error) <= high)
+        assert ("within the time model's" in p.rejected) == p.equivalent_to(best)
+    assert result.to_dict()["equivalent_to_best"] == [p.label for p in result.equivalent]
+    far = dataclasses.replace(best, seconds=best.seconds * 10)
+    assert not far.equivalent_to(best)

@@ -235,12 +235,19 @@ def _summary(result: PlanResult, title: str) -> None:
         lines.append("best: none fits: " + (result.plans[0].rejected if result.plans else ""))
     else:
         rate = f", {best.samples_per_second:.1f} samples/s" if best.samples_per_second else ""
-        seconds = f"{best.seconds:.3g} s/step{rate}, " if best.seconds is not None else ""
+        error = f" ±{100 * best.seconds_error:.0f}%" if best.seconds_error else ""
+        seconds = f"{best.seconds:.3g} s/step{error}{rate}, " if best.seconds is not None else ""
         lines.append(f"best: {best.label}")
         peak = f"peak {format_bytes(best.peak_bytes)} of {format_bytes(best.budget_bytes)}"
         lines.append(f"      {seconds}{peak}")
         if result.runner_up is not None:
             lines.append(f"2nd:  {result.runner_up.label}: {_short(result.runner_up.rejected)}")
+        same = result.equivalent
+        if same and best.seconds_error:
+            lines.append(
+                f"      {len(same)} plan{'s' if len(same) > 1 else ''} within the time model's "
+                f"±{100 * best.seconds_error:.0f}% of the best: equivalent to it by the model"
+            )
         others = []
         for axis, of in _AXES.items():
             values = dict.fromkeys(of(p) for p in result.plans)

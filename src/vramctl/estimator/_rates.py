@@ -31,7 +31,14 @@ from vramctl._errors import UnknownDeviceError
 from vramctl.device import gpu_spec
 from vramctl.estimator._calibration import calibration_dir, measured_on
 from vramctl.estimator._target import Target
-from vramctl.estimator._timing import SCHEMA, Rates, Throughput, gpu_throughput
+from vramctl.estimator._timing import (
+    DATA_SHEET_ERROR,
+    MEASURED_ERROR,
+    SCHEMA,
+    Rates,
+    Throughput,
+    gpu_throughput,
+)
 
 __all__ = [
     "RATES",
@@ -192,8 +199,8 @@ def _measure_throughput(dev: torch.device, scale: float) -> Throughput:
         source=f"measured on {_host_description() if not cuda else name}",
         measured=True,
     )
-    kernels, overheads = _step_factors(tp, dev, sync)
-    return replace(tp, step_factor=kernels, overhead_factor=overheads)
+    kernels, overheads, error = _step_factors(tp, dev, sync)
+    return replace(tp, step_factor=kernels, overhead_factor=overheads, error=error)
 
 
 def _self_attention(q: torch.Tensor) -> torch.Tensor:
@@ -410,8 +417,8 @@ def _dispatch_overhead(dev: torch.device, sync: Callable[[], None]) -> float:
 
 def _reference_models() -> list[tuple[nn.Module, torch.Tensor, str]]:
     """Training steps the time model is fitted to: a small transformer with dropout in
-    fp32 and under bf16 autocast, a small CNN, and a stack of tiny layers whose time is
-    almost all per-operator overhead."""
+    fp32 and under bf16 autocast, a small CNN, and two whose time is almost all
+    per-operator overhead (a stack of tiny layers, a narrow transformer under autocast)."""
     layer = nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, dropout=0.1)
     text = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     cnn = nn.Sequential(
@@ -426,21 +433,30 @@ def _reference_models() -> list[tuple[nn.Module, torch.Tensor, str]]:
     tiny: list[nn.Module] = []
     for _ in range(24):
         tiny += [nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16)]
+    # a transformer too narrow for its kernels to matter: a model's own Python per
+    # operator (attention's reshapes, masks, dropout), under autocast
+    narrow = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.1),
+        4,
+        enable_nested_tensor=False,
+    )
     x = torch.randn(8, 128, 256)
     return [
         (text, x, "fp32"),
         (text, x, "amp-bf16"),
         (cnn, torch.randn(8, 3, 64, 64), "fp32"),
         (nn.Sequential(*tiny), torch.randn(4, 16), "fp32"),
+        (narrow, torch.randn(2, 8, 16), "amp-bf16"),
     ]
 
 
 def _step_factors(
     tp: Throughput, dev: torch.device, sync: Callable[[], None]
-) -> tuple[float, float]:
-    """``(kernel factor, overhead factor)``: what the reference steps' kernel and
+) -> tuple[float, float, float]:
+    """``(kernel factor, overhead factor, error)``: what the reference steps' kernel and
     overhead times are multiplied by to best match their measured times (least squares
-    on the relative error; ``(1, 1)`` where one cannot run). The steps are predicted with
+    on the relative error; ``(1, 1)`` where one cannot run), and the largest relative
+    error left, at least :data:`MEASURED_ERROR`. The steps are predicted with
     ``tp`` itself, the throughput being measured (a field of their request: nothing of
     this process's state tells the estimate)."""
     from vramctl.estimator._request import Step
@@ -459,7 +475,7 @@ def _step_factors(
         finally:
             session.close()
         if est.step_seconds is None or measured <= 0:
-            return 1.0, 1.0
+            return 1.0, 1.0, DATA_SHEET_ERROR
         overhead = est.time_breakdown.get("overhead", 0.0)
         rows.append(((est.step_seconds - overhead) / measured, overhead / measured))
     kk = sum(k * k for k, _ in rows)
@@ -468,10 +484,13 @@ def _step_factors(
     det = kk * oo - ko * ko
     if det <= 1e-12:
         total = sum(k + o for k, o in rows)
-        return (len(rows) / total,) * 2 if total > 0 else (1.0, 1.0)
-    a = (oo * sum(k for k, _ in rows) - ko * sum(o for _, o in rows)) / det
-    b = (kk * sum(o for _, o in rows) - ko * sum(k for k, _ in rows)) / det
-    return min(4.0, max(0.5, a)), min(4.0, max(0.5, b))
+        a = b = len(rows) / total if total > 0 else 1.0
+    else:
+        a = (oo * sum(k for k, _ in rows) - ko * sum(o for _, o in rows)) / det
+        b = (kk * sum(o for _, o in rows) - ko * sum(k for k, _ in rows)) / det
+        a, b = min(4.0, max(0.5, a)), min(4.0, max(0.5, b))
+    left = max(abs(a * k + b * o - 1) for k, o in rows)
+    return a, b, max(MEASURED_ERROR, left)
 
 
 def _measure_step(

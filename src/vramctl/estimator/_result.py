@@ -124,6 +124,9 @@ class Estimate:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     #: Where the time model's rates came from (a measured profile, a data sheet).
     throughput: str | None = None
+    #: The relative error of ``step_seconds`` on this device (0.15: within 15%), from
+    #: the time model's measured error there (see :attr:`step_seconds_range`).
+    step_seconds_error: float | None = None
     #: The distributed layout the step was estimated under (``Parallel.describe()``);
     #: None for one process. The peaks and breakdown are then one rank's (rank 0, which
     #: holds the largest shard where shards differ).
@@ -151,6 +154,15 @@ class Estimate:
         """The high (safe) end of what ``nvidia-smi`` may show: ``peak_device`` plus
         ``device_uncertainty``."""
         return self.peak_device + self.device_uncertainty
+
+    @property
+    def step_seconds_range(self) -> tuple[float, float] | None:
+        """``step_seconds`` less and more its relative error: where the step's time is
+        expected to fall (None where no time is predicted)."""
+        if self.step_seconds is None:
+            return None
+        error = self.step_seconds_error or 0.0
+        return self.step_seconds * (1 - error), self.step_seconds * (1 + error)
 
     @property
     def judged_peak(self) -> int:
@@ -207,6 +219,7 @@ class Estimate:
             "time_breakdown_s": dict(self.time_breakdown),
             "phase_seconds": dict(self.phase_seconds),
             "throughput": self.throughput,
+            "step_seconds_range": list(self.step_seconds_range or ()) or None,
             "parallel": self.parallel,
             "adapter": self.adapter,
             "quant": self.quant,
@@ -253,7 +266,8 @@ class Estimate:
             )
         if self.step_seconds is not None:
             lines.append(
-                f"  step time    {self.step_seconds:.4g} s predicted ({self.flops / 1e9:,.1f} "
+                f"  step time    {self.step_seconds:.4g} s predicted "
+                f"(±{100 * (self.step_seconds_error or 0):.0f}%, {self.flops / 1e9:,.1f} "
                 f"GFLOP; rates: {self.throughput})"
             )
         lines += [f"  assumed: {a}" for a in self.assumptions]

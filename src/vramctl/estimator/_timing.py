@@ -49,6 +49,12 @@ SCHEMA = "vramctl.throughput/3"
 GPU_EFFICIENCY = {"matmul": 0.70, "convolution": 0.50, "attention": 0.45, "memory": 0.75}
 #: Host-side cost of one eager operator on a GPU (Python, dispatch, autograd, launch).
 GPU_OP_OVERHEAD = 12e-6
+#: The least relative error a measured profile claims: what the planner's benchmark
+#: measures across plans on the CPU (docs/benchmarks/plan_quality.md), where the
+#: reference steps alone would claim less.
+MEASURED_ERROR = 0.15
+#: The relative error of a data sheet's rates: never checked against a run on the GPU.
+DATA_SHEET_ERROR = 0.5
 #: Efficiency of host-device copies over the link's data-sheet rate.
 HOST_LINK_EFFICIENCY = 0.8
 
@@ -88,6 +94,10 @@ class Throughput:
     #: The same for the per-operator overheads (Python, modules, autograd, the
     #: allocator): fitted with ``step_factor`` to the reference steps' measured times.
     overhead_factor: float = 1.0
+    #: The relative error of a step's predicted time on this device: for a measured
+    #: profile, the largest error left on its reference steps after the fit, and never
+    #: under :data:`MEASURED_ERROR`; for a data sheet, :data:`DATA_SHEET_ERROR`.
+    error: float = 0.5
     #: Measured matrix-multiply rates by size where they vary with it: per dtype,
     #: ``(FLOPs of one multiply, FLOP/s)`` rows, smallest first.
     matmul_curve: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
@@ -285,4 +295,5 @@ def gpu_throughput(spec: GpuSpec, measured: dict[str, Any] | None = None) -> Thr
         host_bandwidth=spec.host_gbs * 1e9 * HOST_LINK_EFFICIENCY,
         source=f"{spec.name} data sheet x efficiency (no measured profile)",
         measured=False,
+        error=DATA_SHEET_ERROR,
     )

@@ -167,6 +167,12 @@ def build_estimate(
             tf32=target.cuda and _tf32_capable(target) and tf32,
             host=rates.host() if on_host and rates is not None else None,
         )
+        notes.append(
+            f"step time: ±{100 * tp.error:.0f}% "
+            f"({'measured on this device' if tp.measured else 'uncalibrated data sheet'}); "
+            "the traced operators only: the training loop's own Python, data loading and "
+            "waits on the host are not in it"
+        )
     cc = target.capability
     bf16 = torch.bfloat16 in (spec.param_dtype, spec.autocast_dtype)
     if bf16 and target.cuda and cc is not None and not cc.bf16:
@@ -216,6 +222,7 @@ def build_estimate(
         time_breakdown=dict(timed.by_group) if timed else {},
         phase_seconds=dict(timed.by_phase) if timed else {},
         throughput=tp.source if tp else None,
+        step_seconds_error=tp.error if tp else None,
         parallel=par.describe() if par is not None else None,
         world_size=par.world_size if par is not None else 1,
         host_per_rank=host,

@@ -85,6 +85,8 @@ class Plan:
     #: Predicted seconds of one effective batch: ``accumulation`` forward and backward
     #: passes and one optimizer step (None where no time model applies).
     seconds: float | None = None
+    #: The time model's relative error on the device (see :attr:`seconds_range`).
+    seconds_error: float | None = None
     #: Why the plan was not chosen (empty for the best).
     rejected: str = ""
     #: How the plan was priced: "traced"; "search" for the micro-batch past the largest
@@ -106,6 +108,23 @@ class Plan:
     @property
     def effective_batch(self) -> int:
         return self.micro_batch * self.accumulation * self.data_parallel
+
+    @property
+    def seconds_range(self) -> tuple[float, float] | None:
+        """``seconds`` less and more the time model's error: where the effective batch's
+        time is expected to fall."""
+        if self.seconds is None:
+            return None
+        error = self.seconds_error or 0.0
+        return self.seconds * (1 - error), self.seconds * (1 + error)
+
+    def equivalent_to(self, other: Plan) -> bool:
+        """Whether the two plans' time ranges overlap: neither is faster by more than the
+        time model can tell."""
+        mine, theirs = self.seconds_range, other.seconds_range
+        if mine is None or theirs is None:
+            return False
+        return mine[0] <= theirs[1] and theirs[0] <= mine[1]
 
     @property
     def samples_per_second(self) -> float | None:
@@ -142,6 +161,7 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
             "seconds": self.seconds,
+            "seconds_range": list(self.seconds_range or ()) or None,
             "samples_per_second": self.samples_per_second,
             "priced": self.priced,
             "rejected": self.rejected,
@@ -183,6 +203,15 @@ class PlanResult:
     def rejected(self) -> list[Plan]:
         return [p for p in self.plans if p is not self.best]
 
+    @property
+    def equivalent(self) -> list[Plan]:
+        """The fitting plans whose time range overlaps the best's: the time model cannot
+        tell them from it (the best is still the fastest predicted)."""
+        best = self.best
+        if best is None:
+            return []
+        return [p for p in self.plans if p is not best and p.fits and p.equivalent_to(best)]
+
     def apply(
         self,
         model: nn.Module,
@@ -206,6 +235,7 @@ class PlanResult:
             "mode": self.mode,
             "best": self.best.to_dict() if self.best else None,
             "runner_up": self.runner_up.to_dict() if self.runner_up else None,
+            "equivalent_to_best": [p.label for p in self.equivalent],
             "plans": [p.to_dict() for p in self.plans],
             "skipped": list(self.skipped),
             "notes": list(self.notes),
@@ -229,7 +259,10 @@ class PlanResult:
 def _slower(p: Plan, best: Plan) -> str:
     """Why a fitting plan lost to ``best``."""
     if best.seconds and p.seconds:
-        return f"{p.seconds / best.seconds - 1:.0%} slower than the best"
+        slower = f"{p.seconds / best.seconds - 1:.0%} slower than the best"
+        if p.equivalent_to(best):
+            slower += f" (within the time model's ±{100 * (best.seconds_error or 0):.0f}%)"
+        return slower
     return "uses more memory than the best (no time prediction)"
 
 
@@ -638,14 +671,31 @@ def _price_layout(
     plain: dict[str, tuple[int, str | None, float | None]] = {}
     #: per precision: the host's optimizer step of an offloaded optimizer, once seen
     host_seconds: dict[str, float] = {}
-    for prec in precs:
+    # With more than one precision, each one's whole effective batch at once is traced
+    # first (a trace each): its time bounds every plan of the precision, so the one with
+    # the least is searched first, and a precision whose bound the best plan beats is
+    # not searched at all.
+    wholes = (
+        _whole_batches(module, batch_fn, step, precs, combos[0][1], layout, tf32, share)
+        if prune and len(precs) > 1 and combos[0][0] == "none"
+        else {}
+    )
+    bound = {prec: _ideal_seconds([est]) for prec, est in wholes.items()}
+    order = sorted(precs, key=lambda p: bound.get(p) or float("inf"))
+    for prec in order:
         kind, off = combos[0]
+        ideal = bound.get(prec)
+        if ideal is not None and best and best[0] < ideal:
+            plans.append(pruned(prec, kind, off, _cannot_beat(prec, off, best[0], ideal, 0.0)))
+            plain[prec] = (0, None, ideal)
+            continue
         if progress is not None:
             progress(f"{where}{prec}, checkpointing {kind}, offload {off}")
         whole_est: list[Estimate] = []
         priced = _price(
             module, batch_fn, _combination(step, prec, off, layout, tf32 and prec == "fp32"),
             kind=kind, optimizers=first_opts, effective_batch=share, whole_out=whole_est,
+            whole_known=wholes.get(prec),
         )  # fmt: skip
         plans += priced
         note_best(priced)
@@ -689,6 +739,35 @@ def _price_layout(
                 if took:
                     host_seconds[prec] = min(took)
     return plans
+
+
+def _whole_batches(
+    module: nn.Module,
+    batch_fn: Callable[[int], Any],
+    step: Step,
+    precs: list[str],
+    offload: str,
+    layout: Parallel | None,
+    tf32: bool,
+    share: int,
+) -> dict[str, Estimate]:
+    """Each precision's plain combination at the whole effective batch at once (one
+    trace each; a precision whose trace fails is left out, and searched as before)."""
+    from vramctl.estimator import estimate
+
+    train = step.mode == "train"
+    found: dict[str, Estimate] = {}
+    for prec in precs:
+        request = _combination(step, prec, offload, layout, tf32 and prec == "fp32")
+        try:
+            found[prec] = estimate(
+                module,
+                batch_fn(share),
+                step=request.replace(optimizer="adamw" if train else None, grad_accumulation=False),
+            )
+        except VramctlError:
+            continue
+    return found
 
 
 def _cannot_beat(prec: str, off: str, best: float, ideal: float, host: float) -> str:
@@ -755,6 +834,7 @@ def _price(
     floor: int | None = None,
     whole_out: list[Estimate] | None = None,
     seen: list[Estimate] | None = None,
+    whole_known: Estimate | None = None,
 ) -> list[Plan]:
     """The plans of one combination (``step``: its precision, offload, layout and TF32;
     ``kind``: its checkpointing): the largest micro-batch that fits with AdamW, then each
@@ -763,7 +843,8 @@ def _price(
     ``floor`` is a micro-batch known to fit a cheaper combination: this one is traced at
     the next micro-batch (a divisor of the effective batch) and up, and where the next
     does not fit, it is one plan marked dominated. ``whole_out`` receives the estimate
-    of the whole effective batch at once, where it was traced."""
+    of the whole effective batch at once, where it was traced (``whole_known``: that
+    estimate, already made)."""
     layout = step.parallel if isinstance(step.parallel, Parallel) else None
     train = step.mode == "train"
     base = Plan(
@@ -809,7 +890,14 @@ def _price(
         if micro < effective_batch:
             # one micro-batch of the whole effective batch holds no earlier gradients
             whole = _at(
-                module, batch_fn, step, base, base.optimizer, effective_batch, effective_batch, None
+                module,
+                batch_fn,
+                step,
+                base,
+                base.optimizer,
+                effective_batch,
+                effective_batch,
+                whole_known,
             )
             if whole_out is not None and whole.estimate is not None:
                 whole_out.append(whole.estimate)
@@ -1001,6 +1089,7 @@ def _at(
         peak_bytes=peak,
         fits=fits,
         seconds=_step_seconds(est, effective_batch // micro),
+        seconds_error=est.step_seconds_error,
         rejected=""
         if fits
         else f"does not fit (peak {format_bytes(peak)} > {format_bytes(base.budget_bytes)})",
