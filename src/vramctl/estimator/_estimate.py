@@ -19,6 +19,7 @@ from vramctl.estimator._rates import RATES
 from vramctl.estimator._request import STEP_FIELDS, Step, step_request
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._session import (
+    Session,
     open_session,
 )
 from vramctl.estimator._spec import (
@@ -155,6 +156,37 @@ def estimate(
     """
     request = step_request(step, {k: v for k, v in locals().items() if k in STEP_FIELDS})
     return estimate_step(model, request, batch, batch_size, seq_len, seconds)
+
+
+class StepSessions:
+    """Sessions of one model kept open across batch sizes, one per request: the model is
+    built on fake tensors once per request, not once per batch (the planner prices a
+    combination at several micro-batches). Close it (or use it as a context manager)."""
+
+    def __init__(self, model: ModelSource) -> None:
+        self.model = model
+        #: (request, its session): a list, since a request's fields need not hash
+        self._open: list[tuple[Step, Session]] = []
+
+    def estimate(self, step: Step, batch: BatchSource, batch_size: int | None) -> Estimate:
+        """:func:`estimate` of ``step`` on ``batch`` (a callable of the batch size)."""
+        t0 = time.perf_counter()
+        session = next((s for k, s in self._open if k == step), None)
+        if session is None:
+            session = open_session(self.model, step, RATES)
+            self._open.append((step, session))
+        est = session.estimate(batch, batch_size, None, None)
+        return dataclasses.replace(est, elapsed=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        while self._open:
+            self._open.pop()[1].close()
+
+    def __enter__(self) -> StepSessions:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def estimate_step(

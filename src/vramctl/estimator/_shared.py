@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from vramctl.estimator._adapter import lora_config
 from vramctl.estimator._calibration import constant_rows
+from vramctl.estimator._estimate import StepSessions
 from vramctl.estimator._generate import CACHES, QUANTIZED_KV
 from vramctl.estimator._maxbatch import LENGTH_BOUND, SEARCH_INPUT_BYTES
 from vramctl.estimator._quant import quant_spec
@@ -24,6 +25,7 @@ __all__ = [
     "QUANTIZED_KV",
     "SEARCH_INPUT_BYTES",
     "VARIANTS",
+    "StepSessions",
     "Target",
     "constant_rows",
     "cpu_profile_path",

@@ -42,8 +42,9 @@ from torch import nn
 from vramctl._errors import VramctlError
 from vramctl._units import format_bytes
 from vramctl.device import ComputeCapability, Device
-from vramctl.estimator import Estimate, EstimateError, Parallel, QuantSpec, Step, max_batch_size
+from vramctl.estimator import Estimate, EstimateError, Parallel, QuantSpec, Step
 from vramctl.estimator._shared import (
+    StepSessions,
     Target,
     quant_spec,
     resolve_source,
@@ -706,6 +707,8 @@ def _price_layout(
             else None
         )
         plain[prec] = (max(fitting, default=0), whole, _ideal_seconds(whole_est))
+    #: what the cheap rules leave to price: (precision, checkpointing, offload)
+    left: list[tuple[str, str, str]] = []
     for prec in precs:
         micro0, whole, ideal = plain[prec]
         for kind, off in combos[1:]:
@@ -720,25 +723,119 @@ def _price_layout(
             if prune and ideal is not None and best and best[0] < ideal + host:
                 plans.append(pruned(prec, kind, off, _cannot_beat(prec, off, best[0], ideal, host)))
                 continue
-            if progress is not None:
-                progress(f"{where}{prec}, checkpointing {kind}, offload {off}")
-            seen: list[Estimate] = []
-            priced = _price(
-                module, batch_fn, _combination(step, prec, off, layout, tf32 and prec == "fp32"),
-                kind=kind, optimizers=first_opts, effective_batch=share,
-                floor=micro0 if prune and micro0 > 0 else None, seen=seen,
-            )  # fmt: skip
-            plans += priced
-            note_best(priced)
-            seen += [p.estimate for p in priced if p.estimate is not None]
-            if "optimizer" in off:
-                # the offloaded optimizer's step on the host: once a step, whatever the
-                # micro-batch, checkpointing or activations' offload (the least seen)
-                took = [e.phase_seconds.get("host", 0.0) for e in seen]
-                took = [t for t in [*took, host_seconds.get(prec, 0.0)] if t > 0]
-                if took:
-                    host_seconds[prec] = min(took)
+            left.append((prec, kind, off))
+    # With a best plan known, each combination left is traced once at its whole
+    # effective batch: no plan of it is faster (its recomputation and copies included),
+    # so the one with the least is priced first, and one the best beats is not priced.
+    # A combination that adds checkpointing or offloading to another takes at least its
+    # time: one whose smaller combination already cannot beat the best is not traced.
+    own: dict[tuple[str, str, str], Estimate] = {}
+    bounds: dict[tuple[str, str, str], float] = {}
+    beaten: dict[tuple[str, str, str], str] = {}
+    for key in sorted(left, key=lambda k: (KINDS_ORDER.get(k[1], 9), OFFLOAD_ORDER.get(k[2], 9))):
+        if not (prune and best):
+            break
+        prec, kind, off = key
+        under = next(
+            (
+                k
+                for k, least in bounds.items()
+                if k[0] == prec and least > best[0] and _adds_to((k[1], k[2]), (kind, off))
+            ),
+            None,
+        )
+        if under is not None:
+            beaten[key] = (
+                f"not priced: it adds recomputation or copies to checkpointing {under[1]}, "
+                f"offload {under[2]}, which cannot beat the best plan ({best[0]:.3g} s)"
+            )
+            continue
+        request = _combination(step, prec, off, layout, tf32 and prec == "fp32")
+        found = _whole_of(module, batch_fn, request, kind, share)
+        least = _bound_of(found, "optimizer" in off) if found is not None else None
+        if found is not None and least is not None:
+            own[key], bounds[key] = found, least
+    for prec, kind, off in sorted(left, key=lambda k: bounds.get(k, 0.0)):
+        micro0 = plain[prec][0]
+        least = bounds.get((prec, kind, off))
+        if (prec, kind, off) in beaten:
+            plans.append(pruned(prec, kind, off, beaten[prec, kind, off]))
+            continue
+        if least is not None and best and best[0] < least:
+            why = (
+                f"not priced: it cannot beat the best plan ({best[0]:.3g} s): its whole "
+                f"effective batch at once takes {least:.3g} s (its optimizer's step on the "
+                "device left out)"
+            )
+            plans.append(pruned(prec, kind, off, why))
+            continue
+        if progress is not None:
+            progress(f"{where}{prec}, checkpointing {kind}, offload {off}")
+        seen: list[Estimate] = []
+        priced = _price(
+            module, batch_fn, _combination(step, prec, off, layout, tf32 and prec == "fp32"),
+            kind=kind, optimizers=first_opts, effective_batch=share,
+            floor=micro0 if prune and micro0 > 0 else None, seen=seen,
+            whole_known=own.get((prec, kind, off)),
+        )  # fmt: skip
+        plans += priced
+        note_best(priced)
+        seen += [p.estimate for p in priced if p.estimate is not None]
+        if "optimizer" in off:
+            # the offloaded optimizer's step on the host: once a step, whatever the
+            # micro-batch, checkpointing or activations' offload (the least seen)
+            took = [e.phase_seconds.get("host", 0.0) for e in seen]
+            took = [t for t in [*took, host_seconds.get(prec, 0.0)] if t > 0]
+            if took:
+                host_seconds[prec] = min(took)
     return plans
+
+
+#: The order combinations add cost in: checkpointing and offloading each add to none.
+KINDS_ORDER = {"none": 0, "selective": 1, "full": 2}
+OFFLOAD_ORDER = {"none": 0, "activations": 1, "optimizer": 1, "activations+optimizer": 2}
+
+
+def _adds_to(smaller: tuple[str, str], larger: tuple[str, str]) -> bool:
+    """Whether ``larger`` (checkpointing, offload) is ``smaller`` with more recomputation or
+    copies: the same or more checkpointing (none below either kind) and offloading (none
+    below each, each below both)."""
+    (k1, o1), (k2, o2) = smaller, larger
+    kinds = k1 == k2 or k1 == "none"
+    offs = o1 == o2 or o1 == "none" or (o2 == "activations+optimizer" and o1 in OFFLOAD_ORDER)
+    return (k1, o1) != (k2, o2) and kinds and offs
+
+
+def _whole_of(
+    module: nn.Module, batch_fn: Callable[[int], Any], request: Step, kind: str, share: int
+) -> Estimate | None:
+    """One combination (``request``, checkpointing ``kind``) at the whole effective batch
+    at once (None where it cannot be traced)."""
+    from vramctl.estimator import estimate
+
+    train = request.mode == "train"
+    undo = apply_checkpointing(module, kind) if kind != "none" else (lambda: None)
+    try:
+        return estimate(
+            module,
+            batch_fn(share),
+            step=request.replace(optimizer="adamw" if train else None, grad_accumulation=False),
+        )
+    except VramctlError:
+        return None
+    finally:
+        undo()
+
+
+def _bound_of(whole: Estimate, offloaded: bool) -> float | None:
+    """The least time any plan of a combination takes, from its whole effective batch at
+    once: its forward and backward (copies and recomputation included) and, with the
+    optimizer offloaded, its step on the host (once a step, at any micro-batch); the
+    device's optimizer step is left out (another optimizer's differs)."""
+    ideal = _ideal_seconds([whole])
+    if ideal is None:
+        return None
+    return ideal + (whole.phase_seconds.get("host", 0.0) if offloaded else 0.0)
 
 
 def _whole_batches(
@@ -865,27 +962,22 @@ def _price(
     )
     offload = base.offload
     undo = apply_checkpointing(module, kind) if kind != "none" else (lambda: None)
+    sessions = StepSessions(module)
     try:
 
-        def search(optimizer: str) -> Any:
-            return max_batch_size(
-                module,
-                batch_fn,
-                limit=effective_batch,
-                step=step.replace(
-                    optimizer=optimizer if train else None,
-                    # a micro-batch after the first holds the earlier ones' gradients
-                    grad_accumulation=train and effective_batch > 1,
-                ),
+        def price(micro: int, optimizer: str = base.optimizer) -> Plan:
+            known = (
+                whole_known if micro == effective_batch and optimizer == base.optimizer else None
+            )
+            return _at(
+                module, batch_fn, step, base, optimizer, micro, effective_batch, known, sessions
             )
 
         if floor is not None:
-            return _climb(module, batch_fn, step, base, optimizers, effective_batch, floor, seen)
-        try:
-            found = search(base.optimizer)
-        except VramctlError as exc:
-            return [replace(base, rejected=f"could not be priced: {exc}")]
-        micro = max((d for d in _divisors(effective_batch) if d <= found.batch_size), default=0)
+            return _climb(price, base, optimizers, effective_batch, floor, seen)
+        micro, traced = _largest_divisor(price, base.budget_bytes, effective_batch)
+        if micro == 0 and traced and traced[min(traced)].rejected.startswith("could not"):
+            return [traced[min(traced)]]
         whole: Plan | None = None
         if micro < effective_batch:
             # one micro-batch of the whole effective batch holds no earlier gradients
@@ -898,13 +990,16 @@ def _price(
                 effective_batch,
                 effective_batch,
                 whole_known,
+                sessions,
             )
             if whole_out is not None and whole.estimate is not None:
                 whole_out.append(whole.estimate)
             if whole.fits:
                 micro = effective_batch
+            traced[effective_batch] = whole
         if micro == 0:
-            one = next((peak for b, peak, _ in found.curve if b == 1), None)
+            first = traced.get(1)
+            one = first.estimate.peak_device if first and first.estimate else None
             why = "not even a micro-batch of 1 fits"
             if one is not None and one > base.budget_bytes:
                 why += f" (peak {format_bytes(one)} > {format_bytes(base.budget_bytes)})"
@@ -923,46 +1018,67 @@ def _price(
                     peak_bytes=one or 0,
                 )
             ]
-        out: list[Plan] = []
-        for opt in [base.optimizer, *_others(optimizers, offload)]:
-            plan_ = _at(
-                module,
-                batch_fn,
-                step,
-                base,
-                opt,
-                micro,
-                effective_batch,
-                found.estimate
-                if found.batch_size == micro < effective_batch and opt == "adamw"
-                else None,
-            )
-            out.append(plan_)
+        out = [traced[micro]]
+        out += [price(micro, opt) for opt in _others(optimizers, offload)]
         larger = [d for d in _divisors(effective_batch) if d > micro]
         if larger:
             nxt = larger[0]
-            traced = {b: peak for b, peak, _ in found.curve}
-            if whole is not None:
-                traced[effective_batch] = whole.peak_bytes
-            peak = traced.get(nxt)
+            above = traced.get(nxt)
             why = f"micro-batch {nxt} does not fit"
-            if peak is not None:
-                why += f" (peak {format_bytes(peak)} > {format_bytes(base.budget_bytes)})"
-            else:
-                why += f" (the largest micro-batch that fits is {found.batch_size})"
+            if above is not None and above.peak_bytes:
+                peak, budget = format_bytes(above.peak_bytes), format_bytes(base.budget_bytes)
+                why += f" (peak {peak} > {budget})"
             out.append(
                 replace(
                     base,
                     micro_batch=nxt,
                     accumulation=effective_batch // nxt,
                     rejected=why,
-                    peak_bytes=peak or 0,
+                    peak_bytes=above.peak_bytes if above is not None else 0,
                     priced="search",
                 )
             )
         return out
     finally:
+        sessions.close()
         undo()
+
+
+def _largest_divisor(
+    price: Callable[[int], Plan], budget: int, effective_batch: int
+) -> tuple[int, dict[int, Plan]]:
+    """The largest divisor of the effective batch below it whose micro-batch fits (0: not
+    even the smallest), and each plan traced on the way: the smallest divisor and a
+    larger one, then from where the line through their peaks meets the budget, up or
+    down until one fits and the next does not (a peak grows with the micro-batch)."""
+    divs = [d for d in _divisors(effective_batch) if d < effective_batch]
+    traced: dict[int, Plan] = {}
+
+    def at(i: int) -> Plan:
+        d = divs[i]
+        if d not in traced:
+            traced[d] = price(d)
+        return traced[d]
+
+    if not divs or not at(0).fits:
+        return 0, traced
+    if len(divs) == 1:
+        return divs[0], traced
+    j = min(len(divs) - 1, 2)
+    low, high = at(0), at(j)
+    i = 0
+    if high.fits:
+        slope = (high.peak_bytes - low.peak_bytes) / (divs[j] - divs[0])
+        reach = [
+            k for k, d in enumerate(divs)
+            if slope <= 0 or low.peak_bytes + slope * (d - divs[0]) <= budget
+        ]  # fmt: skip
+        i = max(j, max(reach, default=j))
+    while i > 0 and not at(i).fits:
+        i -= 1
+    while i + 1 < len(divs) and at(i + 1).fits:
+        i += 1
+    return divs[i], traced
 
 
 def _others(optimizers: list[str], offload: str) -> list[str]:
@@ -975,22 +1091,21 @@ def _others(optimizers: list[str], offload: str) -> list[str]:
 
 
 def _climb(
-    module: nn.Module,
-    batch_fn: Callable[[int], Any],
-    step: Step,
+    price: Callable[..., Plan],
     base: Plan,
     optimizers: list[str],
     effective_batch: int,
     floor: int,
     seen: list[Estimate] | None = None,
 ) -> list[Plan]:
-    """A combination that can only fit more than ``floor`` (see :func:`_price`): traced
-    at each micro-batch above it until one does not fit (each estimate put in ``seen``)."""
+    """A combination that can only fit more than ``floor`` (see :func:`_price`): priced
+    (``price(micro, optimizer)``) at each micro-batch above it until one does not fit
+    (each estimate put in ``seen``)."""
     above = [d for d in _divisors(effective_batch) if d > floor]
     fitting: Plan | None = None
     failed: Plan | None = None
     for micro in above:
-        at = _at(module, batch_fn, step, base, base.optimizer, micro, effective_batch, None)
+        at = price(micro)
         if seen is not None and at.estimate is not None:
             seen.append(at.estimate)
         if not at.fits:
@@ -1016,7 +1131,7 @@ def _climb(
     micro = fitting.micro_batch
     out = [fitting]
     for opt in _others(optimizers, base.offload):
-        out.append(_at(module, batch_fn, step, base, opt, micro, effective_batch, None))
+        out.append(price(micro, opt))
     if failed is not None:
         why = f"micro-batch {failed.micro_batch} {failed.rejected}"
         out.append(replace(failed, priced="search", seconds=None, estimate=None, rejected=why))
@@ -1054,23 +1169,25 @@ def _at(
     micro: int,
     effective_batch: int,
     known: Estimate | None,
+    sessions: StepSessions | None = None,
 ) -> Plan:
     """``base`` with ``optimizer`` at micro-batch ``micro``, priced as ``step`` (its
-    combination's request), or from ``known`` (an estimate of it already made)."""
+    combination's request), or from ``known`` (an estimate of it already made); traced
+    in ``sessions``, where given (the model built once per request)."""
     from vramctl.estimator import estimate
 
     train = step.mode == "train"
     est = known
     if est is None:
+        request = step.replace(
+            optimizer=optimizer if train else None,
+            grad_accumulation=train and micro < effective_batch,
+        )
         try:
-            est = estimate(
-                module,
-                batch_fn(micro),
-                step=step.replace(
-                    optimizer=optimizer if train else None,
-                    grad_accumulation=train and micro < effective_batch,
-                ),
-            )
+            if sessions is not None:
+                est = sessions.estimate(request, batch_fn, micro)
+            else:
+                est = estimate(module, batch_fn(micro), step=request)
         except VramctlError as exc:
             return replace(
                 base,
