@@ -261,7 +261,13 @@ def _trained_rates(
             flops = 2 * x.shape[0] * channels * channels * k * k * side * side
             _forward_backward(rates, curves, "convolution", key, conv, x, flops, sync)
         # a vision transformer's short sequences, a language model's longer ones
-        for heads, length, dim in ((4, 64, 48), (8, 256, 64), (8, 512, 64)):
+        for heads, length, dim in (
+            (4, 64, 48),
+            (8, 64, 48),
+            (8, 128, 64),
+            (8, 256, 64),
+            (8, 512, 64),
+        ):
             q = torch.randn(int(4 * scale), heads, length, dim, device=dev, dtype=dtype)
             flops = 4 * q.shape[0] * heads * length * length * dim
             _forward_backward(rates, curves, "attention", key, _self_attention, q, flops, sync)
@@ -415,9 +421,28 @@ def _dispatch_overhead(dev: torch.device, sync: Callable[[], None]) -> float:
     return max(0.0, through - plain) / max(1, 2 * counter.ops)
 
 
+class _LanguageModel(nn.Module):
+    """A small causal language model as a training script writes one: token embeddings,
+    two transformer layers under a causal mask, a head over an 8,000-token vocabulary and
+    the cross-entropy of the next token (its large softmax, its gradient's zeroed buffer)."""
+
+    def __init__(self, vocab: int = 8000, width: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, 4, 4 * width, batch_first=True, dropout=0.1)
+        self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
+        hidden = self.body(self.embed(ids), mask=mask, is_causal=True)
+        logits = self.head(hidden[:, :-1]).float()
+        return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
 def _reference_models() -> list[tuple[nn.Module, torch.Tensor, str]]:
-    """Training steps the time model is fitted to: a small transformer with dropout in
-    fp32 and under bf16 autocast, a small CNN, and two whose time is almost all
+    """Training steps the time model is fitted to: a small transformer with dropout and a
+    small language model, each in fp32 and under bf16 autocast, a small CNN, and two whose time is almost all
     per-operator overhead (a stack of tiny layers, a narrow transformer under autocast)."""
     layer = nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, dropout=0.1)
     text = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
@@ -441,9 +466,12 @@ def _reference_models() -> list[tuple[nn.Module, torch.Tensor, str]]:
         enable_nested_tensor=False,
     )
     x = torch.randn(8, 128, 256)
+    ids = torch.randint(0, 8000, (4, 128))
     return [
         (text, x, "fp32"),
         (text, x, "amp-bf16"),
+        (_LanguageModel(), ids, "fp32"),
+        (_LanguageModel(), ids, "amp-bf16"),
         (cnn, torch.randn(8, 3, 64, 64), "fp32"),
         (nn.Sequential(*tiny), torch.randn(4, 16), "fp32"),
         (narrow, torch.randn(2, 8, 16), "amp-bf16"),
