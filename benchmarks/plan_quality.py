@@ -1,9 +1,9 @@
 """plan_quality: does vramctl.plan pick a plan that fits and runs near the fastest?
 
 For six small models (two transformers, a vision transformer, a CNN, a speech model and an
-LSTM), and a wider two-layer GPT-2 whose matrix multiplies take most of its time, and
-three simulated devices per model (two for the wide one) (tight, medium and roomy: their budgets put
-the plain fp32 step's largest micro-batch near 15%, 40% and 120% of the effective batch),
+LSTM) and a wider two-layer GPT-2 whose matrix multiplies take most of its time, and three
+simulated devices per model (tight, medium and roomy, two for the wide one: their budgets
+put the plain fp32 step's largest micro-batch near 15%, 40% and 120% of the effective batch),
 ``vramctl.plan`` prices precision x checkpointing x offloading x optimizer x micro-batch
 without running anything. Then every plan it priced as fitting is run for real:
 
