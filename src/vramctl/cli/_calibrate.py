@@ -115,16 +115,21 @@ def _calibrate_cpu(save: bool, as_json: bool) -> None:
     console.print(f"[bold]{tp.source}[/]", highlight=False)
     for group, rates in tp.rates.items():
         shown = ", ".join(f"{k} {v / 1e9:,.1f}" for k, v in rates.items())
-        console.print(f"  {group:<12} GFLOP/s: {shown}", highlight=False)
-    console.print(f"  {'memory':<12} {tp.bandwidth / 1e9:,.1f} GB/s", highlight=False)
+        console.print(f"  {group:<26} GFLOP/s: {shown}", highlight=False)
+    console.print(f"  {'memory':<26} {tp.bandwidth / 1e9:,.1f} GB/s", highlight=False)
     console.print(
-        f"  {'overhead':<12} {tp.op_overhead * 1e6:.1f} us per operator, "
-        f"{tp.view_overhead * 1e6:.1f} us per view",
+        f"  {'overhead':<26} {tp.op_overhead * 1e6:.1f} us per operator, "
+        f"{tp.view_overhead * 1e6:.1f} us per view, {tp.tensor_overhead * 1e6:.2f} us per "
+        f"tensor of a list, {tp.dispatch_overhead * 1e6:.1f} us through a dispatch mode",
         highlight=False,
     )
+    if tp.per_element:
+        slowest = sorted(tp.per_element.items(), key=lambda kv: -kv[1])[:4]
+        shown = ", ".join(f"{k} {v * 1e9:.2f}" for k, v in slowest)
+        console.print(f"  {'ns per element':<26} {shown} ...", highlight=False)
     console.print(
-        f"  {'step factor':<12} {tp.step_factor:.2f} (measured over predicted time of a "
-        "reference step)",
+        f"  {'fitted to reference steps':<26} kernels x{tp.step_factor:.2f}, overheads "
+        f"x{tp.overhead_factor:.2f}; step times within ±{100 * tp.error:.0f}%",
         highlight=False,
     )
     if path is not None:
