@@ -666,6 +666,16 @@ def _price_layout(
             if p.fits and p.seconds is not None and (not best or p.seconds < best[0]):
                 best[:] = [p.seconds]
 
+    def price(prec: str, kind: str, off: str, **found: Any) -> list[Plan]:
+        """One combination's plans (``found``: what :func:`_price` takes besides)."""
+        if progress is not None:
+            progress(f"{where}{prec}, checkpointing {kind}, offload {off}")
+        request = _combination(step, prec, off, layout, tf32 and prec == "fp32")
+        return _price(
+            module, batch_fn, request,
+            kind=kind, optimizers=first_opts, effective_batch=share, **found,
+        )  # fmt: skip
+
     combos = [(kind, off) for kind in kinds for off in offloads]
     #: per precision: the plain combination's micro-batch, whether it runs the whole
     #: share at once (and how), and the least seconds any of its plans can take
@@ -690,14 +700,8 @@ def _price_layout(
             plans.append(pruned(prec, kind, off, _cannot_beat(prec, off, best[0], ideal, 0.0)))
             plain[prec] = (0, None, ideal)
             continue
-        if progress is not None:
-            progress(f"{where}{prec}, checkpointing {kind}, offload {off}")
         whole_est: list[Estimate] = []
-        priced = _price(
-            module, batch_fn, _combination(step, prec, off, layout, tf32 and prec == "fp32"),
-            kind=kind, optimizers=first_opts, effective_batch=share, whole_out=whole_est,
-            whole_known=wholes.get(prec),
-        )  # fmt: skip
+        priced = price(prec, kind, off, whole_out=whole_est, whole_known=wholes.get(prec))
         plans += priced
         note_best(priced)
         fitting = [p.micro_batch for p in priced if p.fits]
@@ -769,12 +773,9 @@ def _price_layout(
             )
             plans.append(pruned(prec, kind, off, why))
             continue
-        if progress is not None:
-            progress(f"{where}{prec}, checkpointing {kind}, offload {off}")
         seen: list[Estimate] = []
-        priced = _price(
-            module, batch_fn, _combination(step, prec, off, layout, tf32 and prec == "fp32"),
-            kind=kind, optimizers=first_opts, effective_batch=share,
+        priced = price(
+            prec, kind, off,
             floor=micro0 if prune and micro0 > 0 else None, seen=seen,
             whole_known=own.get((prec, kind, off)),
         )  # fmt: skip
