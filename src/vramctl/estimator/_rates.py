@@ -274,19 +274,23 @@ def _trained_rates(
         if cuda:
             continue
         rnn = nn.LSTM(256, 256, batch_first=True).to(dev)
-        seq = torch.randn(int(4 * scale), 128, 256, device=dev, requires_grad=True)
         weights = sum(p.numel() for p in rnn.parameters() if p.dim() == 2)
-        flops = 2 * seq.shape[0] * seq.shape[1] * weights
-        with torch.autocast(dev.type, dtype, enabled=dtype != torch.float32):
-            with torch.no_grad():
-                forward = _median(partial(rnn, seq), sync, repeat=5)
-            out = rnn(seq)[0]
-        grad = torch.randn_like(out)
-        backward = partial(
-            torch.autograd.grad, out, [seq, *rnn.parameters()], grad, retain_graph=True
-        )
-        rates["mkldnn_rnn_layer"][key] = flops / forward
-        rates["mkldnn_rnn_layer_backward"][key] = 2 * flops / _median(backward, sync, repeat=5)
+        # one sequence to sixteen: a recurrent layer's steps are small multiplies, whose
+        # rate falls with the batch (in bf16 most of all)
+        for batch in (1, 4, 16):
+            seq = torch.randn(int(batch * scale), 128, 256, device=dev, requires_grad=True)
+            flops = 2 * seq.shape[0] * seq.shape[1] * weights
+            with torch.autocast(dev.type, dtype, enabled=dtype != torch.float32):
+                with torch.no_grad():
+                    forward = flops / _median(partial(rnn, seq), sync, repeat=5)
+                out = rnn(seq)[0]
+            grad = torch.randn_like(out)
+            params = [seq, *rnn.parameters()]
+            backward = partial(torch.autograd.grad, out, params, grad, retain_graph=True)
+            done = 2 * flops / _median(backward, sync, repeat=5)
+            for name, rate in (("mkldnn_rnn_layer", forward), ("mkldnn_rnn_layer_backward", done)):
+                rates[name][key] = rate
+                curves.setdefault(f"{name}:{key}", []).append((flops, rate))
 
 
 def _median(fn: Callable[[], Any], sync: Callable[[], None], *, repeat: int = 7) -> float:
@@ -442,8 +446,9 @@ class _LanguageModel(nn.Module):
 
 def _reference_models() -> list[tuple[nn.Module, torch.Tensor, str]]:
     """Training steps the time model is fitted to: a small transformer with dropout and a
-    small language model, each in fp32 and under bf16 autocast, a small CNN, and two whose time is almost all
-    per-operator overhead (a stack of tiny layers, a narrow transformer under autocast)."""
+    small language model, each in fp32 and under bf16 autocast, a small CNN, and two whose
+    time is almost all per-operator overhead (a stack of tiny layers, a narrow transformer
+    under autocast)."""
     layer = nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, dropout=0.1)
     text = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     cnn = nn.Sequential(
