@@ -26,6 +26,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -349,7 +350,7 @@ class Tracer(TorchDispatchMode):
         """Whether the operator being traced came through a Python dispatch mode of the
         step's own (selective checkpointing's caching modes): its handler is a few frames
         up, beyond torch's wrappers of this one."""
-        frame = sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
         for _ in range(5):
             if frame is None:
                 return False
