@@ -152,6 +152,12 @@ def test_dashboard_loads_updates_and_shows_alerts(
     alert = page.locator(f'#alerts li.alert.level-critical:has-text("{SIM}")')
     alert.first.wait_for(timeout=10_000)
     assert "of memory in use" in alert.first.inner_text()
+    # its level's colour on its border (a feed item's own rule used to outrank the level's)
+    critical = page.evaluate(
+        "() => { const d = document.createElement('div'); d.style.color = 'var(--critical)';"
+        " document.body.append(d); const c = getComputedStyle(d).color; d.remove(); return c; }"
+    )
+    assert alert.first.evaluate("e => getComputedStyle(e).borderLeftColor") == critical
     assert "firing" in (page.text_content("#active-count") or "")
     bar = page.locator(f'.device[data-device="{SIM}"] .bar')
     assert bar.get_attribute("data-level") == "critical"
