@@ -87,9 +87,9 @@ class Throughput:
     bandwidth_curve: list[tuple[int, float, float]] = field(default_factory=list)
 
     #: What kernel times are multiplied by, fitted with ``overhead_factor`` to reference
-    #: training steps measured on this device (a small transformer in fp32 and bf16, a
-    #: small CNN, a stack of tiny layers): what the micro-benchmarks leave out (frequency
-    #: under sustained load, caches shared with the rest of the step).
+    #: training steps measured on this device (see ``_reference_models`` in ``_rates``):
+    #: what the micro-benchmarks leave out (frequency under sustained load, caches shared
+    #: with the rest of the step).
     step_factor: float = 1.0
     #: The same for the per-operator overheads (Python, modules, autograd, the
     #: allocator): fitted with ``step_factor`` to the reference steps' measured times.
@@ -145,13 +145,7 @@ class Throughput:
         if not curve:
             return self.bandwidth
         col = 2 if inplace else 1
-        if nbytes <= curve[0][0]:
-            return curve[0][col]
-        for lo, hi in itertools.pairwise(curve):
-            if nbytes <= hi[0]:
-                w = (math.log(nbytes) - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
-                return float(lo[col] + w * (hi[col] - lo[col]))
-        return curve[-1][col]
+        return _along([(row[0], row[col]) for row in curve], nbytes)
 
     def rate(self, group: str, dtype: str) -> float:
         table = self.rates.get(group) or self.rates["matmul"]
@@ -174,7 +168,7 @@ class Throughput:
 
 
 def _along(rows: list[tuple[int, float]], flops: int) -> float:
-    """A rate from ``(FLOPs, FLOP/s)`` rows, interpolated in log FLOPs."""
+    """A rate from ``(size, rate)`` rows (FLOPs or bytes), interpolated in log size."""
     if flops <= rows[0][0]:
         return rows[0][1]
     for lo, hi in itertools.pairwise(rows):

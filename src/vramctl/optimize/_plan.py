@@ -686,11 +686,13 @@ def _price_layout(
     # first (a trace each): its time bounds every plan of the precision, so the one with
     # the least is searched first, and a precision whose bound the best plan beats is
     # not searched at all.
-    wholes = (
-        _whole_batches(module, batch_fn, step, precs, combos[0][1], layout, tf32, share)
-        if prune and len(precs) > 1 and combos[0][0] == "none"
-        else {}
-    )
+    wholes: dict[str, Estimate] = {}
+    if prune and len(precs) > 1 and combos[0][0] == "none":
+        for prec in precs:
+            request = _combination(step, prec, combos[0][1], layout, tf32 and prec == "fp32")
+            found = _whole_of(module, batch_fn, request, "none", share)
+            if found is not None:  # one that cannot be traced is searched as before
+                wholes[prec] = found
     bound = {prec: _ideal_seconds([est]) for prec, est in wholes.items()}
     order = sorted(precs, key=lambda p: bound.get(p) or float("inf"))
     for prec in order:
@@ -837,35 +839,6 @@ def _bound_of(whole: Estimate, offloaded: bool) -> float | None:
     if ideal is None:
         return None
     return ideal + (whole.phase_seconds.get("host", 0.0) if offloaded else 0.0)
-
-
-def _whole_batches(
-    module: nn.Module,
-    batch_fn: Callable[[int], Any],
-    step: Step,
-    precs: list[str],
-    offload: str,
-    layout: Parallel | None,
-    tf32: bool,
-    share: int,
-) -> dict[str, Estimate]:
-    """Each precision's plain combination at the whole effective batch at once (one
-    trace each; a precision whose trace fails is left out, and searched as before)."""
-    from vramctl.estimator import estimate
-
-    train = step.mode == "train"
-    found: dict[str, Estimate] = {}
-    for prec in precs:
-        request = _combination(step, prec, offload, layout, tf32 and prec == "fp32")
-        try:
-            found[prec] = estimate(
-                module,
-                batch_fn(share),
-                step=request.replace(optimizer="adamw" if train else None, grad_accumulation=False),
-            )
-        except VramctlError:
-            continue
-    return found
 
 
 def _cannot_beat(prec: str, off: str, best: float, ideal: float, host: float) -> str:
