@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+import psutil
 import pytest
 import torch
 
@@ -470,8 +471,18 @@ def test_jobs_view_reads_the_queue_with_the_pages_token(browser: Any, tmp_path: 
         with JobStore(tmp_path / "jobs.db") as store:
             spec = JobSpec(name="elsewhere", command=("true",), memory=MemoryNeed.of_size("2GiB"))
             other = store.submit(spec).id
-            store.move(other, "queued", "admitted", device="sim:other", reserved_bytes=2 * 2**30)
-            store.update(other, admitted_at=time.time())
+            # Its supervisor (this process) is alive: the service's scheduler must not take it
+            # over, and its admission time is set in the same commit as its state.
+            store.move(
+                other,
+                "queued",
+                "admitted",
+                device="sim:other",
+                reserved_bytes=2 * 2**30,
+                admitted_at=time.time(),
+                supervisor_pid=os.getpid(),
+                supervisor_started=psutil.Process().create_time(),
+            )
         page = browser.new_page()
         problems = _watch(page)
         page.goto(f"http://127.0.0.1:{server.dashboard.port}/?token={JOBS_TOKEN}")
