@@ -285,8 +285,9 @@ def test_run_guards_the_function_the_command_line_names(home: Path, tmp_path: Pa
     )
     code = "import torch, steps; print('rows', steps.embed(torch.ones(32, 4)).shape[0])"
     args = ["run", "-m", "1GiB", "--devices", "sim:4GiB", "--cwd", str(tmp_path)]
-    plain = runner.invoke(app, [*args, "--", PY, "-c", code])
+    plain = runner.invoke(app, [*args, "--overrun-retries", "0", "--", PY, "-c", code])
     assert plain.exit_code == 1 and "OutOfMemoryError" in plain.stdout
+    assert "ran out of memory under its share of 1.10 GiB" in plain.output, plain.output
     guarded = runner.invoke(app, [*args, "--guard", "steps:embed", "--", PY, "-c", code])
     assert guarded.exit_code == 0, guarded.output
     assert "rows 32" in guarded.stdout and "the guard of steps:embed ran 1 of 1" in guarded.stdout

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import vramctl
-from vramctl.jobs import JobSpec, JobSpecError, JobStore, MemoryNeed, Scheduler
+from vramctl.jobs import OVERRUN_GROWTH, JobSpec, JobSpecError, JobStore, MemoryNeed, Scheduler
 from vramctl.jobs._store import JobStoreError
 
 PY = sys.executable
@@ -248,7 +250,12 @@ def test_a_cpu_job_whose_processes_pass_its_share_together_is_stopped(
     cpu = vramctl.device.resolve("cpu")
     with JobStore(tmp_path / "jobs.db") as store:
         job = store.submit(
-            JobSpec(name="spread", command=(PY, "-c", SPREAD), memory=MemoryNeed.of_size("150MiB"))
+            JobSpec(
+                name="spread",
+                command=(PY, "-c", SPREAD),
+                memory=MemoryNeed.of_size("150MiB"),
+                overrun_retries=0,
+            )
         )
         _run_jobs(store, [cpu])
         done = store.get(job.id)
@@ -257,6 +264,43 @@ def test_a_cpu_job_whose_processes_pass_its_share_together_is_stopped(
     assert "of host memory, past its reservation of 150.00 MiB (+5%, and 24.00 MiB" in (
         done.reason or ""
     )
+    assert done.overruns == 0 and done.need_bytes is None
+
+
+#: Three processes of 100 MiB each for a moment: together past a share of 150 MiB.
+SPREAD_BRIEFLY = SPREAD.replace("time.sleep(30)", "time.sleep(1.5)")
+
+
+def test_a_job_that_overran_its_share_runs_again_with_what_it_was_seen_to_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VRAMCTL_PROCESS_ALLOWANCE", "24MiB")
+    cpu = vramctl.device.resolve("cpu")
+    reserved: list[int] = []
+    with JobStore(tmp_path / "jobs.db") as store:
+        spec = JobSpec(
+            name="spread",
+            command=(PY, "-c", SPREAD_BRIEFLY),
+            memory=MemoryNeed.of_size("150MiB"),
+            overrun_retries=4,
+        )
+        job = store.submit(spec)
+        sched = Scheduler(store, devices=[cpu], margin=0.0)
+        deadline = time.monotonic() + 90
+        while not store.get(job.id).finished and time.monotonic() < deadline:
+            for admitted in sched.run_once():
+                reserved.append(int(admitted.reserved_bytes or 0))
+            time.sleep(0.05)
+        done = store.get(job.id)
+    assert done.state == "succeeded", done.reason
+    # Stopped at least once, each attempt asking for at least 1.5x the last.
+    assert 1 <= done.overruns <= 4
+    assert len(reserved) == done.overruns + 1 == done.attempts
+    assert reserved[0] == 150 * 2**20
+    for before, after in itertools.pairwise(reserved):
+        assert after >= int(before * OVERRUN_GROWTH)
+    assert done.need_bytes is not None and done.need_bytes >= 225 * 2**20
+    assert done.reason is None  # its last attempt succeeded
 
 
 #: Ways out of the simulated share, each then allocating 600 MiB of the host's memory.
@@ -296,6 +340,7 @@ def test_a_job_that_escapes_its_simulated_share_is_stopped(
                 name="escape",
                 command=(PY, *ESCAPES[escape]),
                 memory=MemoryNeed.of_size("256MiB"),
+                overrun_retries=0,
             )
         )
         _run_jobs(store, [gpu])

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import vramctl
@@ -357,14 +358,16 @@ def test_an_entry_point_is_held_to_its_share_on_a_simulated_gpu(
         args=(str(2 * GiB),),
         env=env,
         memory=MemoryNeed.of_size("1GiB"),
+        overrun_retries=0,  # its overrun ends it
     )
     a, b = store.submit(within), store.submit(beyond)
     with vramctl.simulate("8GiB") as gpu:
         run_all(Scheduler(store, devices=[gpu]))
     assert store.get(a.id).state == "succeeded"
     over = store.get(b.id)
-    assert over.state == "failed"
+    assert over.state == "failed" and over.overruns == 0
     assert "OutOfMemoryError" in Path(over.log_path or "").read_text()
+    assert (over.reason or "").startswith("ran out of memory under its share of 1.10 GiB")
 
 
 # -- a guarded job --------------------------------------------------------------------------
@@ -421,7 +424,7 @@ def test_a_guarded_job_finishes_a_batch_its_share_cannot_hold(
             **kw,
         )
 
-    plain = store.submit(job("plain", "embed"))
+    plain = store.submit(job("plain", "embed", overrun_retries=0))
     embed = store.submit(job("embed", "embed", guard=GuardOptions("steps:embed")))
     train = store.submit(
         job("train", "train", guard=GuardOptions("steps:train", optimizer="steps:optimizer"))
@@ -565,6 +568,36 @@ def test_a_job_whose_supervisor_died_is_not_run_again(store: JobStore, tmp_path:
     assert out.read_text() == "x"  # it ran once
 
 
+def test_a_restarted_scheduler_adopts_no_stranger_with_the_jobs_pid(store: JobStore) -> None:
+    # The job's process ended while no scheduler ran, and its pid went to another process
+    # that leads a session of its own (here: one started for the test). Its start time is
+    # not the job's process's, so it holds no reservation.
+    job = store.submit(spec("orphan", "import time; time.sleep(30)"))
+    with vramctl.simulate("4GiB") as gpu:
+        sched = Scheduler(store, devices=[gpu])
+        running = _orphaned(store, sched, job.id)
+        assert running.pid_started is not None
+        assert abs(running.pid_started - psutil.Process(running.pid).create_time()) < 0.01
+        stranger = subprocess.Popen(
+            [PY, "-c", "import time; time.sleep(30)"], start_new_session=True
+        )
+        try:
+            # The same process: it is held. A stranger under the job's pid: it is not.
+            assert sched.adopt() == [] and store.get(job.id).state == "running"
+            os.killpg(running.pid or 0, signal.SIGKILL)
+            wait_until_gone(running.pid or 0)
+            store.update(
+                job.id, pid=stranger.pid, pid_started=psutil.Process(stranger.pid).create_time() - 5
+            )
+            sched._orphans.clear()
+            (lost,) = sched.adopt()
+            assert lost.state == "failed" and "exit status is unknown" in (lost.reason or "")
+            assert stranger.poll() is None  # no signal went to the stranger
+        finally:
+            stranger.kill()
+            stranger.wait()
+
+
 def test_a_lost_job_runs_again_when_its_spec_says_so(store: JobStore) -> None:
     job = store.submit(spec("orphan", "import time; time.sleep(0.5)", retries=1, rerun_lost=True))
     with vramctl.simulate("4GiB") as gpu:
@@ -706,20 +739,40 @@ print("allocated", x.numel())
 
 
 def test_a_python_command_is_held_to_its_share_on_a_simulated_gpu(store: JobStore) -> None:
-    def job(name: str, n: int) -> JobSpec:
+    def job(name: str, n: int, retries: int = 1) -> JobSpec:
         return JobSpec(
-            name=name, command=(PY, "-c", ALLOCATE, str(n)), memory=MemoryNeed.of_size("1GiB")
+            name=name,
+            command=(PY, "-c", ALLOCATE, str(n)),
+            memory=MemoryNeed.of_size("1GiB"),
+            overrun_retries=retries,
         )
 
-    within, beyond = store.submit(job("within", GiB // 2)), store.submit(job("beyond", 2 * GiB))
+    within = store.submit(job("within", GiB // 2))
+    beyond = store.submit(job("beyond", 2 * GiB, retries=0))
+    again = store.submit(job("again", 2 * GiB))
     plain = store.submit(spec("plain", "import json; print('no torch')"))
+    admitted: dict[str, list[int]] = {}
     with vramctl.simulate("8GiB") as gpu:
-        run_all(Scheduler(store, devices=[gpu]))
+        sched = Scheduler(store, devices=[gpu])
+        deadline = time.monotonic() + 60
+        while any(not store.get(j.id).finished for j in (within, beyond, again, plain)):
+            assert time.monotonic() < deadline, store.counts()
+            for a in sched.run_once():
+                admitted.setdefault(a.id, []).append(int(a.reserved_bytes or 0))
+            time.sleep(0.05)
     assert store.get(within.id).state == "succeeded"
     assert store.get(plain.id).state == "succeeded"
     over = store.get(beyond.id)
     assert over.state == "failed"
     assert "OutOfMemoryError" in Path(over.log_path or "").read_text()
+    # The same overrun, with a retry: queued again needing what it asked for, then done.
+    done = store.get(again.id)
+    log = Path(done.log_path or "").read_text()
+    assert done.state == "succeeded", (done.reason, log)
+    assert done.overruns == 1 and done.attempts == 2 and done.need_bytes == 2 * GiB
+    assert log.count("OutOfMemoryError") >= 1 and "allocated 2147483648" in log
+    first, second = admitted[again.id]
+    assert abs(first - 1.1 * GiB) <= 1 and abs(second - 2.2 * GiB) <= 1
 
 
 @pytest.mark.cuda
@@ -735,12 +788,29 @@ def test_a_python_command_is_held_to_its_share_on_a_gpu(store: JobStore) -> None
                 str(2 * GiB),
             ),
             memory=MemoryNeed.of_size("1GiB"),
+            overrun_retries=0,
+        )
+    )
+    again = store.submit(
+        JobSpec(
+            name="again",
+            command=(
+                PY,
+                "-c",
+                ALLOCATE.replace("torch.uint8)", "torch.uint8, device='cuda')"),
+                str(2 * GiB),
+            ),
+            memory=MemoryNeed.of_size("1GiB"),
         )
     )
     run_all(Scheduler(store, devices=[gpu]))
     over = store.get(big.id)
     assert over.state == "failed"
     assert "OutOfMemoryError" in Path(over.log_path or "").read_text()
+    # Its twin with a retry ran again needing at least what CUDA's error said it asked for.
+    done = store.get(again.id)
+    assert done.state == "succeeded", done.reason
+    assert done.overruns == 1 and (done.need_bytes or 0) >= 2 * GiB
 
 
 def test_the_supervisor_imports_neither_vramctl_nor_torch() -> None:
@@ -781,3 +851,53 @@ def test_the_queue_kept_between_rounds_follows_the_store(store: JobStore) -> Non
         assert again.id == second.id and again.attempts == 1
     assert store.get(gone.id).state == "cancelled"
     assert started == [big.id, late.id, second.id, second.id]
+
+
+# -- overruns and the store's added columns ---------------------------------------------------
+
+
+def test_a_store_of_an_earlier_version_gets_the_columns_added_since(tmp_path: Path) -> None:
+    from vramctl.jobs._store import _ADDED_COLUMNS, _SCHEMA
+
+    old = _SCHEMA
+    for name, ddl in _ADDED_COLUMNS.items():
+        old = old.replace(f",\n    {name} {ddl}", "")
+    assert "pid_started" not in old and "overruns" not in old
+    path = tmp_path / "jobs.db"
+    with sqlite3.connect(path) as conn:
+        conn.executescript(old)
+        conn.execute(
+            "INSERT INTO jobs (id, name, spec, state, submitted_at) VALUES (?, ?, ?, ?, ?)",
+            ("0123456789ab", "old", spec("old", "pass").to_json(), "queued", time.time()),
+        )
+    conn.close()
+    path.chmod(0o600)
+    with JobStore(path) as store:
+        job = store.get("0123456789ab")
+        assert (job.pid_started, job.need_bytes, job.overruns) == (None, None, 0)
+        assert store.move(job.id, "queued", "queued", need_bytes=5, overruns=1)
+    with JobStore(path) as again:  # opened again: nothing to add
+        assert again.get(job.id).overruns == 1
+
+
+def test_a_job_that_overran_past_every_device_fails_rather_than_waits(store: JobStore) -> None:
+    job = store.submit(spec("big", "pass", "3GiB"))
+    with vramctl.simulate("4GiB") as gpu:
+        sched = Scheduler(store, devices=[gpu], launch=lambda j: None)
+        (admitted,) = sched.run_once()
+        # As its supervisor records it: it used 3.9 GiB of its 3.3 GiB share.
+        assert store.move(admitted.id, "admitted", "running", attempts=1)
+        assert store.move(
+            job.id,
+            "running",
+            "queued",
+            peak_bytes=int(3.9 * GiB),
+            need_bytes=int(3.9 * GiB),
+            overruns=1,
+            reason="used 3.90 GiB of GPU memory, past its reservation",
+        )
+        assert sched.run_once() == []
+    done = store.get(job.id)
+    assert done.state == "failed"
+    assert (done.reason or "").endswith("more than any device here can take")
+    assert "needs at least 3.90 GiB" in (done.reason or "")

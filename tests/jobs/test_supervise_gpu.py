@@ -72,13 +72,16 @@ def admitted(
     device: str = "cuda:0",
     reserved: int = GiB,
     env: dict[str, str] | None = None,
+    overrun_retries: int = 0,
 ) -> str:
-    """A job running ``python -c code args``, admitted on ``device`` with ``reserved``."""
+    """A job running ``python -c code args``, admitted on ``device`` with ``reserved``
+    (an overrun ends it, unless ``overrun_retries`` says otherwise)."""
     spec = JobSpec(
         name="job",
         command=(PY, "-c", textwrap.dedent(code), *args),
         memory=MemoryNeed.of_size(reserved),
         env=env or {},
+        overrun_retries=overrun_retries,
     )
     job = store.submit(spec)
     assert store.move(job.id, "queued", "admitted", device=device, reserved_bytes=reserved)
@@ -156,7 +159,10 @@ def test_a_job_past_its_reservation_is_stopped_with_the_reason(
     done = store.get(job_id)
     assert done.reason == "used 21.30 GiB of GPU memory, past its reservation of 20.00 GiB (+5%)"
     assert done.peak_bytes == int(21.3 * GiB)
-    assert store.learned_peak("job") is None  # a failed run teaches nothing
+    # What an overrun was seen to use is a floor of what this very job needs; its name,
+    # which other jobs may share, learns nothing of a failed run.
+    assert store.learned_peak(sup.run_key(done.spec.to_dict())) == int(21.3 * GiB)
+    assert store.learned_peak("job") is None
     # The job's whole process group is gone, the grandchild with it.
     grandchild = int(log_of(store, job_id).split()[0])
     deadline = time.monotonic() + 10
@@ -166,6 +172,28 @@ def test_a_job_past_its_reservation_is_stopped_with_the_reason(
     assert done.pid is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(done.pid, 0)
+
+
+def test_an_overrun_with_a_retry_left_is_queued_again_needing_more(
+    store: JobStore, gpus: list[FakeGpu]
+) -> None:
+    job_id = admitted(store, SLEEP.format(s=30.0), reserved=4 * GiB, overrun_retries=1)
+    assert supervise(store, job_id, uses(gpus[0], int(4.5 * GiB))) == "queued"
+    again = store.get(job_id)
+    assert again.state == "queued" and again.overruns == 1 and again.attempts == 1
+    # At least 1.5x its share: the watch stopped it on its way up.
+    assert again.need_bytes == 6 * GiB
+    assert (again.reason or "").endswith("; queued again needing 6.00 GiB (overrun 1)")
+    assert again.reason.startswith("used 4.50 GiB of GPU memory, past its reservation of 4.00")
+    # Its second overrun ends it: its one retry is spent.
+    assert store.move(
+        job_id, "queued", "admitted", device="cuda:0", reserved_bytes=7 * GiB, pid=None
+    )
+    gpus[0].processes.clear()
+    assert supervise(store, job_id, uses(gpus[0], 12 * GiB)) == "failed"
+    done = store.get(job_id)
+    assert done.state == "failed" and done.overruns == 1 and done.attempts == 2
+    assert (done.reason or "").startswith("used 12.00 GiB of GPU memory, past its reservation")
 
 
 def test_each_process_has_room_for_its_cuda_context(

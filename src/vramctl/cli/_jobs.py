@@ -83,6 +83,7 @@ def _spec(
     wait_timeout: float | None,
     run_timeout: float | None,
     labels: list[str] | None,
+    overrun_retries: int | None = None,
     env: list[str] | None,
     cwd: Path | None,
     guard: str | None = None,
@@ -112,6 +113,7 @@ def _spec(
         ("name", name),
         ("priority", priority),
         ("retries", retries),
+        ("overrun_retries", overrun_retries),
         ("wait_timeout", wait_timeout),
         ("run_timeout", run_timeout),
         ("cwd", None if cwd is None else str(cwd)),
@@ -205,6 +207,14 @@ RetriesOption = Annotated[
     int | None,
     typer.Option("--retries", help="Runs again after a failure.", show_default=False),
 ]
+OverrunRetriesOption = Annotated[
+    int | None,
+    typer.Option(
+        "--overrun-retries",
+        help="Runs again, needing more, after it used more memory than its share [default: 1].",
+        show_default=False,
+    ),
+]
 WaitOption = Annotated[
     float | None,
     typer.Option("--wait-timeout", help="Seconds it may wait for room.", show_default=False),
@@ -277,6 +287,7 @@ def submit(
     name: NameOption = None,
     priority: PriorityOption = None,
     retries: RetriesOption = None,
+    overrun_retries: OverrunRetriesOption = None,
     wait_timeout: WaitOption = None,
     run_timeout: RunOption = None,
     label: LabelOption = None,
@@ -308,6 +319,7 @@ def submit(
         name=name,
         priority=priority,
         retries=retries,
+        overrun_retries=overrun_retries,
         wait_timeout=wait_timeout,
         run_timeout=run_timeout,
         labels=label,
@@ -342,6 +354,7 @@ def run(
     name: NameOption = None,
     priority: PriorityOption = None,
     retries: RetriesOption = None,
+    overrun_retries: OverrunRetriesOption = None,
     wait_timeout: WaitOption = None,
     run_timeout: RunOption = None,
     label: LabelOption = None,
@@ -371,6 +384,7 @@ def run(
         name=name,
         priority=priority,
         retries=retries,
+        overrun_retries=overrun_retries,
         wait_timeout=wait_timeout,
         run_timeout=run_timeout,
         labels=label,
@@ -725,7 +739,9 @@ class _Events:
             if again:
                 why = f": {job.reason}" if job.reason and not job.finished else ""
                 attempt = tries if was == "running" else tries + 1
-                made = f"attempt {attempt} of {job.spec.retries + 1}"
+                # An overrun's retries are its own (its reason says which one it was).
+                overran = "queued again needing" in (job.reason or "")
+                made = f"attempt {attempt}" + ("" if overran else f" of {job.spec.retries + 1}")
                 self._say(time.time(), job, f"queued again after {made}{why}")
             if (was == "queued" or again) and (job.admitted_at or 0) >= self.since:
                 self._admitted(job)

@@ -22,6 +22,7 @@ from vramctl.jobs._spec import (
     load_spec,
 )
 from vramctl.jobs._store import ACTIVE, FINISHED, STATES, Job, JobStore, JobStoreError, vramctl_home
+from vramctl.jobs._supervise import OVERRUN_GROWTH, overrun_need
 
 if typing.TYPE_CHECKING:
     from vramctl.jobs._ledger import AdmissionError, Ledger, Reservation
@@ -103,6 +104,7 @@ __all__ = [
     "BATCH_SIZE_ENV",
     "FINISHED",
     "GRAD_ACCUM_ENV",
+    "OVERRUN_GROWTH",
     "POLICIES",
     "STATES",
     "AdmissionError",
@@ -143,6 +145,7 @@ __all__ = [
     "load_settings",
     "load_spec",
     "node_resources",
+    "overrun_need",
     "price",
     "ray_devices",
     "vramctl_home",

@@ -129,6 +129,8 @@ def hold_process(device: str, reserved: int) -> None:
     if reserved <= 0 or device == "cpu":
         return
     prefix = os.environ.get(ENV_PEAK_FILE)
+    if prefix:
+        _mark_out_of_memory(prefix, os.getpid())
     if device.startswith("sim:"):
         import vramctl
 
@@ -173,6 +175,30 @@ def hold_process(device: str, reserved: int) -> None:
                 cap()
 
         torch.cuda._lazy_init = lazy_init
+
+
+def _mark_out_of_memory(prefix: str, pid: int) -> None:
+    """When an out-of-memory error ends this process, write the bytes it asked for to
+    ``<prefix>.<pid>.oom``: the supervisor reads the job's failure as an overrun of its
+    share (an error the job caught and lived through is not one)."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        try:
+            import torch
+
+            if os.getpid() == pid and isinstance(exc, torch.OutOfMemoryError):
+                from vramctl.guard._shared import requested_bytes
+
+                path = f"{prefix}.{pid}.oom"
+                with open(f"{path}.tmp", "w") as f:
+                    f.write(f"{requested_bytes(exc)}\n")
+                os.replace(f"{path}.tmp", path)
+        except Exception:  # a lost marker leaves the failure an ordinary one
+            pass
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook
 
 
 def write_peak(prefix: str, read: Callable[[], int], pid: int | None = None) -> None:

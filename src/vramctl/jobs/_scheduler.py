@@ -56,7 +56,7 @@ from vramctl.jobs._settings import POLICIES
 from vramctl.jobs._spec import JobSpec, JobSpecError
 from vramctl.jobs._store import ACTIVE, Job, JobStore
 from vramctl.jobs._supervise import process_alive as _alive
-from vramctl.jobs._supervise import tree_rss
+from vramctl.jobs._supervise import run_key, tree_rss
 
 __all__ = ["POLICIES", "LocalRunner", "Runner", "Scheduler"]
 
@@ -410,18 +410,28 @@ class Scheduler:
     def _price(self, job: Job, device: int, batch: int | None) -> int:
         assert self.devices is not None
         prices = self._prices.setdefault(job.id, {})
+        if prices.get(_ATTEMPT, job.attempts) != job.attempts:
+            prices.clear()  # run since it was priced: an overrun may have raised its need
+        prices[_ATTEMPT] = job.attempts
         if (device, batch) not in prices:
-            learned = (
-                self.store.learned_peak(job.name) if job.spec.memory.kind == "learned" else None
-            )
+            by_name = job.spec.memory.kind == "learned"
+            key = job.name if by_name else run_key(job.spec.to_dict())
+            learned = self.store.learned_peak(key)
             dev = self.devices[device]
-            prices[device, batch] = price(
+            need = price(
                 job.spec,
                 dev,
-                learned_peak=learned,
+                learned_peak=learned if by_name else None,
                 batch_size=batch,
                 estimator=self.estimate_worker,
             )
+            floor = _floor(job, batch, None if by_name else learned)
+            if floor > need and job.need_bytes is not None:
+                # An overrun's growth asks no more than the device can give; what the job
+                # was measured to use it must have.
+                room = int(device_capacity(dev) / (1 + self.margin))
+                floor = max(min(floor, room), min(job.peak_bytes or 0, job.need_bytes))
+            prices[device, batch] = max(need, floor)
         return prices[device, batch]
 
     def _place(self, job: Job, ledger: Ledger, free: list[int | None], now: float) -> Job | None:
@@ -453,6 +463,19 @@ class Scheduler:
             self._fail(job, _cannot_place(exc))
             return None
         if got is None:
+            if job.overruns and all(
+                v + ledger.margin_for(v) > ledger.capacity[i] for i, v in needs.items()
+            ):
+                # It was measured to use more than any device here can give: it would wait
+                # for ever. (A job never run waits: another scheduler may have the room.)
+                least = min(needs.values(), default=0)
+                self._fail(
+                    job,
+                    f"{job.reason or 'it used more memory than its share'}; it needs at least"
+                    f" {format_bytes(least)} with the margin now, more than any device here"
+                    " can take",
+                )
+                return None
             floor = min((v + ledger.margin_for(v) for v in needs.values()), default=0)
             passed = _Passed(floor, wanted, candidates)
             self._passed[job.id] = passed
@@ -594,6 +617,30 @@ def _usage(device: Device, jobs: Sequence[Job]) -> dict[str, int]:
     return out
 
 
+#: The key under which a job's prices keep the attempt they were made for.
+_ATTEMPT = (-1, -1)
+
+
+def _floor(job: Job, batch: int | None, learned: int | None) -> int:
+    """The least a job needs whatever its spec says, from what its runs measured.
+
+    - Its last attempt overran its share (``need_bytes``): at that attempt's batch or a
+      larger one.
+    - Earlier runs of this very job (the same spec: :func:`run_key`) peaked at
+      ``learned``: at the spec's own batch. (A ``learned`` need prices its name's peak
+      with its own margin.)
+    """
+    floor = 0
+    if job.need_bytes is not None and (
+        batch is None or job.batch_size is None or batch >= job.batch_size
+    ):
+        floor = job.need_bytes
+    own = batch is None or batch == job.spec.batch_size
+    if learned is not None and own:
+        floor = max(floor, learned)
+    return floor
+
+
 def _group_runs(job: Job) -> bool:
     """Whether the job's process group (led by ``job.pid``, a session of its own) still has
     a process that runs (a zombie, exited and not yet reaped, does not). The group's id is
@@ -607,8 +654,12 @@ def _group_runs(job: Job) -> bool:
     try:
         leader = psutil.Process(job.pid)
         if leader.status() != psutil.STATUS_ZOMBIE:
-            started = job.started_at or 0.0
-            return leader.create_time() >= started - 1.0 and os.getpgid(job.pid) == job.pid
+            if os.getpgid(job.pid) != job.pid:
+                return False
+            if job.pid_started is not None:  # the very process that was started
+                return abs(leader.create_time() - job.pid_started) < 0.01
+            # A store of an earlier version: started with or after the job's run.
+            return leader.create_time() >= (job.started_at or 0.0) - 1.0
     except (psutil.Error, OSError):
         pass
     # The leader has exited: does the rest of its group run on?

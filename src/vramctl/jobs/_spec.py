@@ -645,6 +645,10 @@ class JobSpec:
     #: its exit status is unknown: its run may have finished, so it may run twice. Off by
     #: default: such a job fails.
     rerun_lost: bool = False
+    #: Times the job is queued again after it used more memory than its share (stopped by
+    #: the watch, or out of memory under its cap), each time needing at least what it was
+    #: measured to use (see ``docs/jobs.md``). 0: such a job fails.
+    overrun_retries: int = 1
     devices: DeviceConstraints = field(default_factory=DeviceConstraints)
     #: A function of the job's code to run under :func:`vramctl.guarded` (None: none).
     guard: GuardOptions | None = None
@@ -665,6 +669,7 @@ class JobSpec:
         "run_timeout",
         "retries",
         "rerun_lost",
+        "overrun_retries",
         "devices",
         "guard",
     )
@@ -700,6 +705,7 @@ class JobSpec:
                 "priority",
                 "retries",
                 "rerun_lost",
+                "overrun_retries",
             )
             if k in data
         }
@@ -768,6 +774,7 @@ class JobSpec:
                 out[key] = getattr(self, key)
         out["priority"] = self.priority
         out["retries"] = self.retries
+        out["overrun_retries"] = self.overrun_retries
         if self.rerun_lost:
             out["rerun_lost"] = True
         out["devices"] = self.devices.to_dict()
@@ -817,6 +824,7 @@ def _field_schemas() -> dict[str, dict[str, Any]]:
         "run_timeout": _DURATION_SCHEMA,
         "retries": {"type": "integer", "minimum": 0},
         "rerun_lost": {"type": "boolean"},
+        "overrun_retries": {"type": "integer", "minimum": 0},
         "devices": _DEVICES_SCHEMA,
         "guard": _GUARD_SCHEMA,
     }
@@ -942,11 +950,12 @@ def _spec_problems(values: Mapping[str, Any]) -> list[str]:
             f"priority: must be a signed 64-bit integer "
             f"({PRIORITY_RANGE[0]} to {PRIORITY_RANGE[1]}), got {priority!r}"
         )
-    retries = values.get("retries", 0)
-    if not (_is_int(retries) and retries >= 0):
-        problems.append(f"retries: must be a whole number, 0 or more, got {retries!r}")
-    elif retries > 1000:
-        problems.append(f"retries: must be at most 1000, got {retries!r}")
+    for key, default in (("retries", 0), ("overrun_retries", 1)):
+        retries = values.get(key, default)
+        if not (_is_int(retries) and retries >= 0):
+            problems.append(f"{key}: must be a whole number, 0 or more, got {retries!r}")
+        elif retries > 1000:
+            problems.append(f"{key}: must be at most 1000, got {retries!r}")
     rerun_lost = values.get("rerun_lost", False)
     if not isinstance(rerun_lost, bool):
         problems.append(f"rerun_lost: must be true or false, got {rerun_lost!r}")

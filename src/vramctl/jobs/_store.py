@@ -76,7 +76,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     supervisor_pid INTEGER,
     supervisor_started REAL,
     pid INTEGER,
-    cancel_requested INTEGER NOT NULL DEFAULT 0
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    pid_started REAL,
+    need_bytes INTEGER,
+    overruns INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state, priority, seq);
 -- A page of one state in submission order (GET /jobs?state=...&limit=): read in order.
@@ -168,6 +171,14 @@ class Job:
     supervisor_started: float | None
     pid: int | None
     cancel_requested: bool
+    #: When the job's process (``pid``, its group's leader) started (``psutil``'s
+    #: ``create_time``): a pid reused by another process is told apart by it.
+    pid_started: float | None = None
+    #: What the job needs at least on its next attempt, learned from the last one's
+    #: overrun (see :func:`vramctl.jobs.overrun_need`); None: its spec's need.
+    need_bytes: int | None = None
+    #: Times it used more memory than its share and was queued again.
+    overruns: int = 0
 
     @property
     def finished(self) -> bool:
@@ -181,6 +192,12 @@ class Job:
 
 
 _COLUMNS = tuple(f.name for f in fields(Job))
+#: Columns added to the jobs table since its first version, and their definitions.
+_ADDED_COLUMNS = {
+    "pid_started": "REAL",
+    "need_bytes": "INTEGER",
+    "overruns": "INTEGER NOT NULL DEFAULT 0",
+}
 _SETTABLE = frozenset(_COLUMNS) - {"seq", "id", "name", "spec", "submitted_at"}
 
 
@@ -221,6 +238,7 @@ class JobStore:
             # killed (SIGKILL) after it loses nothing; only an OS crash can drop the last.
             self._conn.execute("PRAGMA synchronous = NORMAL")
             self._conn.executescript(_SCHEMA)
+            self._add_columns()
             for side in ("-wal", "-shm", ".lock"):
                 _owner_only(Path(f"{self.path}{side}"), 0o600)
             _logs_owner_only(self.logs_dir)
@@ -229,6 +247,17 @@ class JobStore:
                 f"cannot open the job store {self.path}: {e}; set $VRAMCTL_HOME or pass another"
                 " path"
             ) from e
+
+    def _add_columns(self) -> None:
+        """Give a store made by an earlier version the columns added since."""
+        if _ADDED_COLUMNS.keys() <= self._columns():
+            return
+        with self._write() as c:  # one process adds them; the others find them added
+            for name in _ADDED_COLUMNS.keys() - self._columns():
+                c.execute(f"ALTER TABLE jobs ADD COLUMN {name} {_ADDED_COLUMNS[name]}")
+
+    def _columns(self) -> set[str]:
+        return {row[1] for row in self._conn.execute("PRAGMA table_info(jobs)")}
 
     def close(self) -> None:
         self._conn.close()

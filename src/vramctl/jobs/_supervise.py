@@ -57,6 +57,7 @@ __all__ = [
     "ENV_TOLERANCE",
     "LEARN_SQL",
     "MPS_LIMIT",
+    "OVERRUN_GROWTH",
     "TOLERANCE",
     "GpuWatch",
     "hold",
@@ -65,10 +66,13 @@ __all__ = [
     "main",
     "mps_in_use",
     "mps_limit",
+    "overrun_need",
     "overrun_tolerance",
     "process_alive",
     "process_allowance",
+    "read_out_of_memory",
     "read_peaks",
+    "run_key",
     "supervise",
     "tree_rss",
     "visible_entry",
@@ -112,6 +116,53 @@ LEARN_SQL = (
 )
 #: Seconds between SIGTERM and SIGKILL when a job is stopped.
 GRACE_S = 5.0
+#: A job stopped for its overrun was stopped on its way up: what it was measured to use is
+#: a floor of its true peak. Its next attempt needs at least this many times its last
+#: reservation (and at least what it was measured to use).
+OVERRUN_GROWTH = 1.5
+
+
+#: The spec fields that make two jobs the same run, for the peaks learned of it.
+_RUN_FIELDS = (
+    "name",
+    "command",
+    "entry_point",
+    "args",
+    "cwd",
+    "env",
+    "batch_size",
+    "effective_batch",
+    "memory",
+    "guard",
+)
+
+
+def run_key(spec: Mapping[str, Any]) -> str:
+    """The key under which the peaks of runs of this very job (its spec's name, command,
+    arguments, environment, batch, memory need and guard: :meth:`JobSpec.to_dict`'s
+    fields) are learned; another job of the same name does not share it.
+
+    >>> run_key({"name": "a", "command": ["python", "t.py"]})[:4]
+    'run:'
+    """
+    import hashlib
+
+    same = json.dumps({k: spec.get(k) for k in _RUN_FIELDS}, sort_keys=True, default=str)
+    return "run:" + hashlib.sha256(same.encode()).hexdigest()[:24]
+
+
+def overrun_need(measured: int, reserved: int) -> int:
+    """What a job that used more than its reservation of ``reserved`` bytes needs at
+    least on its next attempt (before the scheduler's margin): ``measured`` (its peak, or
+    what it asked for when it ran out of memory under its cap), or
+    :data:`OVERRUN_GROWTH` times its reservation, the larger.
+
+    >>> overrun_need(3 * 2**30, 2**30) / 2**30
+    3.0
+    >>> overrun_need(2**30, 2**30) / 2**30
+    1.5
+    """
+    return max(int(measured), int(reserved * OVERRUN_GROWTH))
 
 
 class _Row:
@@ -509,6 +560,27 @@ def _peak_prefix(job: _Row, log_path: str) -> str | None:
     return prefix
 
 
+def read_out_of_memory(prefix: str) -> int | None:
+    """The bytes a job's Python process asked for when an out-of-memory error ended it
+    (``<prefix>.<pid>.oom``, written by the job's bootstrap; the largest if several);
+    None when no process of the job died of one."""
+    folder, base = os.path.split(prefix)
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return None
+    found: int | None = None
+    for name in names[:MAX_PEAK_FILES]:
+        pid, _, oom = name[len(base) + 1 :].partition(".")
+        if name.startswith(f"{base}.") and pid.isdigit() and oom == "oom":
+            with (
+                contextlib.suppress(OSError, ValueError),
+                open(os.path.join(folder, name), "rb") as f,
+            ):
+                found = max(found or 0, max(0, int(f.read(32).strip())))
+    return found
+
+
 def _read_peaks_and_clear(prefix: str) -> int | None:
     """:func:`read_peaks`, then the job's peak folder removed (with what else is in it)."""
     total = read_peaks(prefix)
@@ -697,11 +769,12 @@ def _run(
         what = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         failed = f"could not start {argv[0]!r}: {what}"
         return _finish(store, job, "failed", None, 0, failed)
-    store.update(job.id, pid=child.pid)
+    store.update(job.id, pid=child.pid, pid_started=_started(child.pid))
     rss_peak = 0
     gpu_peak: int | None = None
     reason: str | None = None
     state: str | None = None
+    overran = False
     run_timeout = job.spec.get("run_timeout")
     deadline = time.monotonic() + run_timeout if run_timeout is not None else None
     next_read = 0.0
@@ -722,7 +795,7 @@ def _run(
             if limit is not None and used > limit + allowance * listed:
                 over = _overrun("GPU", used, reserved, tolerance, allowance, listed)
         if over is not None:
-            state, reason = "failed", over
+            state, reason, overran = "failed", over, True
             _stop(child)
             break
         now = time.monotonic()
@@ -743,17 +816,29 @@ def _run(
         state = "succeeded" if code == 0 else "failed"
         if code != 0:
             reason = f"exited with status {code}" if code > 0 else f"killed by signal {-code}"
+    asked: int | None = None  # what it asked for when out of memory ended it
     if on_cpu:
         peak = rss_peak  # the resident memory of the job's processes
     else:
         # On a GPU: NVML's peak for the job's processes and the peak their allocators
         # reported, the larger; on a simulated one, the simulated allocator's. What the job
         # reports counts up to what its share let one process reach unstopped.
+        asked = read_out_of_memory(peak_file) if peak_file is not None else None
         reported = _read_peaks_and_clear(peak_file) if peak_file is not None else None
         if reported is not None and limit is not None:
             reported = min(reported, limit + allowance)
         peak = max((r for r in (gpu_peak, reported) if r is not None), default=0)
-    return _finish(store, job, state, code, peak, reason)
+    if asked is not None and state == "failed" and not overran and reserved > 0:
+        overran = True
+        # What it asked for counts up to twice its share: the job's own word.
+        wanted = min(peak + asked, 2 * (limit or reserved))
+        reason = (
+            f"ran out of memory under its share of {_size(reserved)} (asked for"
+            f" {_size(asked)} more); {reason}"
+        )
+        peak = max(peak, wanted)
+    need = overrun_need(peak, reserved) if overran else None
+    return _finish(store, job, state, code, peak, reason, need)
 
 
 def _overrun(
@@ -781,11 +866,39 @@ def _remove_cgroup(folder: str | None) -> None:
 
 
 def _finish(
-    store: _Store, job: _Row, state: str, code: int | None, peak: int, reason: str | None
+    store: _Store,
+    job: _Row,
+    state: str,
+    code: int | None,
+    peak: int,
+    reason: str | None,
+    need: int | None = None,
 ) -> str:
+    """End the job's attempt: queued again while its retries last, else in ``state``.
+    ``need``: it overran its share and needs at least this much (see
+    :func:`overrun_need`)."""
     now = time.time()
-    if state == "succeeded" and peak:
-        store.learn(job.name, peak)
+    if (state == "succeeded" or need is not None) and peak:
+        # The peak of this very job (an overrun's: a floor of it); by its name too where
+        # its need is learned by name (an overrun there only where it is learned so).
+        store.learn(run_key(job.spec), peak)
+        memory = job.spec.get("memory")
+        if state == "succeeded" or (isinstance(memory, dict) and "learned" in memory):
+            store.learn(job.name, peak)
+    overruns = int(job.values.get("overruns") or 0)
+    if need is not None and overruns < job.spec.get("overrun_retries", 1):
+        again = f"{reason}; queued again needing {_size(need)} (overrun {overruns + 1})"
+        if store.move(
+            job.id,
+            "running",
+            "queued",
+            exit_code=code,
+            peak_bytes=peak or None,
+            reason=again,
+            need_bytes=need,
+            overruns=overruns + 1,
+        ):
+            return "queued"
     retry = state == "failed" and job.attempts <= job.spec.get("retries", 0)  # attempts made
     if retry and store.move(
         job.id, "running", "queued", exit_code=code, peak_bytes=peak or None, reason=reason
@@ -801,6 +914,14 @@ def _finish(
         finished_at=now,
     )
     return state
+
+
+def _started(pid: int) -> float | None:
+    """When process ``pid`` started (None when it cannot be read)."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
 
 
 def process_alive(pid: int, started: float | None) -> bool:

@@ -262,6 +262,8 @@ class JobService:
         pending = []
         for job in queued:
             need = job.spec.memory.size  # None for an estimated or learned need
+            if job.need_bytes is not None:  # it overran its share: at least what it used
+                need = max(need or 0, job.need_bytes)
             pending.append(
                 {
                     "id": job.id,
@@ -271,6 +273,7 @@ class JobService:
                     "priority": job.priority,
                     "submitted_at": job.submitted_at,
                     "attempts": job.attempts,
+                    "reason": job.reason,
                 }
             )
         return {
@@ -573,6 +576,7 @@ WORKERS_SCHEMA: dict[str, Any] = _object(
                 "priority": _INT,
                 "submitted_at": _NUM,
                 "attempts": _INT,
+                "reason": _OPT_STR,
             }
         ),
         "recent_failures": _list_of(

@@ -411,7 +411,10 @@
       var need = j.need_bytes !== null && j.need_bytes !== undefined ? fmtBytes(j.need_bytes)
         : j.need_kind === "estimate" ? "estimated" : j.need_kind === "learned" ? "learned" : "N/A";
       tbody.appendChild(el("tr", { "data-job": j.id }, [
-        el("td", {}, [el("b", { text: j.name + " " }), el("span", { class: "id muted", text: j.id })]),
+        el("td", {}, [
+          el("b", { text: j.name + " " }), el("span", { class: "id muted", text: j.id }),
+          j.reason ? el("div", { class: "reason muted", text: j.reason }) : null,
+        ]),
         el("td", { class: "num need", text: need }),
         el("td", { class: "num", text: String(j.priority) }),
         el("td", { class: "num", text: fmtAge(now - j.submitted_at) }),
