@@ -6,11 +6,20 @@
 # PyTorch's default wheel on PyPI bundles its own CUDA libraries (CUDA 13.0 for torch 2.13),
 # so the base image is the matching CUDA runtime and the host needs an NVIDIA driver that
 # runs CUDA 13.0 (580 or later). For an older driver, see docs/deploy.md.
-FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
+#
+# BASE names another base image with apt and Python 3.10 or later (Debian or Ubuntu): the
+# tests build on a Debian one, with the CPU build of PyTorch from a local folder of wheels
+# (pip's own PIP_FIND_LINKS and PIP_NO_INDEX, passed as build arguments).
+ARG BASE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
+FROM ${BASE}
 
 ARG DEBIAN_FRONTEND=noninteractive
 # Extras installed with vramctl: `serve` needs the command line and the server.
 ARG VRAMCTL_EXTRAS=cli,server
+# Where pip finds packages besides the index, and whether it uses the index at all: empty
+# for PyPI (the default CUDA build of PyTorch).
+ARG PIP_FIND_LINKS=
+ARG PIP_NO_INDEX=
 
 # Ubuntu's archive drops superseded versions, so pinned apt versions would break the build.
 # hadolint ignore=DL3008

@@ -17,6 +17,7 @@ import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pynvml
 import pytest
 
@@ -52,6 +53,15 @@ time.sleep(60)
 def store(tmp_path: Path) -> Iterator[JobStore]:
     with JobStore(tmp_path / "jobs.db") as s:
         yield s
+
+
+@pytest.fixture(autouse=True)
+def _neighbours_are_here(gpus: list[FakeGpu]) -> None:
+    """The fake GPUs' other processes are processes of this machine, as on a host (a pid
+    that no process here has is how a supervisor in a container sees NVML's)."""
+    for gpu in gpus:
+        for proc in gpu.processes:
+            proc.pid = 1
 
 
 @pytest.fixture(autouse=True)
@@ -194,6 +204,30 @@ def test_an_overrun_with_a_retry_left_is_queued_again_needing_more(
     done = store.get(job_id)
     assert done.state == "failed" and done.overruns == 1 and done.attempts == 2
     assert (done.reason or "").startswith("used 12.00 GiB of GPU memory, past its reservation")
+
+
+def test_a_supervisor_that_cannot_see_nvmls_process_ids_says_so(
+    store: JobStore, gpus: list[FakeGpu]
+) -> None:
+    # In a container with process ids of its own NVML names the host's: a listed process
+    # that no process here has. The job runs, unwatched, and its log says why.
+    job_id = admitted(store, SLEEP.format(s=0.5), reserved=2 * GiB)
+    host_pid = 4_000_000  # past any pid_max: no process here has it
+    assert not psutil.pid_exists(host_pid)
+    assert (
+        supervise(store, job_id, lambda pid: gpus[0].processes.append(FakeProcess(host_pid, GiB)))
+        == "succeeded"
+    )
+    log = log_of(store, job_id)
+    assert log.count(sup.FOREIGN_PIDS) == 1
+    # Where every listed process is one of ours or a neighbour that exists, nothing is said.
+    again = admitted(store, SLEEP.format(s=0.5), reserved=2 * GiB)
+    gpus[0].processes.clear()
+    assert (
+        supervise(store, again, lambda pid: gpus[0].processes.append(FakeProcess(os.getpid(), GiB)))
+        == "succeeded"
+    )
+    assert sup.FOREIGN_PIDS not in log_of(store, again)
 
 
 def test_each_process_has_room_for_its_cuda_context(

@@ -283,6 +283,10 @@ class GpuWatch:
         self.handle = handle
         #: The device's UUID (a MIG instance's for a MIG instance).
         self.uuid = uuid
+        #: NVML listed a process by an id that no process here has: this supervisor runs
+        #: with process ids of its own (a container without the host's), NVML names the
+        #: host's, and the job's processes cannot be found among them.
+        self.foreign = False
 
     @classmethod
     def open(cls, index: int, visible: str | None) -> GpuWatch | None:
@@ -332,6 +336,8 @@ class GpuWatch:
             for p in procs:
                 pid = int(p.pid)
                 if pid not in pids:
+                    if not self.foreign and not psutil.pid_exists(pid):
+                        self.foreign = True
                     continue
                 used = p.usedGpuMemory
                 # A process in two lists is one process: its figure is counted once.
@@ -775,6 +781,7 @@ def _run(
     reason: str | None = None
     state: str | None = None
     overran = False
+    told = False  # of NVML's process ids being another namespace's
     run_timeout = job.spec.get("run_timeout")
     deadline = time.monotonic() + run_timeout if run_timeout is not None else None
     next_read = 0.0
@@ -789,6 +796,9 @@ def _run(
             if limit is not None and rss > limit + allowance * len(procs):
                 over = _overrun("host", rss, reserved, tolerance, allowance, len(procs))
         reading = watch.reading(pids) if watch is not None else None
+        if watch is not None and watch.foreign and not told:
+            told = True
+            _note(log_path, FOREIGN_PIDS)
         if reading is not None:
             used, listed = reading
             gpu_peak = max(gpu_peak or 0, used)
@@ -839,6 +849,22 @@ def _run(
         peak = max(peak, wanted)
     need = overrun_need(peak, reserved) if overran else None
     return _finish(store, job, state, code, peak, reason, need)
+
+
+#: Said in a job's log when NVML names processes by ids this supervisor does not have.
+FOREIGN_PIDS = (
+    "vramctl: NVML lists GPU processes by ids that no process here has: this supervisor runs"
+    " with process ids of its own (a container without the host's), so the job's GPU memory"
+    " is not watched here and its peak comes from its allocator alone; a Python job is still"
+    " held to its share by the allocator's cap. Give the container the host's process ids"
+    " (pid: host in compose.yaml, --pid=host) to watch it."
+)
+
+
+def _note(log_path: str, text: str) -> None:
+    """Add a line of vramctl's to the job's log (appended: the job writes there too)."""
+    with contextlib.suppress(OSError), open(log_path, "a") as log:
+        log.write(text + "\n")
 
 
 def _overrun(
