@@ -154,8 +154,17 @@ class ClusterState:
         return int(self.free.shape[0])
 
     def slot_free(self) -> torch.Tensor:
-        """Free per node and GPU slot (nodes x slots), -1 in a slot with no GPU."""
-        return torch.where(self.slots >= 0, self.free[self.slots.clamp(min=0)], -1.0)
+        """Free per node and GPU slot (nodes x slots), -1 in a slot with no GPU.
+
+        Kept until ``free`` or ``slots`` change (a tensor's version counts its in-place
+        changes; a new tensor is another object): a decision asks for it several times."""
+        key = (id(self.free), self.free._version, id(self.slots), self.slots._version)
+        kept = getattr(self, "_slot_free", None)
+        if kept is None or kept[0] != key:
+            value = torch.where(self.slots >= 0, self.free[self.slots.clamp(min=0)], -1.0)
+            kept = (key, value)
+            self._slot_free = kept
+        return kept[1]
 
     def feasible(self, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
         """The nodes that can take ``request`` (bool per node) and, per node and slot, the
