@@ -106,6 +106,71 @@ def test_close_to_the_true_largest_in_few_trials_where_accelerate_takes_many() -
     assert calls[-1] <= found
 
 
+def test_far_above_what_fits_it_probes_small_first_and_takes_three_trials() -> None:
+    # 1024 on a 16 MiB device that fits about 70: tried first, 1024, then 341 and 113 ran out
+    # of memory and measured nothing (five trials). A probe of 1024 / 16 first measures the
+    # scale, the next fits by it, and the line through the two is the edge.
+    model, opt = make_model()
+    calls: list[int] = []
+    searched = find_executable_batch_size(training(calls), starting_batch_size=1024)
+    with vramctl.simulate(CAPACITY) as gpu:
+        gpu.adopt(model)
+        found = searched(model, opt)
+    assert calls[0] == 1024 // 16 and len(calls) == len(searched.trials) <= 3
+    assert all(
+        t.outcome == "fit" and t.peak is not None and t.peak <= BUDGET for t in searched.trials
+    )
+    assert found == calls[-1] == searched.batch_size
+    model, opt = make_model()
+    truth = true_max(model, opt, train_step, mlp_batch, BUDGET, near=found, steps=STEPS)
+    assert 0.97 * truth <= found <= truth
+
+    # A later call starts from the size that ran: one trial, the run.
+    calls.clear()
+    with vramctl.simulate(CAPACITY) as gpu:
+        model, opt = make_model()
+        gpu.adopt(model)
+        assert searched(model, opt) == found
+    assert calls == [found]
+
+    # small_first=False: the start first, as Accelerate does (it runs out of memory here).
+    calls.clear()
+    first = find_executable_batch_size(training(calls), 1024, small_first=False)
+    with vramctl.simulate(CAPACITY) as gpu:
+        model, opt = make_model()
+        gpu.adopt(model)
+        assert 0.97 * truth <= first(model, opt) <= truth
+    assert first.trials[0].batch_size == 1024 and first.trials[0].outcome == "oom"
+    assert len(first.trials) > 3
+    with pytest.raises(TypeError, match="small_first"):
+        find_executable_batch_size(training([]), 1024, small_first="yes")  # type: ignore[call-overload]
+
+
+def test_a_small_first_probe_that_returns_is_a_point_then_one_full_call_runs() -> None:
+    # Inference: nothing ends a call, so the small probe ran whole; it measured the bytes per
+    # sample, and the function runs once more, in full, at the size they reach the budget at.
+    calls: list[int] = []
+
+    def infer(batch_size: int, model: nn.Module) -> int:
+        calls.append(batch_size)
+        with torch.no_grad():
+            return int(model(mlp_batch(batch_size)).shape[0])
+
+    searched = find_executable_batch_size(infer, 1024)
+    with vramctl.simulate(CAPACITY) as gpu:
+        model, _ = make_model()
+        gpu.adopt(model)
+        found = searched(model)
+        assert calls == [64, found] and found > 64
+        assert [t.outcome for t in searched.trials] == ["fit", "fit"]
+        assert all(t.peak is not None and t.peak <= BUDGET for t in searched.trials)
+        # The size it scaled to is within what fits: a quarter more does not.
+        calls.clear()
+        over = find_executable_batch_size(infer, int(found * 1.25), small_first=False)
+        over(model)
+        assert over.trials[0].outcome != "fit" or (over.trials[0].peak or 0) > BUDGET
+
+
 def test_the_run_starts_from_the_weights_it_was_given() -> None:
     model, opt = make_model()
     initial = copy.deepcopy(model)

@@ -7,6 +7,7 @@ import csv
 import logging
 import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -157,9 +158,9 @@ def test_guard_recovers_from_an_oom_in_lightnings_backward(
     callers: list[str] = []
     pieces = VramctlGuard._pieces
 
-    def spy(self: VramctlGuard, *args: object) -> torch.Tensor:
+    def spy(self: VramctlGuard, *args: object, **kwargs: object) -> torch.Tensor:
         callers.append(traceback.extract_stack()[-2].name)
-        return pieces(self, *args)  # type: ignore[arg-type]
+        return pieces(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(VramctlGuard, "_pieces", spy)
     guard = VramctlGuard()
@@ -169,6 +170,71 @@ def test_guard_recovers_from_an_oom_in_lightnings_backward(
     callers.clear()
     _weights(36 * MiB, 1, VramctlGuard(), tmp_path)
     assert callers == ["_split_before_backward"] * 4
+
+
+class _Logs(Lit):
+    """Logs a mean (on the step, and on the step and epoch through log_dict), a sum and a
+    max in every training step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.seen.append(x.shape[0])
+        logits = self.net(x).mean(1)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        self.log("train_loss", loss)
+        self.log("samples", float(x.shape[0]), reduce_fx="sum")
+        self.log("top_logit", logits.max(), reduce_fx="max")
+        self.log_dict({"acc": (logits.argmax(1) == y).float().mean()}, on_epoch=True)
+        return loss
+
+
+def _logged(
+    hog: int, guard: VramctlGuard | None, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[tuple[int, str], list[float]], dict[str, float]]:
+    """Each ``self.log`` call Lightning got, by (step, name); and its callback metrics."""
+    import lightning as L
+
+    calls: dict[tuple[int, str], list[float]] = {}
+    real = L.LightningModule.log
+
+    def spy(self: L.LightningModule, name: str, value: Any, *args: Any, **kw: Any) -> None:
+        seen = value.detach() if isinstance(value, torch.Tensor) else value
+        calls.setdefault((self.trainer.global_step, name), []).append(float(seen))
+        real(self, name, value, *args, **kw)
+
+    monkeypatch.setattr(L.LightningModule, "log", spy)
+    torch.manual_seed(0)
+    lit = _Logs(batch_size=256, hog=hog)
+    with vramctl.simulate(64 * MiB) as gpu:
+        gpu.adopt(lit)
+        t = trainer(root, callbacks=[guard] if guard is not None else [])
+        t.fit(lit)
+    monkeypatch.setattr(L.LightningModule, "log", real)
+    return calls, {k: float(v) for k, v in t.callback_metrics.items()}
+
+
+@pytest.mark.parametrize("hog_mib", [36, 14], ids=["forward-oom", "backward-oom"])
+def test_a_split_step_logs_each_name_once_with_the_whole_batchs_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hog_mib: int
+) -> None:
+    reference, ref_metrics = _logged(0, None, tmp_path, monkeypatch)
+    guard = VramctlGuard()
+    got, metrics = _logged(hog_mib * MiB, guard, tmp_path, monkeypatch)
+    assert guard.guard is not None and guard.guard.summary()["split_steps"] == 4
+    assert guard.guard.piece_limit is not None and guard.guard.piece_limit < 256
+    names = ["train_loss", "samples", "top_logit", "acc"]
+    assert sorted(got) == sorted(reference) == sorted((s, n) for s in range(4) for n in names)
+    for key, values in got.items():
+        assert len(values) == 1, key  # once per step, not once per piece
+        (want,) = reference[key]
+        # The whole batch's value, up to summation order (the weights are the same too).
+        assert abs(values[0] - want) <= 1e-5 * max(1.0, abs(want)) + 1e-6, key
+    assert {k: v for k, v in metrics.items() if k in names} == pytest.approx(
+        {k: v for k, v in ref_metrics.items() if k in names}, rel=1e-5
+    )
+    assert metrics["samples"] == 256.0
+    # The epoch's mean of acc, over four steps of 256 samples each.
+    assert metrics["acc_epoch"] == pytest.approx(ref_metrics["acc_epoch"], rel=1e-5)
 
 
 def test_guard_rejects_manual_optimization(tmp_path: Path) -> None:

@@ -331,6 +331,101 @@ def test_step_stays_quiet_on_a_healthy_loop() -> None:
     assert not [e for e in mon.events if e.kind == "leak"]
 
 
+# A process whose address space ends 3 MiB past what it has mapped: the leak detector's
+# 4 MiB probe tensor cannot be allocated, for real (the kernel refuses the mapping).
+_TIGHT_PROCESS = """
+import json, resource
+import torch
+from torch import nn
+from vramctl.monitor import Monitor
+
+mon = Monitor(["cpu"], rules=[])
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(16, 64)
+def train():
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+train()
+with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + 3 * 2**20, resource.RLIM_INFINITY))
+reports = []
+for _ in range(8):
+    train()
+    reports.append(mon.step())
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+print(json.dumps({"reports": [r is not None for r in reports], "leak": mon.summary()["leak"]}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux's /proc")
+def test_step_goes_on_where_the_heap_probe_cannot_be_allocated() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _TIGHT_PROCESS], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["reports"] == [False] * 8
+    leak = got["leak"]
+    assert leak["steps"] == 8 and leak["device"] == "cpu"
+    assert leak["signal"].startswith("process RSS")
+    assert "4 MiB probe tensor could not be allocated" in leak["signal_note"]
+    assert "can't allocate memory" in leak["signal_note"]
+
+
+def test_a_heap_probe_out_of_memory_is_reported_and_leaks_are_still_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import functools
+
+    from vramctl.monitor import _heap
+
+    # A fresh cache: this process may have found its signal already (put back after).
+    monkeypatch.setattr(
+        _heap, "_lasting_signal", functools.lru_cache(maxsize=1)(_heap._lasting_signal.__wrapped__)
+    )
+    real_empty = torch.empty
+    probes: list[int] = []
+
+    def tight_empty(*size: object, **kw: object) -> torch.Tensor:
+        if size == (_heap.PROBE_BYTES,) and kw.get("dtype") is torch.uint8:
+            probes.append(1)
+            raise torch.OutOfMemoryError("CPU out of memory: tried to allocate 4.00 MiB")
+        return real_empty(*size, **kw)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(torch, "empty", tight_empty)
+    mon = Monitor(["cpu"], rules=[])
+    kept = []
+    report = None
+    for _ in range(80):
+        kept.append(torch.randn(512, 1024))  # the leak: 2 MiB kept (and written) every step
+        report = mon.step()
+        if report is not None:
+            break
+    assert probes == [1]
+    # Read from RSS, the leak is still found (RSS lags where freed heap is reused first).
+    assert report is not None and report.rate_bytes_per_step >= 1 * MiB
+    leak = mon.summary()["leak"]
+    assert leak["signal"].startswith("process RSS") and leak["signal"] == report.signal
+    assert leak["signal_note"].startswith("glibc's malloc counters unchecked: their 4 MiB probe")
+    assert "OutOfMemoryError: CPU out of memory" in leak["signal_note"]
+
+    # A failed probe is not kept: the next detector probes again, and may read the heap.
+    monkeypatch.setattr(torch, "empty", real_empty)
+    again = Monitor(["cpu"], rules=[])
+    again.step()
+    assert probes == [1]
+    if _heap._malloc_reader() is not None and again.summary()["leak"]["signal_note"] is None:
+        assert again.summary()["leak"]["signal"] == "malloc in use (glibc mallinfo2)"
+    else:
+        assert "probe tensor could not be allocated" not in again.summary()["leak"]["signal_note"]
+
+
 def test_an_alert_callback_may_sample_again_without_deadlock() -> None:
     # An action that frees memory, then reads the devices again to see the effect.
     gpu = vramctl.simulate("T4-16GB")

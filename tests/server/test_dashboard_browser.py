@@ -463,6 +463,42 @@ def test_jobs_view_shows_the_queue_the_reservations_and_the_failures(
     assert outside == []
 
 
+def test_jobs_view_asks_for_the_rows_it_shows_and_counts_the_rest(
+    browser: Any, job_server: JobServer, tmp_path: Path
+) -> None:
+    server = job_server
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    problems = _watch(page)
+    asked: list[str] = []
+    page.on("request", lambda req: asked.append(req.url) if "workers/status" in req.url else None)
+    made: list[str] = []
+    try:
+        holder = _submit(server, "holder", "import time; time.sleep(60)", "5GiB")
+        made.append(holder)
+        deadline = time.monotonic() + 30
+        while _call("GET", f"{server.url}jobs/{holder}")["state"] != "running":
+            assert time.monotonic() < deadline, "the holder did not start"
+            time.sleep(0.05)
+        # 60 jobs that wait beside it (6 GiB each, with the margin, on 8 GiB).
+        with JobStore(tmp_path / "jobs.db") as store:
+            for k in range(60):
+                spec = JobSpec(name=f"w{k}", command=("true",), memory=MemoryNeed.of_size("6GiB"))
+                made.append(store.submit(spec).id)
+        page.goto(server.dashboard.page_url)
+        page.wait_for_selector("#queue tr.more", timeout=30_000)
+        rows = page.locator("#queue tr[data-job]")
+        assert rows.count() == 50
+        assert rows.first.get_attribute("data-job") == made[1]
+        assert rows.last.get_attribute("data-job") == made[50]
+        assert page.locator("#queue tr.more").inner_text() == "and 10 more"
+        assert "(60, in submission order)" in page.locator("#queue-count").inner_text()
+        # Each poll asked for the 50 rows it lists, not the whole queue.
+        assert asked and all("limit=50" in url for url in asked), asked
+    finally:
+        _cancel_all(server, made)
+    assert problems == []
+
+
 def test_jobs_view_reads_the_queue_with_the_pages_token(browser: Any, tmp_path: Path) -> None:
     # On an address other than loopback every route needs the token: the page passes it on.
     with serve_jobs(

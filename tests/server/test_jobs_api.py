@@ -21,7 +21,8 @@ import pytest
 
 from tests.jobs.test_pricing import peak_rss_during
 from tests.server._service import job_service
-from vramctl.server import JobServer, serve_jobs, service_token
+from vramctl.jobs import JobSpec, JobStore, MemoryNeed
+from vramctl.server import JobServer, JobService, serve_jobs, service_token
 
 PY = sys.executable
 
@@ -297,6 +298,113 @@ def test_the_status_lists_the_queue_the_running_and_the_latest_failures(
             call("DELETE", f"{url}jobs/{job_id}", token=token)
         for job_id in made:
             wait_state(server, job_id)
+
+
+def test_the_status_pages_the_queue_and_counts_all_of_it(server: JobServer) -> None:
+    url, token = server.url, server.token
+    _, holder = call(
+        "POST", f"{url}jobs", job("holder", "import time; time.sleep(30)", "5GiB"), token=token
+    )
+    made: list[str] = [holder["id"]]
+    try:
+        deadline = time.monotonic() + 30
+        while holder["id"] not in [
+            j["id"] for j in call("GET", f"{url}workers/status")[1]["active"]
+        ]:
+            assert time.monotonic() < deadline, "the holder was not admitted"
+            time.sleep(0.05)
+        # Five jobs that wait while the holder runs (6 GiB each, with the margin, on 8 GiB).
+        for k in range(5):
+            made.append(
+                call("POST", f"{url}jobs", job(f"w{k}", "pass", "6GiB"), token=token)[1]["id"]
+            )
+        queued = made[1:]
+
+        status, first = call("GET", f"{url}workers/status?limit=2")
+        assert status == 200
+        assert [p["id"] for p in first["pending"]] == queued[:2]  # in submission order
+        assert first["pending_jobs"] == 5 and first["pending_bytes"] == 5 * 6 * 2**30
+        assert (first["pending_offset"], first["pending_next_offset"]) == (0, 2)
+        _, second = call("GET", f"{url}workers/status?limit=2&offset=2")
+        assert [p["id"] for p in second["pending"]] == queued[2:4]
+        assert second["pending_next_offset"] == 4 and second["pending_jobs"] == 5
+        _, last = call("GET", f"{url}workers/status?limit=2&offset=4")
+        assert [p["id"] for p in last["pending"]] == queued[4:]
+        assert last["pending_next_offset"] is None and last["pending_bytes"] == 5 * 6 * 2**30
+        _, past = call("GET", f"{url}workers/status?offset=9")
+        assert past["pending"] == [] and past["pending_next_offset"] is None
+        _, whole = call("GET", f"{url}workers/status")  # 100 unless told: all five here
+        assert [p["id"] for p in whole["pending"]] == queued
+        assert whole["pending_next_offset"] is None
+
+        # One cancelled: the count and the bytes follow.
+        call("DELETE", f"{url}jobs/{queued[0]}", token=token)
+        _, after = call("GET", f"{url}workers/status?limit=1")
+        assert after["pending_jobs"] == 4 and after["pending_bytes"] == 4 * 6 * 2**30
+        assert [p["id"] for p in after["pending"]] == [queued[1]]
+        assert after["pending_next_offset"] == 1
+
+        # Bad pages are refused as GET /jobs refuses them.
+        for query, says in (
+            ("limit=0", "limit"),
+            ("limit=1001", "limit"),
+            ("offset=-1", "offset"),
+            ("limit=notanumber", "limit"),
+        ):
+            status, body = call("GET", f"{url}workers/status?{query}")
+            assert status == 422 and body["error"] == "invalid request", query
+            assert says in " ".join(body["problems"]), query
+            assert call("GET", f"{url}jobs?{query}", token=token)[1] == body, query
+    finally:
+        for job_id in made:
+            call("DELETE", f"{url}jobs/{job_id}", token=token)
+        for job_id in made:
+            wait_state(server, job_id)
+
+
+def test_a_status_poll_reads_the_page_of_the_queue_not_the_whole_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JobStore(tmp_path / "jobs.db")
+    queued = [
+        store.submit(
+            JobSpec(name=f"w{k}", command=("true",), memory=MemoryNeed.of_size(f"{k + 1}GiB"))
+        )
+        for k in range(30)
+    ]
+    service = JobService(tmp_path / "jobs.db", [], token="t")
+    rows: list[int] = []  # how many jobs each read of the store decoded
+    for name in ("list", "get_many", "get", "latest"):
+        real = getattr(JobStore, name)
+
+        def spy(self: JobStore, *a: Any, _real: Any = real, **kw: Any) -> Any:
+            got = _real(self, *a, **kw)
+            rows.append(len(got) if isinstance(got, list) else 1)
+            return got
+
+        monkeypatch.setattr(JobStore, name, spy)
+    total = sum(k + 1 for k in range(30)) * 2**30
+
+    first = service.workers(limit=5, offset=10)
+    assert [p["id"] for p in first["pending"]] == [j.id for j in queued[10:15]]
+    assert first["pending_jobs"] == 30 and first["pending_bytes"] == total
+    assert first["pending_next_offset"] == 15
+    rows.clear()
+    again = service.workers(limit=5)  # the needs are known: the page alone is read
+    assert again["pending_bytes"] == total and sum(rows) == 5
+    assert [p["id"] for p in again["pending"]] == [j.id for j in queued[:5]]
+
+    # A job queued again after an overrun (a new attempt) needs what it used: read again.
+    overran = queued[0].id
+    assert store.move(overran, "queued", "running", attempts=1)
+    assert store.move(overran, "running", "queued", need_bytes=40 * 2**30)
+    rows.clear()
+    after = service.workers(limit=1)
+    assert after["pending_bytes"] == total - 2**30 + 40 * 2**30
+    assert after["pending"][0]["need_bytes"] == 40 * 2**30
+    assert sum(rows) == 1 + 1  # the page, and the one job read again
+    store.cancel(queued[1].id)
+    assert service.workers(limit=1)["pending_bytes"] == total - 3 * 2**30 + 40 * 2**30
 
 
 def test_a_service_on_another_address_needs_the_token_for_every_route(tmp_path: Path) -> None:

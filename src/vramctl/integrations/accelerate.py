@@ -5,7 +5,8 @@ the same ways (``@find_executable_batch_size``, ``@find_executable_batch_size(
 starting_batch_size=...)``, ``find_executable_batch_size(fn, 128)``), calling
 ``function(batch_size, *args, **kwargs)`` and never above ``starting_batch_size``. Where
 Accelerate, after an out-of-memory error, calls the whole function again at 0.9 times the
-size (many failed starts, silently, down to zero), this one measures:
+size (many failed starts, silently, down to zero), this one measures (from a
+``starting_batch_size`` of 256 up, a small probe first: ``small_first``):
 
 - each call is a *probe*: a global optimizer-step hook counts the optimizer steps, and the
   device's peak meter measures the peak device memory over the first ``steps_per_probe``
@@ -87,6 +88,12 @@ TOLERANCE = 0.01
 MAX_PROBES = 8
 #: Trials in one call, after which the search gives up (a safeguard; it takes a few).
 MAX_TRIALS = 32
+#: A small first probe is ``starting_batch_size`` divided by this (``small_first``).
+SMALL_FIRST = 16
+#: ``small_first=None`` probes small first from this ``starting_batch_size`` up: a ceiling to
+#: search under more than a size expected to fit (below it, as Accelerate's default of 128, the
+#: start is tried first and, where it fits, is the run at once).
+SMALL_FIRST_FROM = 256
 
 Outcome = Literal["fit", "over_budget", "oom"]
 
@@ -211,7 +218,9 @@ class _Held:
 class _Call:
     """One call of the decorated function: its device, budget, search and trials."""
 
-    def __init__(self, owner: SearchingFunction[Any, Any], dev: Device, start: int) -> None:
+    def __init__(
+        self, owner: SearchingFunction[Any, Any], dev: Device, start: int, known: bool = False
+    ) -> None:
         self.owner = owner
         self.dev = dev
         self.start = start
@@ -223,11 +232,53 @@ class _Call:
         self.trials: list[Trial] = []
         #: Device-level used bytes before the first probe.
         self.base: int | None = None
+        #: The small first probe (``small_first``): its size, or None (``start`` first).
+        self.small = self.small_first(known)
         #: What to run after a call that did not complete: its size, and whether in full.
-        self.next_size = start
+        self.next_size = start if self.small is None else self.small
         self.next_final = False
         #: A run ran out of memory after its probe's steps: every call runs in full since.
         self.late = False
+
+    def small_first(self, known: bool) -> int | None:
+        """The first probe's size where it is a small one, else None (``start`` first):
+        ``start / 16`` (at least ``minimum``, at most a quarter of ``start``), for a first
+        call (no size ``known`` to fit) without ``reduce_batch_size_fn``, where
+        ``small_first`` is True, or None and ``start`` is 256 or more.
+
+        Its peak, and the next probe's (the size its bytes per sample reach the budget at:
+        it fits), put the line through two measured points at the edge: three trials where
+        ``start`` is far above what fits. Tried first, such a ``start`` runs out of memory
+        and measures nothing; the probes after it find the scale, then the line (four or
+        more)."""
+        owner = self.owner
+        wanted = owner.small_first
+        if wanted is None:
+            wanted = self.start >= SMALL_FIRST_FROM
+        if known or not wanted or owner.reduce_batch_size_fn is not None:
+            return None
+        small = max(owner.minimum, self.start // SMALL_FIRST)
+        return small if 4 * small <= self.start else None
+
+    def after_returned(self, att: _Attempt) -> int | None:
+        """The small first probe returned before its probe's steps (inference, a short
+        loop): it measured a point, not the largest size. The next size to run, in full
+        (once: that call's result is the answer), or None to keep this call's result."""
+        if self.small is None or att.batch_size != self.small or self.trials:
+            return None
+        peak = att.read()
+        fits = peak <= self.budget
+        self.search.probes.append(Probe(att.batch_size, peak, fits, att.base))
+        seconds = time.perf_counter() - att.t0
+        try:
+            nxt = self.choose(oom=False)
+        except _GiveUp:
+            nxt = None
+        if nxt is None or (fits and nxt <= att.batch_size):
+            return None
+        outcome: Outcome = "fit" if fits else "over_budget"
+        self.record(att.batch_size, outcome, peak, seconds, f"running {nxt} in full next", att)
+        return nxt
 
     # -- the hook's side: a probe's steps are done -------------------------------------
 
@@ -434,6 +485,7 @@ class SearchingFunction(Generic[P, R]):
         steps_per_probe: int,
         restore: bool,
         on_trial: Callable[[Trial], object] | None,
+        small_first: bool | None = None,
     ) -> None:
         self.function = function
         self.starting_batch_size = starting_batch_size
@@ -444,6 +496,7 @@ class SearchingFunction(Generic[P, R]):
         self.steps_per_probe = steps_per_probe
         self.restore = restore
         self.on_trial = on_trial
+        self.small_first = small_first
         #: The last call's trials, in order.
         self.trials: list[Trial] = []
         #: The size the last call ran at (None before the first call).
@@ -482,12 +535,13 @@ class SearchingFunction(Generic[P, R]):
                 f"{dev.id} is not active: call the function inside its block "
                 "(with vramctl.simulate(...) as gpu: train(...))"
             )
-        call = _Call(self, dev, self.batch_size or self.starting_batch_size)
+        known = self.batch_size is not None  # a size that ran before: tried first
+        call = _Call(self, dev, self.batch_size or self.starting_batch_size, known)
         self.trials = call.trials
         kinds = (torch.nn.Module, torch.optim.Optimizer, LRScheduler)
         objects = list({id(v): v for v in values if isinstance(v, kinds)}.values())
         held = _Held(dev, objects, self.restore)
-        b, final = call.start, False
+        b, final = call.next_size, False
         while True:
             try:
                 done = self._attempt(call, b, final, args, kwargs)
@@ -560,6 +614,10 @@ class SearchingFunction(Generic[P, R]):
             call.next_size, call.next_final = call.on_oom(att, floor)
             return None
         if att.steps < self.steps_per_probe:  # returned before its probe's steps: it fitted
+            nxt = call.after_returned(att)
+            if nxt is not None:
+                call.next_size, call.next_final = nxt, True
+                return None
             call.record(b, "fit", att.peak, time.perf_counter() - att.t0, "done", att)
         return (result,)
 
@@ -576,6 +634,7 @@ def find_executable_batch_size(
     steps_per_probe: int = 2,
     restore: bool = True,
     on_trial: Callable[[Trial], object] | None = None,
+    small_first: bool | None = None,
 ) -> SearchingFunction[P, R]: ...
 
 
@@ -591,6 +650,7 @@ def find_executable_batch_size(
     steps_per_probe: int = 2,
     restore: bool = True,
     on_trial: Callable[[Trial], object] | None = None,
+    small_first: bool | None = None,
 ) -> Callable[[Callable[Concatenate[int, P], R]], SearchingFunction[P, R]]: ...
 
 
@@ -605,6 +665,7 @@ def find_executable_batch_size(
     steps_per_probe: int = 2,
     restore: bool = True,
     on_trial: Callable[[Trial], object] | None = None,
+    small_first: bool | None = None,
 ) -> (
     SearchingFunction[P, R] | Callable[[Callable[Concatenate[int, P], R]], SearchingFunction[P, R]]
 ):
@@ -614,7 +675,19 @@ def find_executable_batch_size(
     called without the batch size, and passing it raises the same ``TypeError``), with
     vramctl's search in place of the 0.9 steps:
 
-    - ``starting_batch_size`` is the first size tried and the largest: never above it;
+    - ``starting_batch_size`` is the largest size tried, and the first unless the first
+      probe is a small one: with ``small_first=None`` (the default) from a
+      ``starting_batch_size`` of 256 up (a ceiling to search under more than a size expected
+      to fit), with ``small_first=True`` for any, the first call probes ``starting_batch_size
+      // 16`` first (at least ``minimum``): its measured peak scales up to a size that fits,
+      and the line through the two reaches the edge, so a start far above what fits takes
+      three trials where trying it first (it runs out of memory and measures nothing) took
+      four or more; a start that fits takes two or three where it took one. ``small_first=False``
+      (and ``reduce_batch_size_fn``, and a later call, which starts from the size that ran)
+      tries ``starting_batch_size`` first. A small first probe that returns before its
+      probe's steps (inference, a short loop: nothing ends it) measured a point, not the
+      largest size: the function is called once more, in full, at the size it scales up to,
+      and that call's result is returned;
     - each call is a probe: over its first ``steps_per_probe`` optimizer steps (counted by a
       global ``torch.optim`` step hook, in the calling thread), the device's peak meter
       measures the peak; it fits when the peak stays within ``target * capacity`` of
@@ -666,6 +739,7 @@ def find_executable_batch_size(
                 steps_per_probe=steps_per_probe,
                 restore=restore,
                 on_trial=on_trial,
+                small_first=small_first,
             )
 
         return decorate
@@ -682,6 +756,8 @@ def find_executable_batch_size(
         )
     if isinstance(target, bool) or not isinstance(target, int | float) or not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target!r}")
+    if small_first is not None and not isinstance(small_first, bool):
+        raise TypeError(f"small_first must be True, False or None, got {small_first!r}")
     for name, fn in (
         ("function", function),
         ("reduce_batch_size_fn", reduce_batch_size_fn),
@@ -699,4 +775,5 @@ def find_executable_batch_size(
         steps_per_probe=steps_per_probe,
         restore=restore,
         on_trial=on_trial,
+        small_first=small_first,
     )

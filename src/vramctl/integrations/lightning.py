@@ -21,6 +21,7 @@ Needs ``pip install 'vramctl[lightning]'``. See ``docs/integrations.md``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -329,8 +330,14 @@ class VramctlGuard(pl.Callback):
     guard's. Limits: manual optimization is not supported (its steps are the user's
     code: use :class:`vramctl.Guard` there) and neither are several processes (DDP,
     FSDP, DeepSpeed: the pieces would need the ranks to agree inside Lightning's
-    backward); ``self.log`` in ``training_step`` is called once per piece in a split
-    step; BatchNorm statistics are per piece.
+    backward); BatchNorm statistics are per piece. A split step logs once, as a whole
+    one does: each piece's ``self.log`` (and ``self.log_dict``) calls are held, and each
+    name is logged once with the whole batch's value (``reduce_fx`` ``"mean"``: the
+    pieces' values weighted by their sizes, or by the ``batch_size`` given; ``"sum"``,
+    ``"max"``, ``"min"``: theirs over the pieces; a torchmetrics ``Metric``: the last
+    call, its state holding every piece's). Where the whole batch's forward ran and
+    logged before its backward ran out of memory, the pieces log nothing more (a value
+    logged before a forward ran out of memory is logged again by the pieces).
     """
 
     def __init__(
@@ -476,7 +483,8 @@ class VramctlGuard(pl.Callback):
         guard.recover(failure, whole.n, time.perf_counter() - t0)
         failure = None
         scale = factor.detach()
-        self._pieces(whole.batch, whole.args, whole.kwargs, scale)
+        # The whole batch's training_step ran, and logged: its pieces do not log again.
+        self._pieces(whole.batch, whole.args, whole.kwargs, scale, logged=True)
 
     def _split_before_backward(
         self, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -513,19 +521,135 @@ class VramctlGuard(pl.Callback):
         return out
 
     def _pieces(
-        self, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any], scale: torch.Tensor
+        self,
+        batch: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        scale: torch.Tensor,
+        *,
+        logged: bool = False,
     ) -> torch.Tensor:
         """Forward and backward of ``batch`` in the guard's pieces, each loss times ``scale``:
-        the gradients land in ``.grad``; returns the whole batch's loss times ``scale``."""
-        guard, step, trainer = self.guard, self._training_step, self._trainer
+        the gradients land in ``.grad``; returns the whole batch's loss times ``scale``.
+        The pieces' ``self.log`` calls are made once per name for the whole batch after
+        the last piece (none where the whole batch's step has ``logged`` already)."""
+        guard, step, trainer, module = self.guard, self._training_step, self._trainer, self._module
         assert guard is not None and step is not None and trainer is not None
+        assert module is not None
+        logs = _PieceLogs(module, guard)
 
         def piece_loss(piece: Any) -> torch.Tensor:
+            logs.piece(piece)
             return loss_of(step(piece, *args, **kwargs)) * scale.to(torch.float32)
 
-        with trainer.precision_plugin.train_step_context(), torch.enable_grad():
+        with logs.held(), trainer.precision_plugin.train_step_context(), torch.enable_grad():
             result = guard.train_step(batch, piece_loss, update=False)
+        if not logged:
+            logs.log_once()
         return result.loss
+
+
+#: ``LightningModule.log``'s parameters: how a call's name, value, reduction and batch size
+#: are found.
+_LOG = inspect.signature(pl.LightningModule.log)
+
+
+class _PieceLogs:
+    """A split step's ``self.log`` calls: held while its pieces run, then made once per
+    name with the whole batch's value (:meth:`log_once`).
+
+    A call belongs to the guard's attempt it was made in (its OOM count then): an
+    attempt that runs out of memory is run again in smaller pieces, and only the last
+    attempt's calls are the batch's."""
+
+    def __init__(self, module: pl.LightningModule, guard: Guard) -> None:
+        self.module = module
+        self.guard = guard
+        self.log = module.log  # the module's own (or what another callback put there)
+        #: Each name's calls: (attempt, the piece's size, the call's arguments).
+        self.calls: dict[str, list[tuple[int, int, inspect.BoundArguments]]] = {}
+        self.size = 0
+
+    def piece(self, piece: Any) -> None:
+        """The next calls are ``piece``'s."""
+        self.size = batch_size_of(piece)
+
+    def _hold(self, *args: Any, **kwargs: Any) -> None:
+        try:  # read as Lightning's own log reads it, whatever wraps it
+            call = _LOG.bind(self.module, *args, **kwargs)
+        except TypeError:
+            self.log(*args, **kwargs)  # not a call this knows: as it was (or its error)
+            return
+        call.apply_defaults()
+        value = call.arguments["value"]
+        if isinstance(value, torch.Tensor) and not call.arguments.get("enable_graph"):
+            call.arguments["value"] = value.detach()  # as Lightning does: not the piece's graph
+        self.calls.setdefault(call.arguments["name"], []).append((self.guard.ooms, self.size, call))
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """``self.log`` (``self.log_dict`` calls it) held inside."""
+        module = self.module
+        own = "log" in vars(module)
+        module.log = self._hold  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            if own:
+                module.log = self.log  # type: ignore[method-assign]
+            else:
+                del module.log
+
+    def log_once(self) -> None:
+        """Each name held, logged once with the last attempt's pieces combined."""
+        attempt = self.guard.ooms
+        for calls in self.calls.values():
+            kept = [(size, call) for a, size, call in calls if a == attempt]
+            if kept:
+                call = _combined(kept).arguments
+                self.log(**{k: v for k, v in call.items() if k != "self"})
+
+
+def _combined(calls: list[tuple[int, inspect.BoundArguments]]) -> inspect.BoundArguments:
+    """One ``self.log`` call for the pieces' ``calls`` (each with its piece's size): the
+    last call, with the pieces' values reduced as Lightning reduces a name's values over
+    batches, and their ``batch_size`` summed where they gave one."""
+    last = calls[-1][1]
+    values = [c.arguments["value"] for _, c in calls]
+    if len(calls) == 1 or not all(_scalar(v) for v in values):
+        return last  # a torchmetrics Metric holds every piece's state itself
+    given = [c.arguments.get("batch_size") for _, c in calls]
+    sizes = [
+        float(g) if g is not None else float(n) for (n, _), g in zip(calls, given, strict=True)
+    ]
+    first = values[0]
+    like = first if isinstance(first, torch.Tensor) and first.is_floating_point() else None
+    stacked = torch.stack([torch.as_tensor(v).detach().to(torch.float64).cpu() for v in values])
+    fx = last.arguments.get("reduce_fx", "mean")
+    name = fx.lower() if isinstance(fx, str) else getattr(fx, "__name__", "")
+    if fx is torch.sum or name == "sum":
+        value = stacked.sum()
+    elif fx is torch.max or name == "max":
+        value = stacked.max()
+    elif fx is torch.min or name == "min":
+        value = stacked.min()
+    elif (fx is torch.mean or name in ("mean", "avg")) and sum(sizes) > 0:
+        value = (stacked * torch.tensor(sizes, dtype=torch.float64)).sum() / sum(sizes)
+    else:  # a reduction Lightning refuses anyway
+        return last
+    out = inspect.BoundArguments(last.signature, last.arguments.copy())
+    out.arguments["value"] = (
+        value.to(like.dtype).to(like.device) if like is not None else value.to(torch.float32)
+    )
+    if any(g is not None for g in given):
+        out.arguments["batch_size"] = int(sum(sizes))
+    return out
+
+
+def _scalar(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _trainer_every(trainer: pl.Trainer) -> int:

@@ -10,11 +10,12 @@ import functools
 import os
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import psutil
 import torch
 
-__all__ = ["cpu_signal", "cuda_reader"]
+__all__ = ["PROBE_BYTES", "CpuSignal", "cpu_signal", "cuda_reader"]
 
 
 class _MallInfo2(ctypes.Structure):
@@ -53,14 +54,32 @@ def _malloc_reader() -> Callable[[], int] | None:
     return read
 
 
+#: The CPU tensor that checks glibc's counters see tensors (bytes).
+PROBE_BYTES = 4 * 2**20
+
+
+class _ProbeFailed(Exception):
+    """The probe could not be allocated: nothing learned, to be tried again later."""
+
+
 def _malloc_sees_tensors(read: Callable[[], int]) -> bool:
     """True when a 4 MiB CPU tensor shows in ``read``: not so under a preloaded jemalloc or
-    tcmalloc, whose allocations glibc's counters never see."""
+    tcmalloc, whose allocations glibc's counters never see. :class:`_ProbeFailed` when
+    the probe cannot be allocated (a process near its memory limit): the caller's step
+    must not fail for a check of the monitor's own."""
     before = read()
-    probe = torch.empty(4 * 2**20, dtype=torch.uint8)
+    try:
+        probe = torch.empty(PROBE_BYTES, dtype=torch.uint8)
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise _ProbeFailed(
+            f"glibc's malloc counters unchecked: their {PROBE_BYTES >> 20} MiB probe tensor"
+            f" could not be allocated ({type(exc).__name__}: {first}); the next detector"
+            " tries again"
+        ) from None
     seen = read() - before
     del probe
-    return seen >= 4 * 2**20
+    return seen >= PROBE_BYTES
 
 
 def _rss_reader() -> tuple[str, Callable[[], int]]:
@@ -82,13 +101,41 @@ def _rss_reader() -> tuple[str, Callable[[], int]]:
     return "process RSS (/proc/self/statm)", read
 
 
+class CpuSignal(NamedTuple):
+    """What the CPU side reads: its name, the reader, and ``note``, why glibc's malloc
+    counters (the exact reading) are not read, or None when they are or cannot be
+    (without glibc)."""
+
+    name: str
+    read: Callable[[], int]
+    note: str | None
+
+
 @functools.lru_cache(maxsize=1)
-def cpu_signal() -> tuple[str, Callable[[], int]]:
-    """What the CPU side reads: glibc's malloc counters where they see tensors, else RSS."""
+def _lasting_signal() -> CpuSignal:
+    """The CPU's signal, found once (:class:`_ProbeFailed`, not kept, when the probe could
+    not be allocated)."""
     malloc = _malloc_reader()
-    if malloc is not None and _malloc_sees_tensors(malloc):
-        return "malloc in use (glibc mallinfo2)", malloc
-    return _rss_reader()
+    if malloc is None:
+        return CpuSignal(*_rss_reader(), None)
+    if _malloc_sees_tensors(malloc):
+        return CpuSignal("malloc in use (glibc mallinfo2)", malloc, None)
+    return CpuSignal(
+        *_rss_reader(),
+        "glibc's malloc counters do not see a CPU tensor (a preloaded jemalloc or tcmalloc?)",
+    )
+
+
+def cpu_signal() -> CpuSignal:
+    """What the CPU side reads: glibc's malloc counters where they see tensors, else RSS.
+
+    Finding out takes a 4 MiB tensor, once per process. Where it cannot be allocated
+    the process's RSS is read (it needs no allocation, and sees tensors once written) and
+    ``note`` says why; the probe is tried again the next time (a later detector)."""
+    try:
+        return _lasting_signal()
+    except _ProbeFailed as exc:
+        return CpuSignal(*_rss_reader(), str(exc))
 
 
 def cuda_reader(index: int) -> Callable[[], int]:

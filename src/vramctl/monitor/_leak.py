@@ -182,7 +182,8 @@ class LeakDetector:
     (or use the detector as a context manager) if the loop may end while a
     census is under way. ``census=False`` only detects.
 
-    :attr:`signal` says what is read; :meth:`read` reads it now. :meth:`reset`
+    :attr:`signal` says what is read (and :attr:`signal_note` why it is not the exact
+    reading, where it is not); :meth:`read` reads it now. :meth:`reset`
     forgets the readings (a new phase of the run); :attr:`censuses` counts the
     censuses run.
 
@@ -252,12 +253,16 @@ class LeakDetector:
         self._alpha = 1.0 - self.confidence
         self._census_alpha = max(self._alpha, min(0.05, 20 * self._alpha))
         self._min_points = max(_CENSUS_MIN_POINTS, window // 2)
+        #: Why :attr:`signal` is not the exact reading of the device (glibc's malloc
+        #: counters on a CPU: they do not see tensors, or their probe could not be
+        #: allocated), or None.
+        self.signal_note: str | None = None
         if self._cuda:
             index = self.device.index or 0
             self.signal = f"torch.cuda.memory_allocated({index})"
             self._read = cuda_reader(index)
         else:
-            self.signal, self._read = cpu_signal()
+            self.signal, self._read, self.signal_note = cpu_signal()
         self._win = Window(window)
         self._steps = 0
         self._baseline: tuple[int, int] | None = None  # (step, bytes)

@@ -293,10 +293,16 @@ class Monitor:
         Call it at the same point of every step (after ``optimizer.step()``). The
         detector watches the first monitored CUDA device this process uses, or
         the CPU's heap. A leak is also an alert (rule ``"leak"``, level error).
+        :meth:`summary`'s ``"leak"`` says what is read, and why where it is not the
+        exact reading (on the CPU, glibc's malloc counters: the first step checks that
+        they see a 4 MiB tensor; where that tensor cannot be allocated the step goes on,
+        reading the process's RSS).
         """
         detector = self._leak
         if detector is None:
             detector = self._leak = self._make_detector()
+            if detector.signal_note is not None:
+                log.info("the leak detector reads %s: %s", detector.signal, detector.signal_note)
         report = detector.step()
         if report is not None:
             data = report.to_dict()
@@ -333,7 +339,10 @@ class Monitor:
         return self.sample_time / self.samples_taken if self.samples_taken else 0.0
 
     def summary(self) -> dict[str, Any]:
-        """Peaks, latest readings, active alerts and sampling cost, JSON-ready."""
+        """Peaks, latest readings, active alerts and sampling cost, JSON-ready; once
+        :meth:`step` has been called, ``"leak"``: the leak detector's device, ``signal``
+        (what it reads), ``signal_note`` (why that is not the exact reading, or null) and
+        ``steps``."""
         out: dict[str, Any] = {
             "pid": os.getpid(),
             "interval_s": self.interval,
@@ -347,6 +356,14 @@ class Monitor:
         }
         if self.sources:
             out["sources"] = {str(src.name): src.stats() for src in list(self.sources)}
+        detector = self._leak
+        if detector is not None:  # step() has been called
+            out["leak"] = {
+                "device": str(detector.device),
+                "signal": detector.signal,
+                "signal_note": detector.signal_note,
+                "steps": detector.steps,
+            }
         for dev in self.devices:
             latest = self.history.latest(dev.id)
             out["devices"][dev.id] = {

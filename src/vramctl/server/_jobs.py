@@ -62,8 +62,10 @@ __all__ = [
     "service_token",
 ]
 
-#: The most jobs ``GET /jobs`` returns at once.
+#: The most jobs ``GET /jobs`` returns at once, and ``GET /workers/status`` lists queued.
 MAX_PAGE = 1000
+#: How many queued jobs ``GET /workers/status`` lists when not told (``limit``).
+PENDING_PAGE = 100
 #: How often a followed log is read for more (seconds).
 FOLLOW_POLL_S = 0.2
 #: ``state`` of ``GET /jobs``: states, comma-separated.
@@ -134,6 +136,8 @@ class JobService:
         #: Prices a spec's estimate at submission in a process of its own (None: here).
         self.estimator = estimator
         self._local = threading.local()
+        #: Each queued job's need by ``(id, attempts)``, as :meth:`_pending_bytes` last read.
+        self._needs: dict[tuple[str, int], int | None] = {}
         _ = self.store  # opened now: a bad path is an error at start, not at a request
 
     @property
@@ -239,13 +243,18 @@ class JobService:
 
     # -- status ------------------------------------------------------------------------
 
-    def workers(self) -> dict[str, Any]:
+    def workers(self, limit: int = PENDING_PAGE, offset: int = 0) -> dict[str, Any]:
         """Seed 001's summary: active and pending jobs, allocated and pending bytes; and
-        for the dashboard's jobs view, each queued job's priority and submission, and the
+        for the dashboard's jobs view, a page of the queued jobs (``limit`` from
+        ``offset``, in submission order) with each one's priority and submission, and the
         jobs that failed or timed out last, with their reasons. No command, environment
-        or log: the route is open on loopback."""
+        or log: the route is open on loopback.
+
+        The page alone is read from the store (a poll once read and sent the whole queue);
+        the queue's count and bytes come from its keys and :meth:`_pending_bytes`."""
         active = self.store.list(ACTIVE)
-        queued = self.store.list(["queued"])
+        queue = self.store.keys(["queued"])
+        page = self.store.list(["queued"], limit=limit, offset=offset)
         counts = self.store.counts()
         devices = []
         for dev in self.devices:
@@ -259,35 +268,53 @@ class JobService:
                     "jobs": [j.id for j in held],
                 }
             )
-        pending = []
-        for job in queued:
-            need = job.spec.memory.size  # None for an estimated or learned need
-            if job.need_bytes is not None:  # it overran its share: at least what it used
-                need = max(need or 0, job.need_bytes)
-            pending.append(
-                {
-                    "id": job.id,
-                    "name": job.name,
-                    "need_bytes": need,
-                    "need_kind": job.spec.memory.kind,
-                    "priority": job.priority,
-                    "submitted_at": job.submitted_at,
-                    "attempts": job.attempts,
-                    "reason": job.reason,
-                }
-            )
+        pending = [
+            {
+                "id": job.id,
+                "name": job.name,
+                "need_bytes": _pending_need(job),
+                "need_kind": job.spec.memory.kind,
+                "priority": job.priority,
+                "submitted_at": job.submitted_at,
+                "attempts": job.attempts,
+                "reason": job.reason,
+            }
+            for job in page
+        ]
+        end = offset + len(page)
         return {
             "time": time.time(),
             "active_jobs": len(active),
-            "pending_jobs": len(queued),
+            "pending_jobs": len(queue),
             "failed_jobs": sum(counts[s] for s in FAILED),
             "allocated_bytes": sum(j.reserved_bytes or 0 for j in active),
-            "pending_bytes": sum(p["need_bytes"] or 0 for p in pending),
+            "pending_bytes": self._pending_bytes(queue),
             "devices": devices,
             "active": [_summary(j) for j in active],
             "pending": pending,
+            "pending_offset": offset,
+            "pending_next_offset": end if page and end < len(queue) else None,
             "recent_failures": [_failure(j) for j in self.store.latest(FAILED, RECENT_FAILURES)],
         }
+
+    def _pending_bytes(self, queue: Sequence[tuple[str, int, int, float, int]]) -> int:
+        """What the queued jobs (``queue``: the store's keys) need in all. A job's need
+        changes only when an overrun queues it again, a new attempt: each ``(id,
+        attempts)`` is read from the store once and its need kept for the next polls (a
+        poll reads the rows of the jobs queued since the last, not the whole queue's)."""
+        known = self._needs
+        keys = [(job_id, attempts) for job_id, attempts, *_ in queue]
+        fresh = {
+            (job.id, job.attempts): _pending_need(job)
+            for job in self.store.get_many([k[0] for k in keys if k not in known])
+            if job.state == "queued"
+        }
+        # Replaced, not changed in place: routes run on several threads. A job gone, or
+        # queued again, since the keys were read is left for the next poll.
+        self._needs = {
+            k: known[k] if k in known else fresh[k] for k in keys if k in known or k in fresh
+        }
+        return sum(need or 0 for need in self._needs.values())
 
     def store_writable(self, timeout: float | None = None) -> None:
         """Take the store's write lock and let it go, on a connection of its own, within
@@ -325,6 +352,15 @@ class JobService:
         if self.scheduler_alive is not None and not self.scheduler_alive():
             reasons.append("scheduler: its loop is not running")
         return not reasons, reasons
+
+
+def _pending_need(job: Job) -> int | None:
+    """A queued job's need in bytes: its spec's size (None for an estimated or learned
+    need), or at least what it used where it overran its share."""
+    need = job.spec.memory.size
+    if job.need_bytes is not None:
+        need = max(need or 0, job.need_bytes)
+    return need
 
 
 def _summary(job: Job) -> dict[str, Any]:
@@ -478,14 +514,20 @@ def jobs_router(service: JobService) -> APIRouter:
             200: {
                 "description": "the queue's summary",
                 "content": {"application/json": {"schema": WORKERS_SCHEMA}},
-            }
+            },
+            422: _ERRORS[422],  # a bad page, as GET /jobs answers it
         },
     )
-    def workers_status() -> dict[str, Any]:
+    def workers_status(
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = PENDING_PAGE,
+        offset: Annotated[int, Query(ge=0)] = 0,
+    ) -> dict[str, Any]:
         """Active and pending jobs, and the bytes allocated and pending, per device; the
-        latest jobs that failed or timed out, with their reasons. No command, environment
-        or log (open on loopback)."""
-        return service.workers()
+        latest jobs that failed or timed out, with their reasons. ``pending`` is a page of
+        the queue: ``limit`` jobs (100 unless told, at most 1000) from ``offset``;
+        ``pending_jobs`` counts them all and ``pending_next_offset`` is the next page's
+        offset (null after the last). No command, environment or log (open on loopback)."""
+        return service.workers(limit, offset)
 
     @router.get("/health", responses={503: {"description": "degraded"}})
     def health() -> JSONResponse:
@@ -577,8 +619,11 @@ WORKERS_SCHEMA: dict[str, Any] = _object(
                 "submitted_at": _NUM,
                 "attempts": _INT,
                 "reason": _OPT_STR,
-            }
+            },
+            maxItems=MAX_PAGE,
         ),
+        "pending_offset": _INT,
+        "pending_next_offset": _OPT_INT,
         "recent_failures": _list_of(
             {
                 "id": _STR,

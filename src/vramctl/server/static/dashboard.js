@@ -420,9 +420,10 @@
         el("td", { class: "num", text: fmtAge(now - j.submitted_at) }),
       ]));
     });
-    if (st.pending.length > QUEUE_LIMIT) {
+    var more = st.pending_jobs - Math.min(st.pending.length, QUEUE_LIMIT);  // the server sends a page
+    if (more > 0) {
       tbody.appendChild(el("tr", { class: "more" }, [el("td", {
-        colspan: "4", class: "muted", text: "and " + (st.pending.length - QUEUE_LIMIT) + " more",
+        colspan: "4", class: "muted", text: "and " + more + " more",
       })]));
     }
 
@@ -456,7 +457,9 @@
   function pollJobs() {
     jobs.timer = null;
     if (!jobs.path) return;
-    fetch(api(jobs.path), { cache: "no-store" }).then(function (r) {
+    var url = new URL(api(jobs.path));
+    url.searchParams.set("limit", String(QUEUE_LIMIT));  // the rows it lists; the rest are counted
+    fetch(url.toString(), { cache: "no-store" }).then(function (r) {
       if (!r.ok) throw new Error("the server answered " + r.status);
       return r.json();
     }).then(function (st) {
