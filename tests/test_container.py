@@ -35,7 +35,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "localhost/vramctl-test-base:bookworm"
-IMAGE = "localhost/vramctl-test:latest"
+#: This run's image (a tag of its own: two runs at once do not remove each other's).
+IMAGE = f"localhost/vramctl-test:{secrets.token_hex(4)}"
 REQUIRED = os.environ.get("VRAMCTL_REQUIRE_CONTAINER") == "1"
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1500)]
@@ -85,15 +86,7 @@ def _base(work: Path) -> None:
     if shutil.which("debootstrap") is None or os.geteuid() != 0:
         _cannot("no Debian base image, and debootstrap (as root) is not there to make one")
     rootfs = work / "rootfs"
-    made = subprocess.run(
-        ["debootstrap", "--variant=minbase", "bookworm", str(rootfs)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    if made.returncode != 0:
-        _cannot(f"debootstrap could not make a Debian base: {made.stderr.strip()[-500:]}")
+    _needed(["debootstrap", "--variant=minbase", "bookworm", str(rootfs)], "make a Debian base")
     archive = work / "rootfs.tar"
     with tarfile.open(archive, "w") as tar:
         tar.add(rootfs, arcname=".")
@@ -107,27 +100,16 @@ def _wheels(folder: Path) -> None:
     installed here (the CPU one where this runs without a GPU), and what ``vramctl[cli,server]``
     and its build need."""
     version = torch.__version__.split("+")[0]
-    got = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "-d",
-            str(folder),
-            f"{ROOT}[cli,server]",
-            f"torch=={version}",
-            "setuptools>=69",
-            "wheel",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    if got.returncode != 0:
-        _cannot(f"pip could not download the image's packages: {got.stderr.strip()[-500:]}")
+    pip = [sys.executable, "-m", "pip", "download", "-q", "-d", str(folder)]
+    wanted = [f"{ROOT}[cli,server]", f"torch=={version}", "setuptools>=69", "wheel"]
+    _needed([*pip, *wanted], "download the image's packages")
+
+
+def _needed(argv: list[str], what: str) -> None:
+    """Run ``argv``, a step the image needs; where it fails the engine cannot be used here."""
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode != 0:
+        _cannot(f"{argv[0]} could not {what}: {done.stderr.strip()[-500:]}")
 
 
 @pytest.fixture(scope="module")

@@ -778,31 +778,17 @@ def test_a_python_command_is_held_to_its_share_on_a_simulated_gpu(store: JobStor
 @pytest.mark.cuda
 def test_a_python_command_is_held_to_its_share_on_a_gpu(store: JobStore) -> None:
     gpu = vramctl.gpus()[0]
-    big = store.submit(
-        JobSpec(
-            name="beyond",
-            command=(
-                PY,
-                "-c",
-                ALLOCATE.replace("torch.uint8)", "torch.uint8, device='cuda')"),
-                str(2 * GiB),
-            ),
+    on_gpu = ALLOCATE.replace("torch.uint8)", "torch.uint8, device='cuda')")
+
+    def job(name: str, retries: int) -> JobSpec:
+        return JobSpec(
+            name=name,
+            command=(PY, "-c", on_gpu, str(2 * GiB)),
             memory=MemoryNeed.of_size("1GiB"),
-            overrun_retries=0,
+            overrun_retries=retries,
         )
-    )
-    again = store.submit(
-        JobSpec(
-            name="again",
-            command=(
-                PY,
-                "-c",
-                ALLOCATE.replace("torch.uint8)", "torch.uint8, device='cuda')"),
-                str(2 * GiB),
-            ),
-            memory=MemoryNeed.of_size("1GiB"),
-        )
-    )
+
+    big, again = store.submit(job("beyond", 0)), store.submit(job("again", 1))
     run_all(Scheduler(store, devices=[gpu]))
     over = store.get(big.id)
     assert over.state == "failed"
