@@ -334,7 +334,10 @@ def test_step_stays_quiet_on_a_healthy_loop() -> None:
 # A process whose address space ends 3 MiB past what it has mapped: the leak detector's
 # 4 MiB probe tensor cannot be allocated, for real (the kernel refuses the mapping).
 _TIGHT_PROCESS = """
-import json, resource
+import ctypes, json, resource
+# glibc's mmap threshold fixed (M_MMAP_THRESHOLD, which a large free otherwise raises): a
+# 4 MiB block is a mapping of its own, never free heap already mapped.
+ctypes.CDLL(None).mallopt(-3, 128 * 1024)
 import torch
 from torch import nn
 from vramctl.monitor import Monitor
@@ -378,52 +381,72 @@ def test_step_goes_on_where_the_heap_probe_cannot_be_allocated() -> None:
     assert "can't allocate memory" in leak["signal_note"]
 
 
-def test_a_heap_probe_out_of_memory_is_reported_and_leaks_are_still_found(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import functools
+# The probe's allocation refused with PyTorch's out-of-memory error, in a process of its own:
+# its heap is fresh, so a leak shows in its RSS (a long-lived process reuses freed heap
+# first, and its RSS lags), and the patch of torch.empty ends with it.
+_PROBE_REFUSED = """
+import json
+import torch
+from vramctl.monitor import Monitor, _heap
 
-    from vramctl.monitor import _heap
+real_empty = torch.empty
+probes = []
 
-    # A fresh cache: this process may have found its signal already (put back after).
-    monkeypatch.setattr(
-        _heap, "_lasting_signal", functools.lru_cache(maxsize=1)(_heap._lasting_signal.__wrapped__)
+def tight_empty(*size, **kw):
+    if size == (_heap.PROBE_BYTES,) and kw.get("dtype") is torch.uint8:
+        probes.append(1)
+        raise torch.OutOfMemoryError("CPU out of memory: tried to allocate 4.00 MiB")
+    return real_empty(*size, **kw)
+
+torch.empty = tight_empty
+mon = Monitor(["cpu"], rules=[])
+kept = []
+report = None
+for _ in range(80):
+    kept.append(torch.randn(512, 1024))  # the leak: 2 MiB kept (and written) every step
+    report = mon.step()
+    if report is not None:
+        break
+refused = len(probes)
+leak = mon.summary()["leak"]
+# A failed probe is not kept: the next detector probes again, and may read the heap.
+torch.empty = real_empty
+again = Monitor(["cpu"], rules=[])
+again.step()
+print(json.dumps({
+    "refused": refused,
+    "probes": len(probes),
+    "rate": None if report is None else report.rate_bytes_per_step,
+    "report_signal": None if report is None else report.signal,
+    "leak": leak,
+    "again": again.summary()["leak"],
+    "malloc_readable": _heap._malloc_reader() is not None,
+}))
+"""
+
+
+def test_a_heap_probe_out_of_memory_is_reported_and_leaks_are_still_found() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE_REFUSED], capture_output=True, text=True, timeout=120
     )
-    real_empty = torch.empty
-    probes: list[int] = []
-
-    def tight_empty(*size: object, **kw: object) -> torch.Tensor:
-        if size == (_heap.PROBE_BYTES,) and kw.get("dtype") is torch.uint8:
-            probes.append(1)
-            raise torch.OutOfMemoryError("CPU out of memory: tried to allocate 4.00 MiB")
-        return real_empty(*size, **kw)  # type: ignore[call-overload,no-any-return]
-
-    monkeypatch.setattr(torch, "empty", tight_empty)
-    mon = Monitor(["cpu"], rules=[])
-    kept = []
-    report = None
-    for _ in range(80):
-        kept.append(torch.randn(512, 1024))  # the leak: 2 MiB kept (and written) every step
-        report = mon.step()
-        if report is not None:
-            break
-    assert probes == [1]
-    # Read from RSS, the leak is still found (RSS lags where freed heap is reused first).
-    assert report is not None and report.rate_bytes_per_step >= 1 * MiB
-    leak = mon.summary()["leak"]
-    assert leak["signal"].startswith("process RSS") and leak["signal"] == report.signal
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["refused"] == 1
+    # Read from RSS, the leak is still found.
+    assert got["rate"] is not None and got["rate"] >= 1 * MiB, got
+    leak = got["leak"]
+    assert leak["signal"].startswith("process RSS") and leak["signal"] == got["report_signal"]
     assert leak["signal_note"].startswith("glibc's malloc counters unchecked: their 4 MiB probe")
     assert "OutOfMemoryError: CPU out of memory" in leak["signal_note"]
-
-    # A failed probe is not kept: the next detector probes again, and may read the heap.
-    monkeypatch.setattr(torch, "empty", real_empty)
-    again = Monitor(["cpu"], rules=[])
-    again.step()
-    assert probes == [1]
-    if _heap._malloc_reader() is not None and again.summary()["leak"]["signal_note"] is None:
-        assert again.summary()["leak"]["signal"] == "malloc in use (glibc mallinfo2)"
+    assert got["probes"] == 1  # the next detector's probe was not refused (torch.empty back)
+    note = got["again"]["signal_note"]
+    if got["malloc_readable"] and note is None:
+        assert got["again"]["signal"] == "malloc in use (glibc mallinfo2)"
     else:
-        assert "probe tensor could not be allocated" not in again.summary()["leak"]["signal_note"]
+        assert "probe tensor could not be allocated" not in (note or "")
 
 
 def test_an_alert_callback_may_sample_again_without_deadlock() -> None:
