@@ -155,9 +155,15 @@ def test_measure_throughput_reports_every_group() -> None:
     # the measured terms beyond the roofline: arithmetic-bound element-wise operators,
     # rates by size, a multi-tensor operator's per-tensor cost, a dispatch mode's
     assert tp.per_element["bernoulli_"] > 0 and tp.per_element["tanh"] > 0
+    # the same on bf16 inputs, but the optimizer's (fp32 state whatever the precision)
+    assert tp.per_element["tanh@bf16"] > 0 and tp.per_element["_to_copy@bf16"] > 0
+    assert "lerp_@bf16" not in tp.per_element and tp.per_element["nll_loss_backward"] > 0
     assert len(tp.op_curves["convolution_backward:fp32"]) >= 3
     assert tp.tensor_overhead >= 0 and tp.dispatch_overhead > 0
     assert tp.step_factor > 0 and tp.overhead_factor > 0
+    # fitted apart on the reference steps under autocast, and kept through a profile
+    assert tp.autocast_factors is not None and min(tp.autocast_factors) >= 0.5
+    assert Throughput.from_dict(json.loads(json.dumps(tp.to_dict()))) == tp
 
 
 def test_calibrate_cpu_prints_json_and_saves() -> None:
@@ -207,6 +213,41 @@ def test_an_arithmetic_bound_elementwise_operator_takes_its_measured_time() -> N
     assert plain == pytest.approx(8e-5 + 1e-6)
     priced = predict([op], _flat(per_element={"bernoulli_": 5e-9})).seconds
     assert priced == pytest.approx(5e-3 + 1e-6)
+
+
+def test_an_elementwise_operator_on_bf16_takes_its_bf16_cost_where_measured() -> None:
+    tanh = OpCost("memory", "forward", "bf16", 0, 0, True, False, "tanh", 10**6)
+    tp = _flat(per_element={"tanh": 1e-9, "tanh@bf16": 3e-9, "exp": 2e-9})
+    assert predict([tanh], tp).seconds == pytest.approx(3e-3 + 1e-6)
+    # fp32 keeps its own; a dtype not measured takes fp32's
+    assert tp.element_cost("tanh", "fp32") == 1e-9
+    assert tp.element_cost("exp", "bf16") == tp.element_cost("exp", "fp16") == 2e-9
+    assert tp.element_cost("erf", "bf16") == 0.0
+
+
+def test_a_step_under_autocast_takes_the_autocast_factors_but_not_on_the_host() -> None:
+    kernel = OpCost("matmul", "forward", "bf16", 10**9, 0, True)  # 1 ms at 1 TFLOP/s
+    tp = _flat(rates={"matmul": {"fp32": 1e12, "bf16": 1e12}}, step_factor=1.5)
+    tp = Throughput.from_dict({**tp.to_dict(), "autocast_factors": [2.0, 3.0]})
+    assert tp.autocast_factors == (2.0, 3.0)
+    assert predict([kernel], tp).seconds == pytest.approx(1.5e-3 + 1e-6)
+    assert predict([kernel], tp, autocast=True).seconds == pytest.approx(2e-3 + 3e-6)
+    # an offloaded optimizer's step runs on the host, outside autocast: the host's factors
+    host_op = OpCost("matmul", "host", "fp32", 10**9, 0, True)
+    host = _flat(step_factor=1.25)
+    timed = predict([host_op], tp, host=host, autocast=True).seconds
+    assert timed == pytest.approx(1.25e-3 + 1e-6)
+
+
+def test_the_step_factors_fit_recovers_known_factors() -> None:
+    from vramctl.estimator._rates import _fit_factors
+
+    # rows of (kernel, overhead) over measured, made by a = 1.5, b = 2.5 exactly
+    rows = [(k, (1 - 1.5 * k) / 2.5) for k in (0.1, 0.3, 0.5, 0.6)]
+    a, b = _fit_factors(rows)
+    assert a == pytest.approx(1.5) and b == pytest.approx(2.5)
+    # rows that cannot tell kernels from overheads: one factor for both
+    assert _fit_factors([(0.5, 0.5), (0.5, 0.5)]) == (1.0, 1.0)
 
 
 def test_per_tensor_and_dispatch_mode_costs_add_to_the_overhead() -> None:

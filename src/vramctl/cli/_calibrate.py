@@ -127,9 +127,13 @@ def _calibrate_cpu(save: bool, as_json: bool) -> None:
         slowest = sorted(tp.per_element.items(), key=lambda kv: -kv[1])[:4]
         shown = ", ".join(f"{k} {v * 1e9:.2f}" for k, v in slowest)
         console.print(f"  {'ns per element':<26} {shown} ...", highlight=False)
+    under = ""
+    if tp.autocast_factors is not None:
+        kernels, overheads = tp.autocast_factors
+        under = f" (under autocast x{kernels:.2f}, x{overheads:.2f})"
     console.print(
         f"  {'fitted to reference steps':<26} kernels x{tp.step_factor:.2f}, overheads "
-        f"x{tp.overhead_factor:.2f}; step times within ±{100 * tp.error:.0f}%",
+        f"x{tp.overhead_factor:.2f}{under}; step times within ±{100 * tp.error:.0f}%",
         highlight=False,
     )
     if path is not None:

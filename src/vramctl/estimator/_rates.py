@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -199,8 +200,7 @@ def _measure_throughput(dev: torch.device, scale: float) -> Throughput:
         source=f"measured on {_host_description() if not cuda else name}",
         measured=True,
     )
-    kernels, overheads, error = _step_factors(tp, dev, sync)
-    return replace(tp, step_factor=kernels, overhead_factor=overheads, error=error)
+    return _step_factors(tp, dev, sync)
 
 
 def _self_attention(q: torch.Tensor) -> torch.Tensor:
@@ -372,21 +372,39 @@ _PER_ELEMENT: dict[str, Callable[[torch.Tensor], Any]] = {
     "addcdiv_": lambda x: x.addcdiv_(x, x),
     "addcmul_": lambda x: x.addcmul_(x, x),
     "lerp_": lambda x: x.lerp_(x, 0.1),
-    # autocast's casts, and the binary operators of activations and their gradients
-    "_to_copy": lambda x: x.to(torch.bfloat16),
+    # autocast's casts (fp32 to bf16, and back on bf16 inputs), and the binary operators
+    # of activations and their gradients
+    "_to_copy": lambda x: x.to(torch.bfloat16 if x.dtype == torch.float32 else torch.float32),
     "mul": lambda x: torch.mul(x, x),
     "add": lambda x: torch.add(x, x),
+    # the loss's gradient: a zeroed buffer of the logits' size, one element set per row
+    "nll_loss_backward": lambda x: torch.ops.aten.nll_loss_backward(
+        x.new_ones(()),
+        x.view(-1, 256),
+        torch.zeros(x.numel() // 256, dtype=torch.long, device=x.device),
+        None,
+        1,
+        -100,
+        x.new_tensor(float(x.numel() // 256)),
+    ),
 }
+#: Those of :data:`_PER_ELEMENT` that a step runs on fp32 state whatever its precision
+#: (the optimizer's): not measured on bf16.
+_FP32_ONLY = {"addcdiv_", "addcmul_", "lerp_"}
 
 
 def _per_element(dev: torch.device, sync: Callable[[], None], scale: float) -> dict[str, float]:
-    """Seconds per element of each of :data:`_PER_ELEMENT`, at a million elements."""
+    """Seconds per element of each of :data:`_PER_ELEMENT`, at a million elements, on fp32
+    (keyed by name) and on bf16 (``"name@bf16"``, but :data:`_FP32_ONLY`)."""
     n = int(2**20 * scale) // 256 * 256
     x = torch.rand(n, device=dev) + 0.5
     found = {}
-    for name, fn in _PER_ELEMENT.items():
-        y = x.clone()
-        found[name] = _median(partial(fn, y), sync, repeat=5) / n
+    for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "@bf16")):
+        for name, fn in _PER_ELEMENT.items():
+            if suffix and name in _FP32_ONLY:
+                continue
+            y = x.to(dtype)
+            found[name + suffix] = _median(partial(fn, y), sync, repeat=5) / n
     return found
 
 
@@ -483,34 +501,69 @@ def _reference_models() -> list[tuple[nn.Module, torch.Tensor, str]]:
     ]
 
 
-def _step_factors(
-    tp: Throughput, dev: torch.device, sync: Callable[[], None]
-) -> tuple[float, float, float]:
-    """``(kernel factor, overhead factor, error)``: what the reference steps' kernel and
-    overhead times are multiplied by to best match their measured times (least squares
-    on the relative error; ``(1, 1)`` where one cannot run), and the largest relative
-    error left, at least :data:`MEASURED_ERROR`. The steps are predicted with
-    ``tp`` itself, the throughput being measured (a field of their request: nothing of
-    this process's state tells the estimate)."""
+#: How many times each reference step is timed, in turn, for the fit.
+_FIT_ROUNDS = 3
+
+
+def _step_factors(tp: Throughput, dev: torch.device, sync: Callable[[], None]) -> Throughput:
+    """``tp`` with the factors its reference steps' kernel and overhead times are multiplied
+    by to best match their measured times (least squares on the relative error): the plain
+    ones from the fp32 steps, ``autocast_factors`` from those under autocast (``(1, 1)``
+    where one cannot run); and as its error the largest relative error left, at least
+    :data:`MEASURED_ERROR`. The steps are predicted with ``tp`` itself, the throughput
+    being measured (a field of their request: nothing of this process's state tells the
+    estimate)."""
     from vramctl.estimator._request import Step
     from vramctl.estimator._session import open_session
 
     target = Target(tp.device, 2**40, None, cuda=False)
-    rows = []
-    for model, x, precision in _reference_models():
+    models = _reference_models()
+    predicted = []
+    for model, x, precision in models:
         step = Step(
             device=target, calibration=False, throughput=tp, tf32=False, precision=precision
         )
-        measured = _measure_step(model, x, dev, sync, precision)
-        session = open_session(model.cpu(), step, RATES)
+        session = open_session(model, step, RATES)
         try:
-            est = session.estimate(x.cpu(), None, None, None)
+            est = session.estimate(x, None, None, None)
         finally:
             session.close()
-        if est.step_seconds is None or measured <= 0:
-            return 1.0, 1.0, DATA_SHEET_ERROR
+        if est.step_seconds is None:
+            return replace(tp, error=DATA_SHEET_ERROR)
         overhead = est.time_breakdown.get("overhead", 0.0)
-        rows.append(((est.step_seconds - overhead) / measured, overhead / measured))
+        predicted.append((est.step_seconds - overhead, overhead))
+    # Each step timed in turn, :data:`_FIT_ROUNDS` times over, and its median kept: a
+    # spell of a shared machine's slowness falls on every step alike, not on one.
+    times: list[list[float]] = [[] for _ in models]
+    for _ in range(_FIT_ROUNDS):
+        for (model, x, precision), found in zip(models, times, strict=True):
+            found.append(_measure_step(model, x, dev, sync, precision))
+    rows: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for (_, _, precision), (kernel, overhead), found in zip(models, predicted, times, strict=True):
+        measured = statistics.median(found)
+        if measured <= 0:
+            return replace(tp, error=DATA_SHEET_ERROR)
+        rows[precision != "fp32"].append((kernel / measured, overhead / measured))
+    plain = _fit_factors(rows[False])
+    under = _fit_factors(rows[True]) if rows[True] else plain
+    left = max(
+        abs(a * k + b * o - 1)
+        for (a, b), group in ((plain, rows[False]), (under, rows[True]))
+        for k, o in group
+    )
+    return replace(
+        tp,
+        step_factor=plain[0],
+        overhead_factor=plain[1],
+        autocast_factors=under,
+        error=max(MEASURED_ERROR, left),
+    )
+
+
+def _fit_factors(rows: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(a, b)`` minimising the squared relative errors ``a * kernel + b * overhead - 1``
+    over ``rows`` of (predicted kernel, predicted overhead) over measured, each kept within
+    0.5-4; one common factor where the rows cannot tell the two apart."""
     kk = sum(k * k for k, _ in rows)
     ko = sum(k * o for k, o in rows)
     oo = sum(o * o for _, o in rows)
@@ -518,12 +571,10 @@ def _step_factors(
     if det <= 1e-12:
         total = sum(k + o for k, o in rows)
         a = b = len(rows) / total if total > 0 else 1.0
-    else:
-        a = (oo * sum(k for k, _ in rows) - ko * sum(o for _, o in rows)) / det
-        b = (kk * sum(o for _, o in rows) - ko * sum(k for k, _ in rows)) / det
-        a, b = min(4.0, max(0.5, a)), min(4.0, max(0.5, b))
-    left = max(abs(a * k + b * o - 1) for k, o in rows)
-    return a, b, max(MEASURED_ERROR, left)
+        return a, b
+    a = (oo * sum(k for k, _ in rows) - ko * sum(o for _, o in rows)) / det
+    b = (kk * sum(o for _, o in rows) - ko * sum(k for k, _ in rows)) / det
+    return min(4.0, max(0.5, a)), min(4.0, max(0.5, b))
 
 
 def _measure_step(

@@ -43,7 +43,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "vramctl.throughput/3"
+SCHEMA = "vramctl.throughput/4"
 #: The share of a GPU's data-sheet peak a typical training step's kernels reach, per
 #: group, where no measured profile exists; ``vramctl calibrate`` replaces them.
 GPU_EFFICIENCY = {"matmul": 0.70, "convolution": 0.50, "attention": 0.45, "memory": 0.75}
@@ -94,6 +94,10 @@ class Throughput:
     #: The same for the per-operator overheads (Python, modules, autograd, the
     #: allocator): fitted with ``step_factor`` to the reference steps' measured times.
     overhead_factor: float = 1.0
+    #: ``(step_factor, overhead_factor)`` fitted to the reference steps run under autocast
+    #: alone, for a step under autocast (its per-operator casts and dispatch, and its
+    #: lower-precision kernels, are not fp32's); ``None``: the plain factors.
+    autocast_factors: tuple[float, float] | None = None
     #: The relative error of a step's predicted time on this device: for a measured
     #: profile, the largest error left on its reference steps after the fit, and never
     #: under :data:`MEASURED_ERROR`; for a data sheet, :data:`DATA_SHEET_ERROR`.
@@ -108,6 +112,8 @@ class Throughput:
     #: Seconds per element of the element-wise operators whose arithmetic, not their
     #: memory, bounds them on this device (random numbers, transcendental functions,
     #: softmax), by ATen name; an operator takes the longer of this and its bytes' time.
+    #: ``"name@bf16"`` is the same operator on bf16 inputs (a CPU converts each element
+    #: through fp32, so its cost is not fp32's); other dtypes take the name's fp32 cost.
     per_element: dict[str, float] = field(default_factory=dict)
     #: Seconds per tensor of an operator over a list of tensors (``_foreach_add_``, a
     #: fused optimizer's step), beyond its fixed ``op_overhead``.
@@ -139,6 +145,14 @@ class Throughput:
                 return self.rates[key][dtype]
         return self.rate(group, dtype)
 
+    def element_cost(self, op: str, dtype: str) -> float:
+        """Seconds per element of ``op`` on ``dtype`` inputs (0 where not measured)."""
+        if dtype != "fp32":
+            found = self.per_element.get(f"{op}@{dtype}")
+            if found is not None:
+                return found
+        return self.per_element.get(op, 0.0)
+
     def memory_bandwidth(self, nbytes: int, inplace: bool) -> float:
         """Bytes per second of a memory-bound kernel moving ``nbytes``."""
         curve = self.bandwidth_curve
@@ -164,6 +178,8 @@ class Throughput:
         fields["bandwidth_curve"] = [tuple(r) for r in fields.get("bandwidth_curve", [])]
         for name in ("matmul_curve", "op_curves"):
             fields[name] = {k: [tuple(r) for r in rows] for k, rows in fields.get(name, {}).items()}
+        if fields.get("autocast_factors") is not None:
+            fields["autocast_factors"] = tuple(fields["autocast_factors"])
         return cls(**fields)
 
 
@@ -192,13 +208,19 @@ class StepTime:
 
 
 def predict(
-    costs: Iterable[OpCost], tp: Throughput, *, tf32: bool = False, host: Throughput | None = None
+    costs: Iterable[OpCost],
+    tp: Throughput,
+    *,
+    tf32: bool = False,
+    host: Throughput | None = None,
+    autocast: bool = False,
 ) -> StepTime:
     """The step's time on ``tp``'s device from its operators' costs.
 
     ``tf32``: fp32 matrix multiplies run on TF32 tensor cores (``allow_tf32``). Operators
     of the ``"host"`` phase (an offloaded optimizer's step) run at ``host``'s rates (the
-    CPU's; default ``tp``'s).
+    CPU's; default ``tp``'s). ``autocast``: the step runs under autocast, whose fitted
+    factors (``Throughput.autocast_factors``) its device's operators take.
     """
     by_group = dict.fromkeys(GROUPS, 0.0)
     by_phase: dict[str, float] = {}
@@ -209,6 +231,9 @@ def predict(
         if op.phase == "setup":
             continue
         tp = host if host is not None and op.phase == "host" else device
+        kernel_factor, overhead_factor = tp.step_factor, tp.overhead_factor
+        if autocast and tp is device and tp.autocast_factors is not None:
+            kernel_factor, overhead_factor = tp.autocast_factors
         kernel = 0.0
         overhead = tp.view_overhead
         if op.kernel:
@@ -222,16 +247,16 @@ def predict(
                 memory = 2 * op.bytes / tp.memory_bandwidth(2 * op.bytes, False)
             else:
                 memory = op.bytes / tp.memory_bandwidth(op.bytes, op.inplace)
-            arithmetic = op.elements * tp.per_element.get(op.op, 0.0)
+            arithmetic = op.elements * tp.element_cost(op.op, op.dtype)
             compute = max(compute, arithmetic)
-            kernel = max(compute, memory) * tp.step_factor
+            kernel = max(compute, memory) * kernel_factor
             if compute > memory:
                 compute_bound += compute
             by_group[op.group] += kernel
             flops += op.flops
             moved += op.bytes
         overhead += op.tensors * tp.tensor_overhead
-        overhead *= tp.overhead_factor
+        overhead *= overhead_factor
         if op.dispatch:
             overhead += tp.dispatch_overhead
         t = max(kernel, overhead) if tp.asynchronous else kernel + overhead

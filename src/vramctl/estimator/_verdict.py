@@ -166,6 +166,7 @@ def build_estimate(
             tp,
             tf32=target.cuda and _tf32_capable(target) and tf32,
             host=rates.host() if on_host and rates is not None else None,
+            autocast=spec.autocast_dtype is not None,
         )
         notes.append(
             f"step time: ±{100 * tp.error:.0f}% "
