@@ -347,16 +347,18 @@ def estimate_case(
     from vramctl.estimator import estimate
 
     source, batch, lengths, opts = estimate_args(spec)
-    return estimate(
-        source,
-        batch,
-        batch_size=spec["batch_size"],
-        device=device,
-        calibration=calibration,
-        allocator_config=allocator_config,
-        **lengths,
-        **opts,
-    )
+    # under the case's options, as a user who forced an attention backend estimates
+    with options_applied(spec, "cpu"):
+        return estimate(
+            source,
+            batch,
+            batch_size=spec["batch_size"],
+            device=device,
+            calibration=calibration,
+            allocator_config=allocator_config,
+            **lengths,
+            **opts,
+        )
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from _truth.cases import estimate_args
+from _truth.cases import estimate_args, options_applied
 from _truth.corpus import events
 
 NONE = "(no operator)"
@@ -68,7 +68,8 @@ def predicted_stream(
         real, size = make_batch_for(
             session, batch, spec["batch_size"], lengths.get("seq_len"), lengths.get("seconds")
         )
-        traced = session.trace(real, size)
+        with options_applied(spec, "cpu"):
+            traced = session.trace(real, size)
     finally:
         session.close()
     records = traced.trace.records

@@ -118,3 +118,66 @@ def test_the_emulation_gives_the_dtypes_cuda_autocast_gives() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocast():
             emulated = fn(F.linear(x, w)).dtype
         assert emulated == real, name
+
+
+class _Attention(nn.Module):
+    """One attention block on ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, w = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, w // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.out(y.transpose(1, 2).reshape(b, n, w))
+
+
+def _attention_peak(backend: object | None, device: str = "A10G-24GB") -> int:
+    from torch.nn.attention import sdpa_kernel
+
+    x = torch.randn(2, 512, 64)
+    kw = {"mode": "infer", "precision": "amp-bf16", "device": device}
+    if backend is None:
+        return vramctl.estimate(_Attention(), x, **kw).peak_allocated
+    with sdpa_kernel(backend):  # type: ignore[arg-type]
+        return vramctl.estimate(_Attention(), x, **kw).peak_allocated
+
+
+def test_a_cuda_target_takes_the_attention_backend_the_caller_forced() -> None:
+    from torch.nn.attention import SDPBackend
+
+    fused = _attention_peak(None)
+    # math keeps the whole score matrix, in fp32 from bf16 inputs (as CUDA does):
+    # 2 x 4 heads x 512 x 512 x 4 bytes = 8 MiB of scores, and their softmax
+    math = _attention_peak(SDPBackend.MATH)
+    assert math - fused >= 2 * 4 * 512 * 512 * 4
+    # a GPU's fused backend alone has no host kernel: traced as the host's fused one
+    assert _attention_peak(SDPBackend.EFFICIENT_ATTENTION) == fused
+    assert _attention_peak(SDPBackend.CUDNN_ATTENTION) == fused
+    # the CPU target runs the host's own choice, untouched
+    assert _attention_peak(SDPBackend.MATH, "cpu") > _attention_peak(None, "cpu")
+
+
+@pytest.mark.cuda
+def test_the_forced_math_backend_costs_on_a_gpu_what_the_estimate_adds() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def real(backend: SDPBackend) -> int:
+        torch.manual_seed(0)
+        model = _Attention().cuda()
+        x = torch.randn(2, 512, 64, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.no_grad(), sdpa_kernel(backend), torch.autocast("cuda", torch.bfloat16):
+            model(x)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    measured = real(SDPBackend.MATH) - real(SDPBackend.EFFICIENT_ATTENTION)
+    predicted = _attention_peak(SDPBackend.MATH) - _attention_peak(None)
+    assert abs(predicted - measured) <= 0.05 * measured

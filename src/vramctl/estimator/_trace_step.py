@@ -156,6 +156,8 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
         es.enter_context(no_op_module_to())
         if session.target.cuda and spec.autocast_dtype is not None:
             es.enter_context(cuda_autocast())
+        if session.target.cuda:
+            es.enter_context(cuda_attention_backends())
         es.enter_context(tracer)
         es.enter_context(storage_resizes(tracer))
         if session.parallel is not None and session.parallel.strategy == "fsdp":
@@ -226,6 +228,24 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
     if session.parallel is not None and session.parallel.zero_stage is not None:
         return _zero(session, tracer.trace, categories, batch_size, cudnn.calls > 0)
     return Traced(tracer.trace, categories, batch_size, cudnn.calls > 0)
+
+
+@contextlib.contextmanager
+def cuda_attention_backends() -> Iterator[None]:
+    """While a step for a CUDA GPU is traced on the host, scaled-dot-product attention runs
+    the kernel the GPU would choose by the caller's settings (``sdpa_kernel``): where only
+    the math backend is enabled, the math path, which keeps the whole score matrix (and
+    computes in fp32 from bf16 or fp16 inputs, on CUDA as here); otherwise the host's fused
+    kernel, which keeps what CUDA's fused kernels keep (the output and an fp32 logsumexp).
+    A caller that enabled only a GPU's fused backend (memory-efficient, cuDNN) would find no
+    host kernel without this."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cuda = torch.backends.cuda
+    fused = cuda.flash_sdp_enabled() or cuda.mem_efficient_sdp_enabled() or cuda.cudnn_sdp_enabled()
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if fused else [SDPBackend.MATH]
+    with sdpa_kernel(backends):
+        yield
 
 
 def _zero(
