@@ -317,8 +317,21 @@ def main(argv: list[str] | None = None) -> int:
     peaks: list[float] = []
     savings: dict[str, dict[str, Any]] = {}
     did_not_fit = 0
+    from vramctl.estimator._rates import cpu_throughput
+
     for name, targets in chosen.items():
         build, make_batch = models[name]
+        # This CPU measured again before each model's plans, which are run within minutes
+        # of it: a shared machine's speed drifts by a quarter over the tens of minutes a
+        # full run takes, and a profile measured once would price the last model for a
+        # machine that is gone.
+        profile = cpu_throughput(remeasure=True)
+        factors = {
+            "kernels": round(profile.step_factor, 3),
+            "overheads": round(profile.overhead_factor, 3),
+            "autocast": [round(f, 3) for f in profile.autocast_factors or ()],
+            "error": round(profile.error, 3),
+        }
         sizes = _targets(build, make_batch, args.effective_batch, targets)
         for target, size in sizes.items():
             device = vramctl.simulate(size)
@@ -379,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                     "plans_priced": len(result.plans),
                     "plans_run": len(measured),
                     "plan_seconds": round(planned, 1),
+                    "profile_factors": factors,
                 }
             )
             print(rows[-1], file=sys.stderr, flush=True)
