@@ -500,26 +500,28 @@ def test_jobs_view_asks_for_the_rows_it_shows_and_counts_the_rest(
 
 
 def test_jobs_view_reads_the_queue_with_the_pages_token(browser: Any, tmp_path: Path) -> None:
+    # A job that another scheduler of the same store admitted on a device not served here,
+    # admitted before the service starts (a queued one is the service's to admit: it took
+    # one so in a CI run, between the submission and the move).
+    with JobStore(tmp_path / "jobs.db") as store:
+        spec = JobSpec(name="elsewhere", command=("true",), memory=MemoryNeed.of_size("2GiB"))
+        other = store.submit(spec).id
+        # Its supervisor (this process) is alive: the service's scheduler must not take it
+        # over, and its admission time is set in the same commit as its state.
+        assert store.move(
+            other,
+            "queued",
+            "admitted",
+            device="sim:other",
+            reserved_bytes=2 * 2**30,
+            admitted_at=time.time(),
+            supervisor_pid=os.getpid(),
+            supervisor_started=psutil.Process().create_time(),
+        )
     # On an address other than loopback every route needs the token: the page passes it on.
     with serve_jobs(
         "0.0.0.0", 0, store=tmp_path / "jobs.db", devices=[JOBS_SIM], token=JOBS_TOKEN
     ) as server:
-        # A job that another scheduler of the same store admitted on a device not served here.
-        with JobStore(tmp_path / "jobs.db") as store:
-            spec = JobSpec(name="elsewhere", command=("true",), memory=MemoryNeed.of_size("2GiB"))
-            other = store.submit(spec).id
-            # Its supervisor (this process) is alive: the service's scheduler must not take it
-            # over, and its admission time is set in the same commit as its state.
-            store.move(
-                other,
-                "queued",
-                "admitted",
-                device="sim:other",
-                reserved_bytes=2 * 2**30,
-                admitted_at=time.time(),
-                supervisor_pid=os.getpid(),
-                supervisor_started=psutil.Process().create_time(),
-            )
         page = browser.new_page()
         problems = _watch(page)
         page.goto(f"http://127.0.0.1:{server.dashboard.port}/?token={JOBS_TOKEN}")
