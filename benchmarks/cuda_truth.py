@@ -133,6 +133,8 @@ def capture(args: argparse.Namespace) -> int:
         env,
         captured=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         budget_s=args.budget,
+        # each step's figures are read around the step recorded call by call
+        recorded_per_call=True,
     )
     started = time.perf_counter()
     durations: list[float] = []
@@ -226,6 +228,7 @@ def _capture_cuda(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
         torch.cuda.empty_cache()
         cold, cold_fig = record.record_cuda_step(step, 0, timed=False)
         warm, warm_fig = record.record_cuda_step(step, 0, timed=True)
+        warm_fig.update(record.plain_step_peaks(step, 0))
         warm_fig["step_s"] = record.clean_step_seconds(step, 0)
         del built, step
     return {"cold": cold, "warm": warm}, {"cold": cold_fig, "warm": warm_fig}

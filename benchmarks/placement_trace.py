@@ -28,7 +28,7 @@ rows' mean. Each decision is timed (``choose`` only; torch on one thread).
 The last line is one JSON object: per policy ``alloc_pct_at_100``, ``alloc_pct_at_130``
 (means over the seeds) and the decision time (median and p99, ms);
 ``best_alloc_pct_at_100``, ``best_policy``, ``fgd_alloc_pct_at_100`` (the file's) and
-``goal_met`` (best at least FGD's, and the slowest policy's p99 decision within 2 ms, as the issue asks).
+``goal_met`` (best at least FGD's, and the slowest policy's p99 decision within 2 ms).
 
     python benchmarks/placement_trace.py --quick   # seeds 42-43, under a minute
     python benchmarks/placement_trace.py           # seeds 42-51

@@ -341,14 +341,26 @@ def estimate_args(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], dict[
 
 
 def estimate_case(
-    spec: dict[str, Any], device: Any, calibration: Any = False, allocator_config: Any = None
+    spec: dict[str, Any],
+    device: Any,
+    calibration: Any = False,
+    allocator_config: Any = None,
+    recorded: bool = False,
 ) -> Any:
-    """The estimator's prediction for a case, on ``device`` (a GPU's name or a Target)."""
+    """The estimator's prediction for a case, on ``device`` (a GPU's name or a Target).
+
+    ``recorded``: the case's figures come from a step recorded operator by operator (under
+    a ``TorchDispatchMode``), where autograd sums every gradient out of place; the estimate
+    models that step rather than a plain one (see :func:`recorded_per_call`)."""
     from vramctl.estimator import estimate
+    from vramctl.estimator._trace import sums_out_of_place
 
     source, batch, lengths, opts = estimate_args(spec)
     # under the case's options, as a user who forced an attention backend estimates
-    with options_applied(spec, "cpu"):
+    with (
+        options_applied(spec, "cpu"),
+        sums_out_of_place() if recorded else contextlib.nullcontext(),
+    ):
         return estimate(
             source,
             batch,
@@ -359,6 +371,20 @@ def estimate_case(
             **lengths,
             **opts,
         )
+
+
+def recorded_per_call(index: dict[str, Any]) -> bool:
+    """Whether a corpus' figures come from steps recorded operator by operator.
+
+    ``capture`` records each step under a ``TorchDispatchMode`` that numbers the operator
+    calls, and the step's peaks are read around that recorded step. While any such mode is
+    active ATen takes every tensor for a subclass, and autograd's engine then sums two
+    gradients for one input out of place (``InputBuffer::accumulate``), where a plain step
+    adds the second into the first: a tied embedding's gradient, or an activation's with
+    two consumers, is held once more at that moment. Corpora from ``capture`` (``cuda``,
+    ``simulated``) were recorded so; a ``summary`` corpus says so in ``recorded_per_call``
+    (the suite's capture step did; the first H200 run, measured plainly, did not)."""
+    return bool(index.get("recorded_per_call", index.get("source") in ("cuda", "simulated")))
 
 
 @contextlib.contextmanager

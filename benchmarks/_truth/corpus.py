@@ -52,10 +52,14 @@ ACTIONS = (
 COLUMNS = ("action", "addr", "size", "stream", "call")
 STEPS = ("cold", "warm")
 #: The figures a step may record (bytes, except ``wall_s`` and ``step_s``: the warm step's
-#: time with nothing recorded around it, the median of three); any may be null.
+#: time with nothing recorded around it, the median of three; ``plain_max_allocated`` and
+#: ``plain_max_reserved``: the peaks of one more warm step with nothing recorded around it,
+#: captures from 2026-11-29 on); any may be null.
 FIGURES = (
     "max_allocated",
     "max_reserved",
+    "plain_max_allocated",
+    "plain_max_reserved",
     "nvml_bytes",
     "context_bytes",
     "allocated_before",

@@ -60,6 +60,7 @@ def predicted_stream(
     from vramctl import Step
     from vramctl.estimator._rates import RATES
     from vramctl.estimator._session import make_batch_for, open_session
+    from vramctl.estimator._trace import sums_out_of_place
 
     source, batch, lengths, opts = estimate_args(spec)
     step = Step(device=device, calibration=calibration, **opts)
@@ -68,7 +69,8 @@ def predicted_stream(
         real, size = make_batch_for(
             session, batch, spec["batch_size"], lengths.get("seq_len"), lengths.get("seconds")
         )
-        with options_applied(spec, "cpu"):
+        # a recorded step: autograd summed its gradients out of place (``recorded_per_call``)
+        with options_applied(spec, "cpu"), sums_out_of_place():
             traced = session.trace(real, size)
     finally:
         session.close()

@@ -183,6 +183,20 @@ def nvml_process_bytes(index: int) -> int | None:
     return None
 
 
+def plain_step_peaks(step: Callable[[], None], index: int) -> dict[str, int]:
+    """One more warm step with nothing recorded around it: its allocated and reserved
+    peaks. A recorded step differs: while the recorder's dispatch mode is active, autograd
+    sums every gradient out of place (``_truth.cases.recorded_per_call``)."""
+    torch.cuda.synchronize(index)
+    torch.cuda.reset_peak_memory_stats(index)
+    step()
+    torch.cuda.synchronize(index)
+    return {
+        "plain_max_allocated": torch.cuda.max_memory_allocated(index),
+        "plain_max_reserved": torch.cuda.max_memory_reserved(index),
+    }
+
+
 def clean_step_seconds(step: Callable[[], None], index: int, runs: int = 3) -> float:
     """The median wall time of ``runs`` more warm steps, nothing recorded around them: what
     the step takes (the recorded steps' times carry the per-call recording)."""

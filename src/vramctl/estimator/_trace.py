@@ -21,6 +21,7 @@ records that assumption, so an estimate errs high, never low.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import sys
 import weakref
@@ -104,6 +105,27 @@ _NOT_KNOWN = {
     _aten.bernoulli.default,
     _aten.native_dropout.default,
 }
+
+
+#: Whether autograd's gradient sums are modelled in place where eager autograd makes them
+#: so (the default). Under any ``TorchDispatchMode`` (a recorder, a debugging mode) ATen
+#: treats every tensor as a subclass and sums out of place; :func:`sums_out_of_place`
+#: models such a step.
+_INPLACE_SUMS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "vramctl_inplace_sums", default=True
+)
+
+
+@contextlib.contextmanager
+def sums_out_of_place() -> Iterator[None]:
+    """Trace steps as they run under a ``TorchDispatchMode``: every gradient sum out of
+    place (``InputBuffer::accumulate`` takes every tensor for a subclass while a mode is
+    active). A step recorded operator by operator ran so."""
+    token = _INPLACE_SUMS.set(False)
+    try:
+        yield
+    finally:
+        _INPLACE_SUMS.reset(token)
 
 
 @dataclass
@@ -381,6 +403,8 @@ class Tracer(TorchDispatchMode):
         view's base holds its storage too) and is freed right after the sum, which
         :meth:`settle` sees and models.
         """
+        if not _INPLACE_SUMS.get():
+            return
         if len(args) < 2 or kwargs.get("alpha", 1) != 1 or len(outs) != 1:
             return
         old, new, out = args[0], args[1], outs[0]
