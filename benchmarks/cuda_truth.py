@@ -219,6 +219,11 @@ def _capture_cuda(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     device = "cuda:0"
     gc.collect()
     torch.cuda.empty_cache()
+    # What the process held outside the allocator before this case: the context and the
+    # kernels earlier cases loaded (one process runs every case, so NVML's reading of a
+    # later case carries what earlier ones left; this is the part of it that is theirs).
+    nvml = record.nvml_process_bytes(0)
+    context_before = None if nvml is None else nvml - torch.cuda.memory_reserved(0)
     with options_applied(spec, device):
         built, step = record.prepare(spec, device)
         torch.cuda.synchronize()
@@ -227,6 +232,7 @@ def _capture_cuda(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
             clear()
         torch.cuda.empty_cache()
         cold, cold_fig = record.record_cuda_step(step, 0, timed=False)
+        cold_fig["context_before"] = context_before
         warm, warm_fig = record.record_cuda_step(step, 0, timed=True)
         warm_fig.update(record.plain_step_peaks(step, 0))
         warm_fig["step_s"] = record.clean_step_seconds(step, 0)

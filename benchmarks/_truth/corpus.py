@@ -62,6 +62,9 @@ FIGURES = (
     "plain_max_reserved",
     "nvml_bytes",
     "context_bytes",
+    # the cold step only: NVML's reading less the reserved bytes before the case began
+    # (what earlier cases of the capture left outside the allocator; from 2026-11-29 on)
+    "context_before",
     "allocated_before",
     "reserved_before",
     "alloc_retries",

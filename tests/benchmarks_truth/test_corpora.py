@@ -179,3 +179,22 @@ def test_a_recorded_step_sums_gradients_out_of_place() -> None:
     assert plain.peak_allocated / real - 1 < -0.06
     # (the allocator's rounding and what else is live at the new peak: within 1 MiB)
     assert abs(recorded.peak_allocated - plain.peak_allocated - 51865 * 512 * 4) < 2**20
+
+
+def test_the_traced_corpus_evidence_sets_the_h200_range() -> None:
+    """The traced corpus' profile carries the device peak's evidence (written by
+    ``estimate_accuracy.py --truth DIR --write-evidence``): over its 60 warm steps NVML read
+    at most 3.0% above the estimate (52 MiB, convnext-tiny training), so an estimate with
+    that profile allows 3.0% of its device peak where the fixed allowance said 128 MiB;
+    the step that fell furthest short is inside its range."""
+    from vramctl.estimator import load_calibration
+
+    index = corpus.load_index(H200_TRACED)
+    cal = load_calibration(H200_TRACED / "calibration.json")
+    assert cal.evidence is not None and cal.evidence.steps == 60
+    assert cal.evidence.shortfall_pct == pytest.approx(3.006, abs=0.01)
+    assert cal.evidence.shortfall == 52 * 2**20
+    case = next(c for c in index["cases"] if c["id"] == "zoo/convnext-tiny/train/fp32/b1")
+    est = estimate_case(case["spec"], index["environment"]["gpu"], calibration=cal, recorded=True)
+    assert est.device_uncertainty == cal.evidence.allowance(est.peak_device) < 128 * 2**20
+    assert est.peak_device < case["steps"]["warm"]["nvml_bytes"] <= est.peak_device_high

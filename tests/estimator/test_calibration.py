@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from vramctl.estimator import (
     AllocatorConfig,
     Calibration,
     CalibrationError,
+    DeviceEvidence,
     _cuda_model,
     calibrate,
     calibration_dir,
@@ -337,6 +339,36 @@ def test_a_profile_of_this_gpu_narrows_the_device_range_and_another_gpus_does_le
     other.save()
     found = lstm_train()
     assert found.calibration == lent.calibration and not found.calibrated
+
+
+def test_evidence_from_recorded_steps_sets_the_range_in_place_of_the_allowance(
+    tmp_path: Path,
+) -> None:
+    """A profile with evidence from steps recorded on its GPU: the range's top is the
+    largest shortfall seen there, as a share of the estimated device peak (rounded up to a
+    MiB), and the estimate says where it comes from; the profile reads back with it; the
+    same profile without evidence keeps the fixed allowance and says that no steps were
+    recorded."""
+    seen = DeviceEvidence(source="a10g corpus", steps=40, shortfall_pct=2.5, median_pct=0.9)
+    cal = replace(fitted(), evidence=seen)
+    est = lstm_train(calibration=cal)
+    want = -(-math.ceil(est.peak_device * 0.025) // MiB) * MiB
+    assert est.calibrated and est.device_uncertainty == want
+    assert est.peak_device_high == est.peak_device + want
+    assert any("40 recorded steps (a10g corpus)" in n and "2.5%" in n for n in est.notes)
+    plain = lstm_train(calibration=fitted())
+    assert plain.device_uncertainty == _cuda_model.CALIBRATED_UNCERTAINTY
+    assert any("no recorded steps for this GPU" in n for n in plain.notes)
+    # another GPU's evidence says nothing about this one
+    lent = lstm_train(calibration=replace(cal, device="NVIDIA GeForce RTX 3090"))
+    assert lent.device_uncertainty == _cuda_model.OTHER_GPU_UNCERTAINTY
+    back = load_calibration(cal.save(tmp_path / "with-evidence.json").path or "")
+    assert back.evidence == seen
+    doc = cal.to_dict()
+    doc["evidence"] = {"device_peak": {**seen.to_dict(), "shortfall_pct": -1}}
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match=r"evidence\.device_peak\.shortfall_pct"):
+        load_calibration(tmp_path / "bad.json")
 
 
 def test_a_jobs_allocator_setting_keeps_the_calibrations_measured_constants() -> None:

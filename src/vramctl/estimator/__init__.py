@@ -17,6 +17,7 @@ from vramctl.estimator._calibrate import calibrate
 from vramctl.estimator._calibration import (
     Calibration,
     CalibrationError,
+    DeviceEvidence,
     calibration_dir,
     find_calibration,
     list_calibrations,
@@ -55,6 +56,7 @@ __all__ = [
     "CachingAllocatorModel",
     "Calibration",
     "CalibrationError",
+    "DeviceEvidence",
     "EngineBudget",
     "Estimate",
     "EstimateError",

@@ -39,6 +39,7 @@ __all__ = [
     "Calibration",
     "CalibrationError",
     "CalibrationSource",
+    "DeviceEvidence",
     "calibration_dir",
     "find_calibration",
     "fit_constants",
@@ -74,6 +75,87 @@ class CalibrationError(VramctlError):
 
 
 @dataclass(frozen=True)
+class DeviceEvidence:
+    """How far ``nvidia-smi`` read above the estimate over a GPU's recorded steps.
+
+    Over ``steps`` steps of the recorded corpus named by ``source``, ``shortfall_pct`` is the
+    largest amount by which a step's device peak (NVML's reading for the process) exceeded
+    the estimated device peak of the same step, in percent of that estimate (0 where none
+    did); ``shortfall`` the largest in bytes. An estimate for that GPU then says
+    ``nvidia-smi`` may read up to ``shortfall_pct`` more than its device peak, in place of a
+    fixed allowance: a range that covered every recorded step. ``median_pct`` is the median
+    absolute error of those steps, ``created`` when it was worked out (by the estimator of
+    that day: a later one may differ).
+    """
+
+    source: str
+    steps: int
+    shortfall_pct: float
+    shortfall: int = 0
+    median_pct: float = 0.0
+    created: str = ""
+
+    def allowance(self, peak_device: int) -> int:
+        """Bytes above an estimated device peak that the evidence allows, to a MiB."""
+        return -(-math.ceil(peak_device * self.shortfall_pct / 100.0) // MiB) * MiB
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "steps": self.steps,
+            "shortfall_pct": self.shortfall_pct,
+            "shortfall_bytes": self.shortfall,
+            "median_pct": self.median_pct,
+            "created": self.created,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Any, source: str = "the profile") -> DeviceEvidence:
+        where = f"{source}: field 'evidence.device_peak"
+        if not isinstance(doc, dict):
+            raise CalibrationError(f"{where}' must be an object")
+        steps, short = doc.get("steps"), doc.get("shortfall_bytes", 0)
+        for name, v, lo in (("steps", steps, 1), ("shortfall_bytes", short, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise CalibrationError(
+                    f"{where}.{name}' must be an integer of at least {lo}, got {v!r}"
+                )
+        numbers: dict[str, float] = {}
+        for name in ("shortfall_pct", "median_pct"):
+            v = doc.get(name, None if name == "shortfall_pct" else 0.0)
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+            ):
+                raise CalibrationError(f"{where}.{name}' must be a number of at least 0, got {v!r}")
+            numbers[name] = float(v)
+        assert isinstance(steps, int) and isinstance(short, int)
+        return cls(
+            source=str(doc.get("source", "")),
+            steps=steps,
+            shortfall_pct=numbers["shortfall_pct"],
+            shortfall=short,
+            median_pct=numbers["median_pct"],
+            created=str(doc.get("created", "")),
+        )
+
+    def describe(self) -> str:
+        what = f"{self.steps} recorded steps"
+        return f"{what} ({self.source})" if self.source else what
+
+
+def _evidence(doc: Any, source: str) -> DeviceEvidence | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, dict):
+        raise CalibrationError(f"{source}: field 'evidence' must be an object")
+    peak = doc.get("device_peak")
+    return None if peak is None else DeviceEvidence.from_dict(peak, source)
+
+
+@dataclass(frozen=True)
 class Calibration:
     """CUDA constants measured on one GPU with one software stack.
 
@@ -106,6 +188,9 @@ class Calibration:
     measurements: Mapping[str, Any] = field(default_factory=dict, compare=False)
     #: The file it was read from or written to.
     path: Path | None = field(default=None, compare=False)
+    #: How far the device peak read above the estimate over recorded steps on this GPU
+    #: (None: no recorded steps; estimates keep a fixed allowance).
+    evidence: DeviceEvidence | None = None
 
     def describe(self) -> str:
         """One line: which GPU, when, with what."""
@@ -133,6 +218,11 @@ class Calibration:
                 "allocator": {k: getattr(self.allocator, k) for k in ALLOCATOR_FIELDS},
             },
             "measurements": dict(self.measurements),
+            **(
+                {"evidence": {"device_peak": self.evidence.to_dict()}}
+                if self.evidence is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -218,6 +308,7 @@ class Calibration:
             software={str(k): str(v) for k, v in software.items() if v is not None},
             created=str(doc.get("created", "")),
             measurements=measurements if isinstance(measurements, dict) else {},
+            evidence=_evidence(doc.get("evidence"), source),
         )
 
     def save(self, path: str | os.PathLike[str] | None = None) -> Calibration:

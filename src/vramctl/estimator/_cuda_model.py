@@ -114,6 +114,12 @@ def constants(
 # the kernels its workloads did not load: 128 MiB. One measured on another GPU (of the
 # same compute capability, or named explicitly) leaves what differs by GPU model, its
 # kernel images and cuDNN's choices: 512 MiB. A CPU target has no context: 0.
+#
+# These are allowances, not measurements. Where the profile carries evidence from steps
+# recorded on that GPU (``Calibration.evidence``: the largest share by which NVML's
+# reading exceeded the estimate over a recorded corpus), the allowance is that share of
+# the estimated device peak, rounded up to a MiB, in place of the 128 MiB: the range is
+# what was seen there, narrower or wider.
 
 #: ``nvidia-smi`` may read this much above an estimate made with the built-in constants.
 UNCALIBRATED_UNCERTAINTY = 1024 * MiB
@@ -125,15 +131,23 @@ OTHER_GPU_UNCERTAINTY = 512 * MiB
 CALIBRATED_UNCERTAINTY = 128 * MiB
 
 
-def device_uncertainty(calibration: Calibration | None, same_gpu: bool, convolutions: bool) -> int:
+def device_uncertainty(
+    calibration: Calibration | None, same_gpu: bool, convolutions: bool, peak_device: int = 0
+) -> int:
     """Bytes ``nvidia-smi`` may read above the modelled device peak of a CUDA step.
 
     ``calibration`` is the profile used (None: the built-in constants), ``same_gpu``
     whether it was measured on the target's GPU model, ``convolutions`` whether the
-    step runs any. The figures and their reasons are above.
+    step runs any. The figures and their reasons are above; a profile with evidence from
+    recorded steps on the target's GPU gives the largest shortfall seen there instead, in
+    proportion to ``peak_device`` (the estimated device peak).
     """
     if calibration is None:
         return UNCALIBRATED_UNCERTAINTY + (
             UNCALIBRATED_CONVOLUTION_UNCERTAINTY if convolutions else 0
         )
-    return CALIBRATED_UNCERTAINTY if same_gpu else OTHER_GPU_UNCERTAINTY
+    if not same_gpu:
+        return OTHER_GPU_UNCERTAINTY
+    if calibration.evidence is not None:
+        return calibration.evidence.allowance(peak_device)
+    return CALIBRATED_UNCERTAINTY

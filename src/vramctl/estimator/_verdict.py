@@ -90,7 +90,9 @@ def build_estimate(
         same_gpu = cal is not None and measured_on(cal, target.name)
         calibrated = same_gpu
         profile = cal.describe() if cal is not None else None
-        uncertainty = _cuda_model.device_uncertainty(cal, same_gpu, traced.convolutions)
+        uncertainty = _cuda_model.device_uncertainty(
+            cal, same_gpu, traced.convolutions, reserved + context
+        )
         if par is not None and par.world_size > 1:
             uncertainty += NCCL_UNCERTAINTY
             notes.append(
@@ -127,8 +129,19 @@ def build_estimate(
                 f"{format_bytes(uncertainty)} more ({varies} with the driver, CUDA version "
                 "and module loading)"
             )
+        elif same_gpu and cal.evidence is not None:
+            notes.append(
+                f"CUDA constants measured on {cal.describe()}; over "
+                f"{cal.evidence.describe()} nvidia-smi read at most "
+                f"{cal.evidence.shortfall_pct:.1f}% above the estimate: it may read up to "
+                f"{format_bytes(uncertainty)} more here"
+            )
         elif same_gpu:
-            notes.append(f"CUDA constants measured on {cal.describe()}")
+            notes.append(
+                f"CUDA constants measured on {cal.describe()}; no recorded steps for this "
+                f"GPU: nvidia-smi may read up to {format_bytes(uncertainty)} more (a fixed "
+                "allowance)"
+            )
         else:
             notes.append(
                 f"CUDA constants measured on {cal.describe()}, another GPU than "
