@@ -123,6 +123,30 @@ def test_an_oom_probe_leaves_nothing_allocated() -> None:
     assert fit.peak_used is not None and fit.peak_used <= fit.budget
 
 
+def test_every_probe_runs_under_the_budget_as_its_allocator_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each probe runs inside the device's ``capped(budget)`` (on CUDA: the allocator's cap,
+    so that a step that fits once the cache is given back is not taken for a miss); the
+    probe's peak is measured inside it."""
+    from vramctl.device._simulate import SimulatedDevice
+
+    seen: list[tuple[int, int]] = []
+    real = SimulatedDevice.capped
+
+    def capped(self: SimulatedDevice, budget: int) -> Any:
+        seen.append((budget, self.allocated_bytes))
+        return real(self, budget)
+
+    monkeypatch.setattr(SimulatedDevice, "capped", capped)
+    with vramctl.simulate("48MiB") as gpu:
+        model = TokenMlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fit = fit_batch_size(train_step(model, opt), mlp_batch, device=gpu, cache=False)
+    assert len(seen) == len(fit.probes) >= 1
+    assert {budget for budget, _ in seen} == {fit.budget}
+
+
 def test_a_step_that_catches_its_own_oom_does_not_fit() -> None:
     """A Guard finishes an oversized step in pieces; the probe still counts as not fitting."""
     with vramctl.simulate("48MiB") as gpu:

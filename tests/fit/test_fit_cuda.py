@@ -102,6 +102,28 @@ def test_within_3_percent_of_a_real_search(gpu: vramctl.Device) -> None:
     assert len(fit.probes) <= 4  # the goal is 3; the allocator's rounding may cost one more
 
 
+def test_capped_refuses_past_the_budget_and_gives_the_fraction_back(
+    gpu: vramctl.Device,
+) -> None:
+    """``capped(budget)``: inside, an allocation that would take the device's used memory
+    past ``budget`` is refused (the allocator's own OOM); after the block, even one left by
+    an error, the fraction set before is back."""
+    free, total = torch.cuda.mem_get_info(gpu.index)
+    budget = total - free + torch.cuda.memory_reserved(gpu.index) + 256 * 2**20
+    torch.cuda.set_per_process_memory_fraction(0.99, gpu.index)
+    try:
+        with pytest.raises(RuntimeError, match="boom"), gpu.capped(budget):
+            small = torch.empty(128 * 2**20, dtype=torch.uint8, device="cuda")
+            with pytest.raises(torch.OutOfMemoryError):
+                torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+            del small
+            raise RuntimeError("boom")
+        assert torch.cuda.get_per_process_memory_fraction(gpu.index) == pytest.approx(0.99)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, gpu.index)
+        torch.cuda.empty_cache()
+
+
 def test_an_oom_on_the_gpu_is_recovered(gpu: vramctl.Device) -> None:
     model = Wide().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

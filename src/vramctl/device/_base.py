@@ -121,6 +121,13 @@ class Device(abc.ABC):
         """Give memory cached by this process's allocator back (CUDA's ``empty_cache``)."""
         return None
 
+    def capped(self, budget: int) -> contextlib.AbstractContextManager[Any]:
+        """A block in which this process's allocator may not take the device's used memory
+        past ``budget`` bytes: on CUDA it gives back its cache and retries before it
+        refuses, as it does when the device is full. Elsewhere the block runs as it is
+        (a simulated GPU refuses at its own capacity)."""
+        return contextlib.nullcontext()
+
     @property
     def active(self) -> bool:
         """Whether a step run in this thread is counted by the device (False only for a

@@ -220,6 +220,27 @@ class CudaDevice(Device):
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
+    @contextlib.contextmanager
+    def capped(self, budget: int) -> Any:
+        """``torch.cuda.set_per_process_memory_fraction`` for the block: this process may
+        reserve ``budget`` less what is held outside its allocator now (the CUDA context,
+        other processes), so that its caching allocator frees its cache and retries before
+        it refuses. The fraction set before comes back afterwards, even on an error."""
+        import torch
+
+        idx = self.index
+        free, total = torch.cuda.mem_get_info(idx)
+        outside = int(total - free) - torch.cuda.memory_reserved(idx)
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        before = float(getter(idx)) if getter is not None else 1.0
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, max(0.0, (budget - outside) / total)), idx
+        )
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(before, idx)
+
     def offload_activations(self) -> contextlib.AbstractContextManager[Any]:
         # PyTorch's own: saved tensors go to pinned host memory and come back for backward.
         import torch

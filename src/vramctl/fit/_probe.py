@@ -99,7 +99,9 @@ class Prober:
         meter = dev.peak_meter()
         failure: BaseException | None = None
         try:
-            with meter:
+            # under the budget as an allocator cap: a step that fits only once the cache is
+            # given back fits (as the answer is later run), not a miss
+            with dev.capped(self.budget), meter:
                 _run(self.step, self.make_batch, b, self.steps)
         except _BatchError as exc:
             raise FitError(str(exc)) from exc.__cause__
