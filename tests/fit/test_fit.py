@@ -352,3 +352,17 @@ def test_estimate_options_of_another_type_are_refused() -> None:
     ):
         options: Any = ["fp16"]
         fit_batch_size(lambda b: None, mlp_batch, cache=False, estimate_options=options)
+
+
+def test_the_seed_is_judged_at_the_safe_end_unless_the_caller_says_otherwise() -> None:
+    """On a real GPU the estimate's range runs above its point estimate; the first probe is
+    placed so that the range's top fits (a first probe that fits measures a real peak)."""
+    from vramctl.fit._seed import estimate_request
+
+    model = TokenMlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = train_step(model, opt)
+    request, _ = estimate_request(None, step, "train", opt)
+    assert request.safe is True
+    request, _ = estimate_request({"safe": False}, step, "train", opt)
+    assert request.safe is False

@@ -181,8 +181,12 @@ def estimate_request(
 
     ``options`` (a :class:`~vramctl.Step` or a mapping) say what they say; the fit's
     own knowledge fills the rest: the mode and optimizer it found, the step's
-    ``loss_fn`` (a Guard's: ``(output, batch) -> loss``) and ``safe=False``, the seed
-    of a search by real steps being the point estimate.
+    ``loss_fn`` (a Guard's: ``(output, batch) -> loss``) and ``safe=True``: the seed of
+    a search by real steps is the largest batch whose device peak fits at the top of its
+    range (on a real GPU the range is what ``nvidia-smi`` may read above the estimate;
+    elsewhere there is none and the safe end is the point estimate). A first probe that
+    fits is scaled up from its measured peak; one that overshoots measures nothing, and
+    the search must step down blind.
     """
     search: dict[str, Any] = {}
     if isinstance(options, Mapping):
@@ -190,7 +194,7 @@ def estimate_request(
     defaults: dict[str, Any] = {
         "mode": mode,
         "optimizer": _optimizer_factory(optimizer) if optimizer is not None else None,
-        "safe": False,
+        "safe": True,
     }
     if callable(getattr(step, "loss_fn", None)):
         defaults["loss_fn"] = step.loss_fn  # type: ignore[attr-defined]
@@ -213,8 +217,8 @@ def predict(
         if where is None:
             return None, None, "no room left for the step: the estimate was skipped"
         with device.uncounted():
-            # The seed of a search by real steps: the point estimate (the probes settle the
-            # rest; the safe end of the CUDA context's range would only start it lower).
+            # The seed of a search by real steps: the safe end of the estimate's range (see
+            # estimate_request), so that the first probe fits and measures a real peak.
             est = max_batch_size(
                 model,
                 make_batch,
