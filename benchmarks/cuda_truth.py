@@ -23,7 +23,9 @@ the first 10 traced cases. A damaged file, an unknown format version or a trunca
 fails the check with a line that names it.
 
 ``diff`` sets the estimator's predicted request stream for one case against the recorded
-one: the first divergence and the bytes each operator allocates in each.
+one: the first divergence and the bytes each operator allocates in each; ``--at-peak`` also
+what was live at each side's own peak, by operator. The estimate is of the step as it was
+recorded: under the recorder's dispatch mode, where autograd sums gradients out of place.
 
 The last line printed is one JSON object with the figures.
 """
@@ -303,7 +305,14 @@ def check(args: argparse.Namespace) -> int:
 
 
 def diff_case(args: argparse.Namespace) -> int:
-    from _truth.diff import diff, predicted_stream, real_stream
+    from _truth.diff import (
+        allocations,
+        diff,
+        predicted_peak,
+        predicted_trace,
+        real_peak,
+        real_stream,
+    )
 
     try:
         index = corpus.load_index(args.corpus)
@@ -324,7 +333,8 @@ def diff_case(args: argparse.Namespace) -> int:
         "cpu" if index["source"] == "simulated" else index["environment"].get("gpu")
     )
     real = real_stream(steps[args.step])
-    predicted = predicted_stream(case["spec"], device, calibration=False)
+    trace = predicted_trace(case["spec"], device, calibration=False)
+    predicted = allocations(trace)
     d = diff(real, predicted)
     print(f"{args.case} ({args.step} step) on {device}:")
     print(f"  allocations: real {len(real)}, predicted {len(predicted)}")
@@ -343,7 +353,27 @@ def diff_case(args: argparse.Namespace) -> int:
         "device": device,
         **d.to_dict(args.top),
     }
+    if args.at_peak:
+        summary["at_peak"] = _at_peak(real_peak(steps[args.step]), predicted_peak(trace), args.top)
     return _common.finish(summary, True)
+
+
+def _at_peak(real: tuple[int, Any], predicted: tuple[int, Any], top: int) -> dict[str, Any]:
+    """What was live at each step's own peak, by operator, side by side (printed too)."""
+    (rp, r), (pp, p) = real, predicted
+    print(f"  at the peak (over what the step began with): real {rp:,}, predicted {pp:,}")
+    print(f"  {'live at the peak, by operator':<36}{'real':>14}{'predicted':>14}{'difference':>14}")
+    ops = sorted(set(r) | set(p), key=lambda op: -abs(p[op] - r[op]))[:top]
+    for op in ops:
+        print(f"  {op[:36]:<36}{r[op]:>14,}{p[op]:>14,}{p[op] - r[op]:>+14,}")
+    return {
+        "real_bytes": rp,
+        "predicted_bytes": pp,
+        "by_op": [
+            {"op": op, "real_bytes": r[op], "predicted_bytes": p[op], "difference": p[op] - r[op]}
+            for op in ops
+        ],
+    }
 
 
 def list_cases(args: argparse.Namespace) -> int:
@@ -400,6 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     dif.add_argument("--step", choices=corpus.STEPS, default="warm")
     dif.add_argument("--device", help="the target to estimate for (default: the corpus' GPU)")
     dif.add_argument("--top", type=int, default=15, help="operators to show")
+    dif.add_argument(
+        "--at-peak",
+        action="store_true",
+        help="also what was live at each side's own peak, by operator (where a peak's gap is)",
+    )
     lst = sub.add_parser("cases", help="the cases a capture runs, in order")
     lst.add_argument("--simulate", action="store_true", help="those a simulated capture runs")
     args = ap.parse_args(argv)

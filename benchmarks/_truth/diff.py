@@ -57,6 +57,66 @@ def predicted_stream(
     spec: dict[str, Any], device: Any, calibration: Any = False
 ) -> list[tuple[str, int]]:
     """The allocations, in order, of the estimator's trace of the case on ``device``."""
+    return allocations(predicted_trace(spec, device, calibration))
+
+
+def allocations(trace: Any) -> list[tuple[str, int]]:
+    """The allocations, in order, of an estimator's trace: ``(operator, bytes)``. What
+    exists before the step (parameters, optimizer state, the batch) is not in a real step's
+    history either."""
+    records = trace.records
+    return [
+        (records[e].op or NONE, records[e].nbytes)
+        for e in trace.events
+        if e >= 0 and records[e].op != "preexisting"
+    ]
+
+
+def real_peak(trace: dict[str, Any]) -> tuple[int, Counter[str]]:
+    """A recorded step's peak over what it started with, and what was live at that moment
+    (bytes by the operator that allocated each)."""
+    live: dict[int, tuple[str, int]] = {}
+    now = peak = 0
+    at: Counter[str] = Counter()
+    for action, addr, size, _stream, op in events(trace):
+        if action == "alloc":
+            live[addr] = (op or NONE, size)
+            now += size
+            if now > peak:
+                peak, at = now, _by_op(live.values())
+        elif action == "free_requested" and addr in live:
+            now -= live.pop(addr)[1]
+    return peak, at
+
+
+def predicted_peak(trace: Any) -> tuple[int, Counter[str]]:
+    """The same for the estimator's trace: its peak over what existed before the step."""
+    records = trace.records
+    live: dict[int, tuple[str, int]] = {}
+    now = peak = 0
+    at: Counter[str] = Counter()
+    for e in trace.events:
+        if e >= 0:
+            if records[e].op == "preexisting":
+                continue
+            live[e] = (records[e].op or NONE, records[e].nbytes)
+            now += records[e].nbytes
+            if now > peak:
+                peak, at = now, _by_op(live.values())
+        elif ~e in live:
+            now -= live.pop(~e)[1]
+    return peak, at
+
+
+def _by_op(items: Any) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for op, n in items:
+        out[op] += n
+    return out
+
+
+def predicted_trace(spec: dict[str, Any], device: Any, calibration: Any = False) -> Any:
+    """The estimator's trace of the case's step on ``device``, as a recorded step ran."""
     from vramctl import Step
     from vramctl.estimator._rates import RATES
     from vramctl.estimator._session import make_batch_for, open_session
@@ -74,14 +134,7 @@ def predicted_stream(
             traced = session.trace(real, size)
     finally:
         session.close()
-    records = traced.trace.records
-    # What exists before the step (parameters, optimizer state, the batch) is not in a real
-    # step's history either.
-    return [
-        (records[e].op or NONE, records[e].nbytes)
-        for e in traced.trace.events
-        if e >= 0 and records[e].op != "preexisting"
-    ]
+    return traced.trace
 
 
 def diff(real: list[tuple[str, int]], predicted: list[tuple[str, int]]) -> Diff:

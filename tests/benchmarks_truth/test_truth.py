@@ -565,6 +565,30 @@ def test_simulated_capture_diffs_against_the_estimator(
     assert summary["by_op"]
 
 
+def test_diff_at_the_peak_sets_what_was_live_side_by_side(
+    simulated: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--at-peak``: each side's peak over what its step began with, and what was live then
+    by operator. The operators' bytes add up to each peak."""
+    rc, out, err = run_main(
+        capsys,
+        "diff",
+        simulated,
+        "rnn/lstm/train/fp32/b1",
+        "--device",
+        "cpu",
+        "--at-peak",
+        "--top",
+        "1000",
+    )
+    assert rc == 0, out + err
+    assert "at the peak (over what the step began with)" in out
+    peak = last_json(out)["at_peak"]
+    assert peak["real_bytes"] > 0 and peak["predicted_bytes"] > 0
+    assert sum(r["real_bytes"] for r in peak["by_op"]) == peak["real_bytes"]
+    assert sum(r["predicted_bytes"] for r in peak["by_op"]) == peak["predicted_bytes"]
+
+
 def test_diff_names_an_unknown_case(simulated: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, _out, err = run_main(capsys, "diff", simulated, "rnn/lstm/train")
     assert rc == 2
