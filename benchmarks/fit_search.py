@@ -253,6 +253,25 @@ class Session:
         return "simulated (vramctl.simulate)"
 
 
+class AllocatorSession(Session):
+    """Simulated GPUs whose every storage is a request to PyTorch's caching allocator, as
+    modelled (``vramctl.simulate(..., allocator=CachingAllocatorModel())``): reserved
+    memory is whole segments, freed blocks stay cached, and a request that does not fit is
+    refused only after the cache is given back. The allocator model replays the recorded
+    H200 steps' segments exactly (``cuda_truth.py check``); there is no CUDA context,
+    cuBLAS or cuDNN workspace here."""
+
+    kind = "sim-allocator"
+
+    def room(self, nbytes: int) -> contextlib.AbstractContextManager[Any]:
+        from vramctl.estimator import CachingAllocatorModel
+
+        return vramctl.simulate(nbytes, allocator=CachingAllocatorModel())
+
+    def name(self) -> str:
+        return "simulated with PyTorch's caching allocator (vramctl.simulate, allocator=)"
+
+
 class CudaSession(Session):
     """This machine's GPU; a ballast tensor leaves this process the room asked for."""
 
@@ -518,7 +537,15 @@ def main(argv: list[str] | None = None) -> int:
         help=f"real steps for the survival check ({SURVIVAL_STEPS}; {CUDA_QUICK_STEPS} with "
         "--cuda --quick)",
     )
+    ap.add_argument(
+        "--allocator",
+        action="store_true",
+        help="simulated GPUs that replay PyTorch's caching allocator (segments, cache, the "
+        "retry before an OOM) instead of counting storages",
+    )
     args = _common.parse(ap, argv)
+    if args.allocator and args.cuda:
+        ap.error("--allocator is for simulated GPUs; --cuda runs on the real one")
     wanted = args.models.split(",") if args.models else QUICK_MODELS if args.quick else None
     unknown = sorted(set(wanted or ()) - {s.name for s in SPECS})
     if unknown:
@@ -527,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     tools = [t for t in TOOLS if t in args.tools.split(",")]
     if args.steps is None:
         args.steps = CUDA_QUICK_STEPS if args.cuda and args.quick else SURVIVAL_STEPS
-    session = CudaSession() if args.cuda else Session()
+    session = CudaSession() if args.cuda else AllocatorSession() if args.allocator else Session()
     driver = _common.driver_version() if args.cuda else None
     started = time.perf_counter()
 
@@ -543,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'probes':>7}{'seconds':>8}  survives {args.steps} steps"
     )
     for spec in specs:
-        capacity = spec.room(args.cuda, args.quick)
+        # the allocator's segments (2 and 20 MiB) need rooms of a GPU run's size
+        capacity = spec.room(args.cuda or args.allocator, args.quick)
         budget = int(TARGET * capacity)
         row: dict[str, Any] = {
             "model": spec.name,

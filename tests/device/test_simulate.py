@@ -265,3 +265,62 @@ def test_numpy_memory_is_not_counted_but_a_copy_of_it_is() -> None:
         copy = torch.tensor(arr)
         assert gpu.allocated_bytes == copy.nbytes == 8_000_000
         del shared, also_shared
+
+
+# -- with a caching allocator model ---------------------------------------------------
+
+
+def test_with_an_allocator_model_reserved_memory_is_its_segments() -> None:
+    """Every storage is a request to the model: a small tensor takes a 2 MiB small-pool
+    segment, a 12 MiB one a 14 MiB segment (rounded to 2 MiB); a freed block stays cached
+    until the cache is given back."""
+    from vramctl.estimator import CachingAllocatorModel
+
+    with vramctl.simulate("64MiB", allocator=CachingAllocatorModel()) as gpu:
+        x = torch.zeros(1000)
+        assert (gpu.memory().allocated, gpu.memory().reserved) == (4000, 2 * MiB)
+        y = torch.zeros(3 * MiB + 10)
+        assert gpu.memory().reserved == 2 * MiB + 14 * MiB
+        del y
+        assert gpu.memory().allocated == 4000 and gpu.memory().reserved == 16 * MiB
+        gpu.release_cache()
+        assert gpu.memory().reserved == 2 * MiB
+        assert gpu.memory().used == 2 * MiB
+        del x
+
+
+def test_with_an_allocator_model_the_cache_is_given_back_before_an_oom() -> None:
+    """A request that fits only once the cached segments are released succeeds (the
+    model's retry, counted), and one that does not fit even then is refused; a refused
+    request leaves nothing behind."""
+    from vramctl.estimator import CachingAllocatorModel
+
+    model = CachingAllocatorModel()
+    with vramctl.simulate("64MiB", allocator=model) as gpu:
+        a = torch.zeros(10 * MiB)  # a 40 MiB segment
+        del a  # cached
+        b = torch.zeros(8 * MiB)  # 32 MiB: fits in the cached 40 MiB segment
+        del b
+        c = torch.zeros(12 * MiB)  # 48 MiB: not with 40 cached; the cache goes, then it fits
+        assert gpu.memory().alloc_retries == 1
+        before = (gpu.memory().allocated, gpu.memory().reserved)
+        with pytest.raises(torch.OutOfMemoryError, match="reserved in the allocator model"):
+            torch.zeros(8 * MiB)  # 32 MiB more than 64 holds
+        assert (gpu.memory().allocated, gpu.memory().reserved) == before
+        del c
+
+
+def test_capped_limits_the_allocator_model_and_gives_its_capacity_back() -> None:
+    from vramctl.estimator import CachingAllocatorModel
+
+    model = CachingAllocatorModel()
+    with vramctl.simulate("64MiB", reserve="8MiB", allocator=model) as gpu:
+        assert model.config.capacity == 56 * MiB
+        with pytest.raises(RuntimeError, match="boom"), gpu.capped(24 * MiB):
+            assert model.config.capacity == 16 * MiB  # the budget less the reserve
+            with pytest.raises(torch.OutOfMemoryError):
+                torch.zeros(5 * MiB)  # 20 MiB
+            raise RuntimeError("boom")
+        assert model.config.capacity == 56 * MiB
+        x = torch.zeros(5 * MiB)
+        del x

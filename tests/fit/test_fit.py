@@ -366,3 +366,24 @@ def test_the_seed_is_judged_at_the_safe_end_unless_the_caller_says_otherwise() -
     assert request.safe is True
     request, _ = estimate_request({"safe": False}, step, "train", opt)
     assert request.safe is False
+
+
+def test_on_a_gpu_that_replays_the_caching_allocator_the_answer_runs_under_its_cap() -> None:
+    """A simulated GPU whose storages go through the caching allocator model: every probe
+    is capped at the budget (the allocator gives its cache back and retries before it
+    refuses); the answer runs again under the same cap with no OOM, and the only OOMs the
+    device saw are the probes that did not fit."""
+    from vramctl.estimator import CachingAllocatorModel
+
+    torch.manual_seed(0)
+    with vramctl.simulate("48MiB", allocator=CachingAllocatorModel()) as gpu:
+        model = TokenMlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = train_step(model, opt)
+        fit = fit_batch_size(step, mlp_batch, device=gpu, model=model, optimizer=opt, cache=False)
+        assert fit.batch_size >= 1
+        assert all(peak is None or peak <= fit.budget for _, peak, ok in fit.probes if ok)
+        with gpu.capped(fit.budget):
+            for _ in range(3):
+                step(mlp_batch(fit.batch_size))
+        assert gpu.memory().ooms == sum(1 for _, peak, _ in fit.probes if peak is None)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from vramctl.fit._search import Probe, Search
+from vramctl.fit._search import Probe, Search, scaled
 
 MB = 2**20
 CAPACITY = 1000 * MB
@@ -109,3 +109,16 @@ def test_upper_and_nothing_fits() -> None:
     huge = affine(2000 * MB, MB)
     best, probes = run(huge, 64)
     assert best == 0 and probes[-1] == 1
+
+
+def test_a_flat_stretch_between_two_fits_halves_the_gap_to_a_known_miss() -> None:
+    """The caching allocator makes the peak a staircase: two fitting probes with the same
+    peak say nothing about the next step up, so between them and a known miss the search
+    halves the gap (where no miss is known it scales up from the larger fit, as before)."""
+    s = Search(budget=1000, upper=None, slope_hint=None)
+    s.probes += [Probe(73, 500, True, 100), Probe(144, None, False, 100)]
+    s.probes += [Probe(108, 900, True, 100), Probe(110, 900, True, 100)]
+    assert s.next() == (110 + 144) // 2
+    t = Search(budget=1000, upper=None, slope_hint=None)
+    t.probes += [Probe(108, 900, True, 100), Probe(110, 900, True, 100)]
+    assert t.next() == scaled(t.at(110), 1000)

@@ -13,10 +13,14 @@ state, outputs), plus anything handed to :meth:`SimulatedDevice.adopt` (the
 simulated ``model.to("cuda")``).
 
 What it cannot count: the CUDA context (300-600 MiB on a real GPU), cuBLAS and
-cuDNN workspaces, kernels' internal scratch memory, the caching allocator's
-rounding and cached-but-free blocks (so reserved equals allocated here), and
-tensors made outside any operator (``torch.from_numpy``). The estimator models
-those; see ``docs/simulate.md``.
+cuDNN workspaces, kernels' internal scratch memory, and tensors made outside any
+operator (``torch.from_numpy``). The estimator models those; see
+``docs/simulate.md``. The caching allocator's rounding and cached-but-free blocks
+are not counted either (reserved equals allocated), unless an allocator model is
+given (``allocator=``, a :class:`vramctl.estimator.CachingAllocatorModel`): then
+every storage is a request to it, reserved memory is its segments, and a request
+it cannot place within the device, after giving its cache back and retrying, is
+refused, as PyTorch's allocator does.
 
 >>> import torch, vramctl
 >>> with vramctl.simulate("64MiB") as gpu:
@@ -28,6 +32,7 @@ those; see ``docs/simulate.md``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import weakref
@@ -191,7 +196,9 @@ class SimulatedDevice(Device):
 
     kind = "sim"
 
-    def __init__(self, spec: GpuSpec | None, total_bytes: int, *, reserve: int = 0) -> None:
+    def __init__(
+        self, spec: GpuSpec | None, total_bytes: int, *, reserve: int = 0, allocator: Any = None
+    ) -> None:
         self.spec = spec
         self.name = spec.name if spec else _compact(total_bytes)
         self.id = f"sim:{self.name}"
@@ -208,6 +215,12 @@ class SimulatedDevice(Device):
         self._mode: _Budget | None = None
         self._local = threading.local()  # .paused: this thread's uncounted() depth
         self.ooms = 0
+        #: A caching allocator model that every storage is requested from (None: storages
+        #: are counted as they are); its ``config.capacity`` is the device less the reserve.
+        self.allocator = allocator
+        self._handles: dict[int, int] = {}  # id(storage) -> the allocator model's handle
+        if allocator is not None:
+            allocator.config = dataclasses.replace(allocator.config, capacity=total_bytes - reserve)
 
     # -- Device interface ---------------------------------------------------------
 
@@ -225,11 +238,20 @@ class SimulatedDevice(Device):
 
     @property
     def free_bytes(self) -> int:
-        return max(0, self.total_bytes - self.reserve - self._allocated)
+        """Bytes a request could take now: the free memory and, with an allocator model,
+        its cached free blocks."""
+        held = self._allocated if self.allocator is None else self.allocator.allocated
+        return max(0, self.total_bytes - self.reserve - held)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes held from the device: the allocator model's segments, else the storages."""
+        return self._allocated if self.allocator is None else int(self.allocator.reserved)
 
     def memory(self) -> MemoryState:
         with self._lock:
-            used = self._allocated + self.reserve
+            used = self.reserved_bytes + self.reserve
+            model = self.allocator
             return MemoryState(
                 device=self.id,
                 total=self.total_bytes,
@@ -237,21 +259,48 @@ class SimulatedDevice(Device):
                 free=max(0, self.total_bytes - used),
                 process_used=used,
                 allocated=self._allocated,
-                reserved=self._allocated,
+                reserved=self.reserved_bytes,
                 peak_allocated=self._peak,
-                peak_reserved=self._peak,
-                inactive_split=NA,  # no allocator model: see the module docstring
-                alloc_retries=NA,
+                peak_reserved=self._peak if model is None else int(model.peak_reserved),
+                # no allocator model: see the module docstring
+                inactive_split=NA if model is None else int(model.inactive_split),
+                alloc_retries=NA if model is None else int(model.alloc_retries),
                 ooms=self.ooms,
             )
 
     def processes(self, limit: int | None = None) -> list[ProcessMemory]:
-        return [ProcessMemory(pid=os.getpid(), used=self._allocated + self.reserve, kind="sim")]
+        return [ProcessMemory(pid=os.getpid(), used=self.reserved_bytes + self.reserve, kind="sim")]
 
     def reset_peak(self) -> None:
         """Start peak tracking again from the current allocation."""
         with self._lock:
             self._peak = self._allocated
+            if self.allocator is not None:
+                self.allocator.peak_reserved = self.allocator.reserved
+                self.allocator.peak_allocated = self.allocator.allocated
+
+    def release_cache(self) -> None:
+        """With an allocator model: give its cached segments back (``empty_cache``)."""
+        if self.allocator is not None:
+            with self._lock:
+                self.allocator.empty_cache()
+
+    @contextlib.contextmanager
+    def capped(self, budget: int) -> Iterator[None]:
+        """With an allocator model: it may reserve no more than keeps the device's used
+        memory within ``budget`` (less the reserve), and gives its cache back and retries
+        before it refuses; the capacity before comes back afterwards."""
+        model = self.allocator
+        if model is None:
+            yield
+            return
+        before = model.config
+        limit = max(0, min(before.capacity or budget, budget - self.reserve))
+        model.config = dataclasses.replace(before, capacity=limit)
+        try:
+            yield
+        finally:
+            model.config = before
 
     # -- behaviour (see Device) ---------------------------------------------------------
 
@@ -275,7 +324,8 @@ class SimulatedDevice(Device):
         return start
 
     def _peak_end(self, token: Any) -> tuple[int, int, int]:
-        return self.reserve + self._peak, self._peak - token, self._allocated - token
+        peak_used = self._peak if self.allocator is None else int(self.allocator.peak_reserved)
+        return self.reserve + peak_used, self._peak - token, self._allocated - token
 
     def oom_count(self) -> int:
         return self.ooms
@@ -339,6 +389,8 @@ class SimulatedDevice(Device):
                     total += max(extra, 0)
             if total > self.free_bytes:
                 self._refuse(total)
+            if self.allocator is not None:
+                self._request(grow)
             for st, nbytes in grow:
                 key = id(st)
                 if key not in self._live or self._refs[key]() is not st:
@@ -350,11 +402,39 @@ class SimulatedDevice(Device):
                 self._live[key] = nbytes
             self._peak = max(self._peak, self._allocated)
 
+    def _request(self, grow: list[tuple[torch.UntypedStorage, int]]) -> None:
+        """Ask the allocator model for each new (or grown) storage; all or none: a refused
+        request gives back the ones made before it and raises the simulated OOM."""
+        model = self.allocator
+        made: list[tuple[int, int, int | None]] = []  # key, new handle, the handle it replaced
+        for st, nbytes in grow:
+            key = id(st)
+            old = self._handles.get(key) if self._tracks(st) else None
+            try:
+                handle = model.malloc(nbytes)
+            except Exception as exc:  # the model's own out-of-memory
+                for _, h, _ in made:
+                    model.free(h)
+                for k, _, replaced in made:
+                    if replaced is None:
+                        self._handles.pop(k, None)
+                    else:
+                        self._handles[k] = replaced
+                self._refuse(nbytes, cause=exc)
+            made.append((key, handle, old))
+            self._handles[key] = handle
+        for _, _, replaced in made:
+            if replaced is not None:
+                model.free(replaced)
+
     def _release(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
         with self._lock:
             if self._refs.get(key) is ref:
                 self._allocated -= self._live.pop(key)
                 del self._refs[key]
+                handle = self._handles.pop(key, None)
+                if handle is not None and self.allocator is not None:
+                    self.allocator.free(handle)
 
     def _refuse(self, requested: int, cause: BaseException | None = None) -> None:
         self.ooms += 1
@@ -365,8 +445,13 @@ class SimulatedDevice(Device):
             f"{format_bytes(self.total_bytes)} of which {format_bytes(free)} is free. "
             f"Of the allocated memory {format_bytes(self._allocated)} is allocated by PyTorch"
             + (f" and {format_bytes(self.reserve)} is held back as reserve" if self.reserve else "")
-            + ". (vramctl.simulate counts live tensor storages only: no CUDA context, "
-            "workspaces or allocator rounding.)"
+            + (
+                ". (vramctl.simulate counts live tensor storages only: no CUDA context, "
+                "workspaces or allocator rounding.)"
+                if self.allocator is None
+                else f", {format_bytes(self.reserved_bytes)} reserved in the allocator model's "
+                "segments. (vramctl.simulate: no CUDA context or workspaces.)"
+            )
         )
         raise SimulatedOutOfMemoryError(
             msg, requested=requested, free=free, total=self.total_bytes
@@ -460,12 +545,17 @@ def active_simulation() -> SimulatedDevice | None:
     return None
 
 
-def simulate(device: str | int, *, reserve: int | str = 0) -> SimulatedDevice:
+def simulate(
+    device: str | int, *, reserve: int | str = 0, allocator: Any = None
+) -> SimulatedDevice:
     """A simulated GPU: a catalog name (``"T4-16GB"``) or a size (bytes or ``"16GiB"``).
 
     A catalog GPU offers the capacity a CUDA process sees on it (``cuda_total_bytes``,
     the "total capacity" of its OOM messages). ``reserve`` holds some of it back,
-    for example to stand in for the CUDA context.
+    for example to stand in for the CUDA context. ``allocator``: a caching allocator model
+    (:class:`vramctl.estimator.CachingAllocatorModel`) that every storage is requested
+    from, so that reserved memory, rounding, cached blocks and the retry before an OOM
+    behave as PyTorch's allocator does (see the module docstring).
 
     >>> import torch, vramctl
     >>> with vramctl.simulate("T4-16GB") as gpu:
@@ -490,4 +580,4 @@ def simulate(device: str | int, *, reserve: int | str = 0) -> SimulatedDevice:
         raise VramctlError(
             f"reserve {format_bytes(reserve_bytes)} leaves nothing of {format_bytes(total)}"
         )
-    return SimulatedDevice(spec, total, reserve=reserve_bytes)
+    return SimulatedDevice(spec, total, reserve=reserve_bytes, allocator=allocator)

@@ -130,6 +130,11 @@ class Search:
         assert c.peak is not None
         slope = (c.peak - a.peak) / (c.batch_size - a.batch_size)
         if slope <= 0:
+            # A flat stretch: the caching allocator's segments make the peak a staircase,
+            # where a line says nothing; between a fit and a known miss, halve the gap.
+            hi = self.hi
+            if hi is not None and not above:
+                return (lo + hi) // 2
             return scaled(a, self.budget)
         return a.batch_size + math.floor((self.budget - a.peak) / slope)
 
