@@ -53,13 +53,6 @@ def real_stream(trace: dict[str, Any]) -> list[tuple[str, int]]:
     return [(op or NONE, size) for action, _, size, _, op in events(trace) if action == "alloc"]
 
 
-def predicted_stream(
-    spec: dict[str, Any], device: Any, calibration: Any = False
-) -> list[tuple[str, int]]:
-    """The allocations, in order, of the estimator's trace of the case on ``device``."""
-    return allocations(predicted_trace(spec, device, calibration))
-
-
 def allocations(trace: Any) -> list[tuple[str, int]]:
     """The allocations, in order, of an estimator's trace: ``(operator, bytes)``. What
     exists before the step (parameters, optimizer state, the batch) is not in a real step's

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +30,23 @@ H200 = DATA / "nvidia-h200-2026-11-25"
 #: figures came back without their traces.
 H200_TRACED = DATA / "nvidia-h200-2026-11-27"
 H200_SUMMARY = DATA / "nvidia-h200-2026-11-27-summary"
+
+
+def estimated_row(root: Path, case_id: str, **kw: Any) -> tuple[dict[str, Any], Any]:
+    """A committed case and its estimate for the corpus' GPU with the corpus' own profile,
+    estimated as its figures were taken (``recorded_per_call``) unless ``recorded`` says."""
+    from vramctl.estimator import load_calibration
+
+    index = corpus.load_index(root)
+    case = next(c for c in index["cases"] if c["id"] == case_id)
+    kw.setdefault("recorded", recorded_per_call(index))
+    est = estimate_case(
+        case["spec"],
+        index["environment"]["gpu"],
+        calibration=load_calibration(root / "calibration.json"),
+        **kw,
+    )
+    return case, est
 
 
 def test_there_is_a_corpus_and_a_readme() -> None:
@@ -118,17 +136,7 @@ def test_small_training_steps_on_the_h200_count_both_workspaces(model: str) -> N
     MiB, of which 64 MiB are the two cuBLAS workspaces. Read with the profile's one handle
     the estimate was 39-42% short; with two it is 4-6% over (the forward's 1 MiB cuBLASLt
     workspace counted twice, and a few MiB the shrunk models' traces do not yet match)."""
-    from vramctl.estimator import load_calibration
-
-    index = corpus.load_index(H200_SUMMARY)
-    cal = load_calibration(H200_SUMMARY / "calibration.json")
-    case = next(c for c in index["cases"] if c["id"] == f"hf/{model}/train/fp32/b2")
-    est = estimate_case(
-        case["spec"],
-        index["environment"]["gpu"],
-        calibration=cal,
-        recorded=recorded_per_call(index),
-    )
+    case, est = estimated_row(H200_SUMMARY, f"hf/{model}/train/fp32/b2")
     real = case["steps"]["warm"]["max_allocated"]
     assert 0 <= est.peak_allocated / real - 1 < 0.08
 
@@ -140,21 +148,7 @@ def test_a_forced_math_attention_backend_is_priced_with_its_score_matrix(mode: s
     matrix in fp32. Traced with the host's fused kernel the estimate was 78.5% and 84.6%
     short; traced on the math path, as the caller forced, 20.7% and 8.5% (what is left is
     not traced here: the summary corpus has no traces)."""
-    from vramctl.estimator import load_calibration
-
-    index = corpus.load_index(H200_SUMMARY)
-    cal = load_calibration(H200_SUMMARY / "calibration.json")
-    case = next(
-        c
-        for c in index["cases"]
-        if c["id"] == f"attention/sdpa/{mode}/amp-bf16/b4/sdpa_backend-math"
-    )
-    est = estimate_case(
-        case["spec"],
-        index["environment"]["gpu"],
-        calibration=cal,
-        recorded=recorded_per_call(index),
-    )
+    case, est = estimated_row(H200_SUMMARY, f"attention/sdpa/{mode}/amp-bf16/b4/sdpa_backend-math")
     real = case["steps"]["warm"]["max_allocated"]
     assert est.peak_allocated / real - 1 > (-0.22 if mode == "train" else -0.10)
 
@@ -165,16 +159,11 @@ def test_a_recorded_step_sums_gradients_out_of_place() -> None:
     recorder's dispatch mode makes ATen take every tensor for a subclass. Estimated as a
     plain step (the sum in place) it read 6.41% short; estimated as recorded it is within
     0.5%. The two estimates differ by that one gradient."""
-    from vramctl.estimator import load_calibration
-
-    index = corpus.load_index(H200_TRACED)
-    assert recorded_per_call(index)
-    cal = load_calibration(H200_TRACED / "calibration.json")
-    case = next(c for c in index["cases"] if c["id"] == "zoo/whisper-base/train/amp-bf16/b1")
-    gpu = index["environment"]["gpu"]
+    assert recorded_per_call(corpus.load_index(H200_TRACED))
+    whisper = "zoo/whisper-base/train/amp-bf16/b1"
+    case, recorded = estimated_row(H200_TRACED, whisper, recorded=True)
+    _, plain = estimated_row(H200_TRACED, whisper, recorded=False)
     real = case["steps"]["warm"]["max_allocated"]
-    recorded = estimate_case(case["spec"], gpu, calibration=cal, recorded=True)
-    plain = estimate_case(case["spec"], gpu, calibration=cal)
     assert 0 <= recorded.peak_allocated / real - 1 < 0.005
     assert plain.peak_allocated / real - 1 < -0.06
     # (the allocator's rounding and what else is live at the new peak: within 1 MiB)
@@ -189,12 +178,10 @@ def test_the_traced_corpus_evidence_sets_the_h200_range() -> None:
     the step that fell furthest short is inside its range."""
     from vramctl.estimator import load_calibration
 
-    index = corpus.load_index(H200_TRACED)
     cal = load_calibration(H200_TRACED / "calibration.json")
     assert cal.evidence is not None and cal.evidence.steps == 60
     assert cal.evidence.shortfall_pct == pytest.approx(3.006, abs=0.01)
     assert cal.evidence.shortfall == 52 * 2**20
-    case = next(c for c in index["cases"] if c["id"] == "zoo/convnext-tiny/train/fp32/b1")
-    est = estimate_case(case["spec"], index["environment"]["gpu"], calibration=cal, recorded=True)
+    case, est = estimated_row(H200_TRACED, "zoo/convnext-tiny/train/fp32/b1")
     assert est.device_uncertainty == cal.evidence.allowance(est.peak_device) < 128 * 2**20
     assert est.peak_device < case["steps"]["warm"]["nvml_bytes"] <= est.peak_device_high
