@@ -338,3 +338,17 @@ def test_ledger_restores_what_a_store_recorded() -> None:
     assert ledger.largest() == 1000 and ledger.outstanding(0) == 0
     with pytest.raises(AdmissionError):
         ledger.restore("x", 3, 10)
+
+
+def test_fragmentation_gives_a_tie_to_the_first_node_or_to_the_tightest_fit() -> None:
+    """Two placements whose fragmentation grows alike: by default the first node in the
+    cluster's order takes the job (a fixed priority, as FGD's simulator breaks ties);
+    with ``ties="tightest"`` the GPU left with the least does."""
+    s = ClusterState([1, 1], 1000)
+    s.allocate(Request(300), Placement(1, (1,)))
+    mix = Workload({Request(100): 1})  # every free GPU can host the mix: no growth
+    r = Request(100)
+    assert Fragmentation(mix).choose(s, r) == Placement(0, (0,))
+    assert Fragmentation(mix, ties="tightest").choose(s, r) == Placement(1, (1,))
+    with pytest.raises(ValueError, match="ties"):
+        Fragmentation(mix, ties="random")

@@ -31,8 +31,11 @@ from vramctl.estimator._request import STEP_FIELDS, Step, step_request
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._session import Session, open_session
 from vramctl.estimator._spec import EstimateError, ModelSource
+from vramctl.estimator._staircase import larger_fit
 from vramctl.estimator._target import Target
 from vramctl.estimator._timing import Throughput
+from vramctl.estimator._trace import Trace
+from vramctl.estimator._verdict import allocator_of, device_trace
 
 __all__ = ["BATCH_BOUND", "LENGTH_BOUND", "SEARCH_INPUT_BYTES", "MaxBatch", "max_batch_size"]
 
@@ -226,6 +229,11 @@ def _search(
 ) -> MaxBatch:
     cache: dict[tuple[int, float | None], Estimate] = {}
     host: dict[int, int] = {}
+    # The requests a caching allocator sees at each traced size (none without one).
+    allocator = allocator_of(session.target, session.request.allocator_config)
+    if session.parallel is not None:
+        allocator = None
+    requests: dict[int, Trace] = {}
 
     def at(b: int, n: float | None = None) -> Estimate:
         key = (b, n)
@@ -235,6 +243,8 @@ def _search(
             cache[key] = session.estimate(batch, b, sl, sec)
             if n is None:
                 host[b] = session.last_batch_bytes
+                if allocator is not None and session.last_traced is not None:
+                    requests[b] = device_trace(session.last_traced, session.target)
         return cache[key]
 
     length_arg = None
@@ -272,6 +282,8 @@ def _search(
         guess = min(guess, _FIRST_JUMP * probes[-1], ceiling)
         fitting = sorted(b for b, _ in points if at(b).fits and b <= ceiling)
         best, _hi = _confirm(at, max(1, guess), ceiling, slope, fitting, untraceable)
+        if allocator is not None and best and _hi == best + 1 and best + 1 in requests:
+            best = _past_edge(at, requests, best, budget, ceiling, allocator)
         # Found only where a trace of one more sample does not fit (or could not be made).
         above = cache.get((best + 1, None))
         found = (above is not None and not above.fits) or best + 1 in untraceable
@@ -308,6 +320,39 @@ def _search(
         safe=safe,
         notes=tuple(notes),
     )
+
+
+def _past_edge(
+    at: Callable[[int], Estimate],
+    requests: dict[int, Trace],
+    best: int,
+    budget: int,
+    ceiling: int,
+    allocator: AllocatorConfig,
+) -> int:
+    """Above an edge (``best`` fits, one more sample does not), the largest size that fits
+    again on the allocator's staircase (see :mod:`._staircase`), once a trace confirms it;
+    else ``best``."""
+    est = at(best)
+    outside = est.peak_device - est.peak_reserved  # the CUDA context: not the allocator's
+    found = larger_fit(
+        requests[best], requests[best + 1], best, budget - outside, allocator, ceiling
+    )
+    if found is None:
+        return best
+    try:
+        if not at(found).fits:
+            return best
+    except EstimateError:
+        return best
+    for _ in range(8):  # where the trace and the replay part, the trace is the truth
+        try:
+            if found >= ceiling or not at(found + 1).fits:
+                break
+        except EstimateError:
+            break
+        found += 1
+    return found
 
 
 def _affine_near(curve: Sequence[tuple[int, int, bool]], best: int) -> tuple[float, float]:

@@ -81,6 +81,8 @@ class Session:
     rates: Rates | None = None
     #: Host bytes of the tensors of the last batch traced (the search bounds its batches).
     last_batch_bytes: int = 0
+    #: The last step traced (the search replays it at other sizes).
+    last_traced: Traced | None = None
     #: How a named model's batches are made (a built-in model, or one from its config).
     entry: Any = None
     #: Notes on the model's source: options given that it does not use.
@@ -193,6 +195,7 @@ class Session:
         real, size = make_batch_for(self, batch, batch_size, seq_len, seconds)
         self.last_batch_bytes = sum(t.nbytes for t in flat_tensors(real) if not t.is_meta)
         traced = self.trace(real, size)
+        self.last_traced = traced
         used_len, used_sec = self.lengths_used(batch, seq_len, seconds)
         est = build_estimate(
             self,

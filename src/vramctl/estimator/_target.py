@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from vramctl._errors import VramctlError
 from vramctl.device import ComputeCapability, Device, gpus, resolve
 from vramctl.estimator import _cuda_model
+from vramctl.estimator._allocator import AllocatorConfig
 from vramctl.estimator._calibration import Calibration, CalibrationSource, resolve_calibration
 
 __all__ = ["Target", "resolve_target", "run_target"]
@@ -25,6 +26,10 @@ class Target:
     cuda: bool
     #: The measured CUDA constants used for it (None: the built-in ones).
     calibration: Calibration | None = field(default=None, compare=False)
+    #: A device without CUDA's extras whose storages still go through a caching allocator
+    #: (a simulated GPU with an allocator model): its constants. Its peak is the
+    #: allocator's reserved peak. None: live tensor bytes (the CPU, a plain simulated GPU).
+    allocator: AllocatorConfig | None = None
 
     @property
     def constants(self) -> Calibration:
@@ -63,11 +68,19 @@ def run_target(device: Device) -> Target | Device:
 
     A CUDA device is estimated as itself (its context, workspaces and caching
     allocator are modelled). Any other device (the CPU, a simulated GPU) counts the
-    live tensor storages of this host's CPU kernels, with none of CUDA's extras.
+    live tensor storages of this host's CPU kernels, with none of CUDA's extras; a
+    simulated GPU with an allocator model (``vramctl.simulate(..., allocator=)``) counts
+    that allocator's segments, with its constants.
     """
     if device.is_cuda:
         return device
-    return Target(device.id if device.is_gpu else "cpu", device.capacity(), None, cuda=False)
+    model = getattr(device, "allocator", None)
+    config = getattr(model, "config", None)
+    allocator = (
+        dataclasses.replace(config, capacity=None) if isinstance(config, AllocatorConfig) else None
+    )
+    name = device.id if device.is_gpu else "cpu"
+    return Target(name, device.capacity(), None, cuda=False, allocator=allocator)
 
 
 def resolve_device(device: Device | str | int | None) -> Target:

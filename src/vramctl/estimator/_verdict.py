@@ -78,13 +78,8 @@ def build_estimate(
     if target.cuda:
         consts = target.constants
         context = consts.context_bytes + (consts.cudnn_context_bytes if traced.convolutions else 0)
-        if target.calibration is not None:  # its measured constants, under the request's
-            allocator_config = (
-                consts.allocator
-                if allocator_config is None
-                else allocator_config.over(consts.allocator)
-            )
-        alloc = _replay(trace, None, allocator_config)
+        allocator_config = allocator_of(target, allocator_config)
+        alloc = replay(trace, None, allocator_config)
         allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
         cal = target.calibration
         same_gpu = cal is not None and measured_on(cal, target.name)
@@ -105,7 +100,7 @@ def build_estimate(
             fits[end] = reserved + extra <= budget
             if not fits[end] and budget > extra:
                 try:
-                    tight = _replay(trace, budget - extra, allocator_config)
+                    tight = replay(trace, budget - extra, allocator_config)
                 except AllocatorOutOfMemory:
                     pass
                 else:
@@ -149,6 +144,25 @@ def build_estimate(
             )
         if not calibrated:
             notes.append(uncalibrated_note(target.name, target.capability is None))
+    elif target.allocator is not None:
+        # A simulated GPU whose storages go through a caching allocator model: its
+        # segments are the device's used memory; no context or workspace.
+        seen = device_trace(traced, target)
+        config = allocator_of(target, allocator_config)
+        alloc = replay(seen, None, config)
+        allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
+        peak_device = reserved
+        fits[False] = fits[True] = _fits_capped(seen, reserved, budget, config, retries)
+        by_cat["allocator"] = reserved - logical
+        if retries[safe]:
+            notes.append(
+                f"fits only because the allocator frees its cache {retries[safe]} "
+                "time(s) (alloc retries slow a step)"
+            )
+        notes.append(
+            "simulated GPU with a caching allocator model: its segments counted, no CUDA "
+            "context or workspace"
+        )
     else:
         allocated = reserved = peak_device = logical
         fits[False] = fits[True] = peak_device <= budget
@@ -262,23 +276,81 @@ def _offloaded(trace: Trace, categories: dict[int, str]) -> tuple[Trace, int]:
     return out, host
 
 
-def _replay(
-    trace: Trace, capacity: int | None, config: AllocatorConfig | None
+def replay(
+    trace: Trace,
+    capacity: int | None,
+    config: AllocatorConfig | None,
+    sizes: list[int] | None = None,
 ) -> CachingAllocatorModel:
+    """``trace``'s requests through the caching allocator model (``capacity``: its cap,
+    above which it gives its cache back and retries, then raises
+    :class:`~vramctl.estimator.AllocatorOutOfMemory`); ``sizes``: each storage's bytes
+    in place of its record's."""
     cfg = config or AllocatorConfig()
     if capacity is not None:
         cfg = AllocatorConfig(**{**cfg.__dict__, "capacity": capacity})
     alloc = CachingAllocatorModel(cfg)
     handles: dict[int, int] = {}
-    records = trace.records
+    nbytes = sizes if sizes is not None else [r.nbytes for r in trace.records]
     for e in trace.events:
         if e >= 0:
-            handles[e] = alloc.malloc(records[e].nbytes)
+            handles[e] = alloc.malloc(nbytes[e])
         else:
             h = handles.pop(~e, None)
             if h is not None:
                 alloc.free(h)
     return alloc
+
+
+def allocator_of(target: Target, requested: AllocatorConfig | None) -> AllocatorConfig | None:
+    """The caching allocator's configuration a step on ``target`` is replayed with: the
+    request's, over a calibration profile's measured one (CUDA) or a simulated GPU's
+    model's; None where the target has no caching allocator (the CPU, a plain simulated
+    GPU)."""
+    if target.cuda:
+        measured = target.constants.allocator if target.calibration is not None else None
+        if measured is None:
+            return requested or AllocatorConfig()
+        return measured if requested is None else requested.over(measured)
+    if target.allocator is not None:
+        return target.allocator if requested is None else requested
+    return None
+
+
+def device_trace(traced: Traced, target: Target) -> Trace:
+    """The requests the device's allocator sees of a one-process step: all of them on
+    CUDA; on a simulated GPU, none of the kernels' scratch (host memory it never sees)."""
+    if target.cuda:
+        return traced.trace
+    trace, categories = traced.trace, traced.categories
+    records = trace.records
+    events = [
+        e
+        for e in trace.events
+        if categories.get(e if e >= 0 else ~e, records[e if e >= 0 else ~e].category)
+        != "workspaces"
+    ]
+    return dataclasses.replace(trace, events=events)
+
+
+def _fits_capped(
+    trace: Trace,
+    reserved: int,
+    budget: int,
+    config: AllocatorConfig | None,
+    retries: dict[bool, int],
+) -> bool:
+    """Whether a step whose unbounded replay reserves ``reserved`` fits ``budget``: at once,
+    or once the allocator, capped there, gives its cache back and retries (``retries``
+    gets how many times, at both ends)."""
+    if reserved <= budget:
+        return True
+    try:
+        tight = replay(trace, budget, config)
+    except AllocatorOutOfMemory:
+        return False
+    retries[False] = retries[True] = tight.alloc_retries
+    return True
 
 
 def _tf32_capable(target: Target) -> bool:

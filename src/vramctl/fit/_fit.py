@@ -51,8 +51,8 @@ from vramctl.estimator import Step
 from vramctl.fit import _cache
 from vramctl.fit._probe import Prober, preserved, rng_kept
 from vramctl.fit._result import FitError, FitResult
-from vramctl.fit._search import Search
-from vramctl.fit._seed import as_called, batch_structure, estimate_request, predict
+from vramctl.fit._search import Probe, Search
+from vramctl.fit._seed import Seed, as_called, batch_structure, estimate_request, predict
 from vramctl.guard import is_oom
 
 __all__ = ["DEFAULT_START", "MAX_PROBES", "TOLERANCE", "fit_batch_size"]
@@ -63,6 +63,9 @@ MAX_PROBES = 8
 TOLERANCE = 0.01
 #: Batch size of the first probe when there is no prediction.
 DEFAULT_START = 1
+#: A probe at the estimate's edge confirms it when its peak allocated bytes are within
+#: this share of the estimate's.
+EDGE_MATCH = 0.01
 
 
 # -- resolving the inputs ---------------------------------------------------------------
@@ -243,8 +246,7 @@ def _fit(
             )
 
     notes: list[str] = []
-    predicted: int | None = None
-    slope: float | None = None
+    seed = Seed()
     if model is not None and estimate and start is None:
         run_mode = mode or (
             "train" if optimizer is not None or (model.training and _trainable(model)) else "infer"
@@ -252,7 +254,7 @@ def _fit(
         request, search_args = estimate_request(estimate_options, step, run_mode, optimizer)
         if ceiling is not None and ceiling >= 1:
             search_args.setdefault("limit", ceiling)
-        predicted, slope, note = predict(
+        seed = predict(
             as_called(model, step, structure),
             make_batch,
             dev,
@@ -261,13 +263,14 @@ def _fit(
             optimizer,
             search_args,
         )
-        if note:
-            notes.append(note)
+        if seed.note:
+            notes.append(seed.note)
+    predicted = seed.batch_size
     first = start or predicted or DEFAULT_START
     if ceiling is not None:
         first = max(1, min(first, ceiling))
 
-    search = Search(budget, upper, slope, tolerance, ceiling)
+    search = Search(budget, upper, seed.slope, tolerance, ceiling)
     owners = [o for o in (model, optimizer) if o is not None]
     probe = Prober(step, make_batch, dev, budget, steps, owners)
     with preserved(dev, model, optimizer, step):
@@ -276,6 +279,14 @@ def _fit(
         b: int | None = first
         while b is not None:
             search.probes.append(probe(b))
+            if b == predicted and _edge_confirmed(search.probes[-1], seed):
+                # The estimate's edge, with its allocations as measured: one more sample
+                # does not fit, as the estimate said.
+                search.edge = b + 1
+                notes.append(
+                    f"the estimate's edge held: batch {b} allocated what it predicted "
+                    f"(within {EDGE_MATCH:.0%}), and {b + 1} does not fit by the estimate"
+                )
             if search.lo and len(search.probes) - search.misses_before_fit() >= max_probes:
                 notes.append(f"stopped after {max_probes} probes from the first that fitted")
                 break
@@ -317,6 +328,13 @@ def _nothing_fits(search: Search, dev: Device, budget: int, target: float) -> st
         "Free memory held elsewhere, raise target, or make the step smaller "
         "(mixed precision, gradient checkpointing, a smaller model or a larger device)."
     )
+
+
+def _edge_confirmed(probe: Probe, seed: Seed) -> bool:
+    """Whether ``probe`` (at the seed) fitted and allocated what the estimate predicted."""
+    if not probe.fits or probe.allocated is None or not seed.edge_allocated:
+        return False
+    return abs(probe.allocated - seed.edge_allocated) <= EDGE_MATCH * seed.edge_allocated
 
 
 def _trainable(model: torch.nn.Module) -> bool:

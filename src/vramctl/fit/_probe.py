@@ -95,6 +95,7 @@ class Prober:
         _set_pieces(self.step, self.pieces)
         _settle(dev)
         base = dev.capacity() - dev.available()
+        held = dev.memory().allocated
         counters = OomCounters.read(dev)
         meter = dev.peak_meter()
         failure: BaseException | None = None
@@ -121,7 +122,8 @@ class Prober:
             owner.zero_grad(set_to_none=True)
         if oom:
             return Probe(b, None, False, base, floor)
-        return Probe(b, meter.peak_used, meter.peak_used <= self.budget, base)
+        allocated = held + meter.peak_allocated if isinstance(held, int) else None
+        return Probe(b, meter.peak_used, meter.peak_used <= self.budget, base, None, allocated)
 
 
 # -- state kept safe while probing ------------------------------------------------------

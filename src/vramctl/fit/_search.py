@@ -45,6 +45,9 @@ class Probe:
     base: int
     #: At an OOM: the peak reached plus the refused request (a lower bound of the peak).
     floor: int | None = None
+    #: Peak allocated bytes (the tensors alone, not the allocator's segments); None where
+    #: not measured or out of memory.
+    allocated: int | None = None
 
 
 def scaled(p: Probe, budget: int) -> int:
@@ -77,6 +80,9 @@ class Search:
         #: No size above this can fit (``upper``, or the room over one sample's input bytes).
         self.ceiling = upper if ceiling is None else ceiling
         self.probes: list[Probe] = []
+        #: A size known not to fit without a probe (the estimate's edge, once a probe
+        #: confirmed the estimate below it), or None.
+        self.edge: int | None = None
 
     @property
     def lo(self) -> int:
@@ -85,8 +91,11 @@ class Search:
 
     @property
     def hi(self) -> int | None:
-        """Smallest size that did not fit (None: none yet)."""
-        return min((p.batch_size for p in self.probes if not p.fits), default=None)
+        """Smallest size that did not fit, or is known not to (None: none yet)."""
+        misses = [p.batch_size for p in self.probes if not p.fits]
+        if self.edge is not None:
+            misses.append(self.edge)
+        return min(misses, default=None)
 
     def at(self, b: int) -> Probe:
         return next(p for p in self.probes if p.batch_size == b)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from vramctl.device import Device
 from vramctl.estimator import Step, max_batch_size
 from vramctl.estimator._shared import Target, resolve_target, run_target
 
-__all__ = ["as_called", "batch_structure", "estimate_request", "predict"]
+__all__ = ["Seed", "as_called", "batch_structure", "estimate_request", "predict"]
 
 
 def batch_structure(batch: Any) -> str:
@@ -201,6 +202,22 @@ def estimate_request(
     return Step.of(options, **defaults), search
 
 
+@dataclass(frozen=True)
+class Seed:
+    """The estimator's answer for a fit: where the search starts and what it knows."""
+
+    #: The largest batch the estimate says fits (None: no estimate).
+    batch_size: int | None = None
+    #: Bytes per sample near it.
+    slope: float | None = None
+    #: Why there is no estimate.
+    note: str | None = None
+    #: The estimate's peak allocated bytes at ``batch_size``, where it found the edge
+    #: (that size fits, one more sample does not) with no range to allow for: a probe at
+    #: ``batch_size`` that allocates that much confirms the edge (None: no such edge).
+    edge_allocated: int | None = None
+
+
 def predict(
     model: torch.nn.Module,
     make_batch: Callable[[int], Any],
@@ -209,13 +226,13 @@ def predict(
     request: Step,
     optimizer: torch.optim.Optimizer | None,
     search: dict[str, Any],
-) -> tuple[int | None, float | None, str | None]:
+) -> Seed:
     """The estimator's answer for ``request`` on the room the fit has, and its per-sample
     slope near it (or a note saying why not)."""
     try:
         where = _estimator_target(device, target, model, optimizer)
         if where is None:
-            return None, None, "no room left for the step: the estimate was skipped"
+            return Seed(note="no room left for the step: the estimate was skipped")
         with device.uncounted():
             # The seed of a search by real steps: the safe end of the estimate's range (see
             # estimate_request), so that the first probe fits and measures a real peak.
@@ -226,11 +243,17 @@ def predict(
                 **search,
             )
     except Exception as exc:
-        return None, None, f"estimate failed ({type(exc).__name__}: {exc}); searched without it"
+        return Seed(note=f"estimate failed ({type(exc).__name__}: {exc}); searched without it")
     points = sorted({b: p for b, p, _ in est.curve}.items())
     slope = est.per_sample
     if est.batch_size > 1:
         near = [(b, p) for b, p in points if b >= est.batch_size / 2]
         if len(near) >= 2 and near[-1][0] - near[0][0] >= 2:
             slope = (near[-1][1] - near[0][1]) / (near[-1][0] - near[0][0])
-    return est.batch_size, (slope if slope > 0 else None), None
+    at = est.estimate
+    edge = (
+        at.peak_allocated
+        if at is not None and est.limit_found and at.device_uncertainty == 0
+        else None
+    )
+    return Seed(est.batch_size, slope if slope > 0 else None, None, edge)

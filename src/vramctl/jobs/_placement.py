@@ -577,9 +577,14 @@ class Fragmentation:
 
     As FGD scores it, the growth ``g`` is compared on ``levels`` steps of
     ``sigmoid(-g / scale)`` (``scale``: one GPU's capacity, the largest in the cluster,
-    where None), so that growths a small share of a GPU apart tie; ties go to the
-    tightest fit (as :class:`BestFit`), then the lowest index. ``levels=None`` compares
-    the growth itself.
+    where None), so that growths a small share of a GPU apart tie. ``levels=None``
+    compares the growth itself.
+
+    ``ties``: ``"order"`` (the default) gives a tie to the first node in the cluster's
+    order, and on it to the lowest GPU: a fixed priority of nodes, as FGD's own simulator
+    breaks them, which keeps filling the same nodes and leaves others whole.
+    ``"tightest"`` gives it to the tightest fit (as :class:`BestFit`), then the node left
+    with the least, then the lowest index.
 
     ``workload``: the typical mix; None learns it from the requests this policy is asked
     to place (each counted every time it is asked, kept or not).
@@ -591,7 +596,11 @@ class Fragmentation:
         *,
         levels: int | None = 100,
         scale: float | None = None,
+        ties: str = "order",
     ) -> None:
+        if ties not in ("order", "tightest"):
+            raise ValueError(f"ties must be 'order' or 'tightest', got {ties!r}")
+        self.ties = ties
         self.workload = workload
         self.levels = levels
         self.scale = scale
@@ -654,5 +663,7 @@ class Fragmentation:
         if self.levels is not None:
             scale = self.scale if self.scale is not None else float(state.capacity.max())
             grow = -torch.floor(self.levels * torch.sigmoid(-grow / scale))
+        if self.ties == "order":
+            return _placement(state, c, _lexmin(grow))
         left = (c.before - request.need).sum(1)
         return _placement(state, c, _lexmin(grow, left, _node_free_after(state, c, request)))

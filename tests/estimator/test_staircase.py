@@ -1,0 +1,126 @@
+"""Estimates on a GPU that replays the caching allocator, and sizes that fit again above an
+edge (the allocator's staircase)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+import vramctl
+from vramctl.estimator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocatorModel
+from vramctl.estimator import estimate as estimate_step
+from vramctl.estimator._maxbatch import _past_edge
+from vramctl.estimator._staircase import larger_fit
+from vramctl.estimator._target import run_target
+from vramctl.estimator._trace import StorageRecord, Trace
+from vramctl.estimator._verdict import replay
+
+MiB = 2**20
+
+
+class Cnn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+            nn.Linear(128, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_a_simulated_gpu_with_an_allocator_model_is_estimated_with_it() -> None:
+    with vramctl.simulate("64MiB", allocator=CachingAllocatorModel()) as gpu:
+        target = run_target(gpu)
+        assert not target.cuda and target.allocator is not None
+        assert target.allocator.capacity is None  # the budget is the estimate's to judge
+    with vramctl.simulate("64MiB") as plain:
+        assert run_target(plain).allocator is None
+
+
+def test_its_reserved_peak_is_the_devices() -> None:
+    """The requests the device's allocator model sees are the trace's less the CPU kernels'
+    scratch (host memory no simulated GPU counts): the replay reserves what it did."""
+    torch.manual_seed(0)
+    with vramctl.simulate("1GiB", allocator=CachingAllocatorModel()) as gpu:
+        model = Cnn()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            out = model(torch.randn(300, 3, 32, 32))
+            out.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out
+        real = gpu.memory()
+        est = estimate_step(
+            model,
+            lambda b: torch.randn(b, 3, 32, 32),
+            batch_size=300,
+            device=run_target(gpu),
+            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        )
+    assert est.peak_reserved == real.peak_reserved
+    assert abs(est.peak_allocated - real.peak_allocated) <= 0.01 * real.peak_allocated
+    assert est.peak_device == est.peak_reserved
+    assert any("caching allocator model" in n for n in est.notes)
+
+
+def _step(b: int) -> Trace:
+    """Three blocks of 100 KiB per sample, live together. Up to 68 samples the three share
+    one 20 MiB segment; from 69 they need two (40 MiB); from 103 each is over 10 MiB and
+    gets a segment of its own, rounded to 2 MiB (36 MiB up to 122 samples)."""
+    records = [StorageRecord(100 * 1024 * b, "", "", "forward") for _ in range(3)]
+    return Trace(events=[0, 1, 2, ~0, ~1, ~2], records=records)
+
+
+def _fits(b: int, capacity: int) -> bool:
+    try:
+        replay(_step(b), capacity, AllocatorConfig())
+    except AllocatorOutOfMemory:
+        return False
+    return True
+
+
+def test_the_largest_size_the_replay_serves_is_found_from_two_traces() -> None:
+    cap = 64 * MiB
+    got = larger_fit(_step(30), _step(31), 30, cap, AllocatorConfig(), ceiling=10_000)
+    assert got is not None and _fits(got, cap) and not _fits(got + 1, cap)
+    assert all(not _fits(b, cap) for b in range(got + 1, got + 40))
+    # traces whose requests differ in number are not extrapolated
+    other = Trace(events=[0, ~0], records=[StorageRecord(MiB, "", "", "forward")])
+    assert larger_fit(_step(30), other, 30, cap, AllocatorConfig(), ceiling=10_000) is None
+
+
+def test_an_edge_below_a_stretch_that_fits_again_is_passed() -> None:
+    """The staircase above within 36 MiB: 68 fits, 69-102 do not, 103-122 fit again. From
+    the first edge the search moves to the second, where a trace confirms it."""
+    cap = 36 * MiB
+    fits = [b for b in range(1, 200) if _fits(b, cap)]
+    assert fits == [*range(1, 69), *range(103, 123)]
+    traced: list[int] = []
+
+    def at(b: int) -> Any:
+        traced.append(b)
+        peak = replay(_step(b), None, AllocatorConfig()).peak_reserved
+        return SimpleNamespace(fits=_fits(b, cap), peak_device=peak, peak_reserved=peak)
+
+    requests = {68: _step(68), 69: _step(69)}
+    assert _past_edge(at, requests, 68, cap, 10_000, AllocatorConfig()) == 122
+    assert traced == [68, 122, 123]  # the edge read, then the traces of 122 and 123
+
+    # where the traces say otherwise, the edge stays
+    def refused(b: int) -> Any:
+        return SimpleNamespace(fits=b <= 68, peak_device=0, peak_reserved=0)
+
+    assert _past_edge(refused, requests, 68, cap, 10_000, AllocatorConfig()) == 68
