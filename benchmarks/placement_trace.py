@@ -13,7 +13,8 @@ appended until the next would pass 130%; that check compares a task's per-GPU mi
 the simulator's does), shuffled, and placed one by one with no departures; a task that
 fits nowhere fails and the next arrives. The nodes are listed in a random order per seed,
 as the simulator's random name prefixes order them (its scheduler gives a tie between
-equal scores to the first name; vramctl's ``Fragmentation`` gives it to the first node).
+equal scores to the first name; ``Fragmentation(ties="order")`` gives it to the first
+node, ``--ties tightest`` runs the class's default, the tightest fit).
 After each task the benchmark records the share of GPU capacity allocated (milli-GPU
 allocated / 1000 x GPUs) against the share that has arrived (milli-GPU asked for by the
 tasks so far, failed ones included), and reports the allocated share at each 1% of
@@ -174,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="Fragmentation's mix includes the tasks with no GPU (as the simulator's does)",
     )
+    ap.add_argument(
+        "--ties",
+        choices=("order", "tightest"),
+        default="order",
+        help="Fragmentation's tie-break: the first node in the (per-seed random) order, as "
+        "the simulator's scheduler breaks ties (default), or the tightest fit (the class's "
+        "default)",
+    )
     args = _common.parse(ap, argv)
     import torch
 
@@ -189,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "BestFit": BestFit,
         "MostFree": MostFree,
         "LeastLoaded": LeastLoaded,
-        "Fragmentation": lambda: Fragmentation(mix),
+        "Fragmentation": lambda: Fragmentation(mix, ties=args.ties),
     }
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
     for seed in seeds:
@@ -212,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": seeds,
         "tasks_per_seed": len(trace),
         "mix": {"popular": args.popular, "no_gpu_jobs": args.no_gpu_jobs},
+        "ties": args.ties,
         "policies": {},
     }
     for name, runs in results.items():

@@ -13,7 +13,7 @@ import vramctl
 from vramctl.estimator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocatorModel
 from vramctl.estimator import estimate as estimate_step
 from vramctl.estimator._maxbatch import _past_edge
-from vramctl.estimator._staircase import larger_fit
+from vramctl.estimator._staircase import Requests, larger_fit
 from vramctl.estimator._target import run_target
 from vramctl.estimator._trace import StorageRecord, Trace
 from vramctl.estimator._verdict import replay
@@ -124,3 +124,33 @@ def test_an_edge_below_a_stretch_that_fits_again_is_passed() -> None:
         return SimpleNamespace(fits=b <= 68, peak_device=0, peak_reserved=0)
 
     assert _past_edge(refused, requests, 68, cap, 10_000, AllocatorConfig()) == 68
+
+
+def test_a_refit_takes_the_bytes_a_real_step_did_not_allocate_as_a_tensor_per_sample() -> None:
+    """The estimate holds a fourth block per sample at its peak (its step keeps the model's
+    output through backward); the real step does not. From the real step's allocated peak
+    at one size, the refit moves the cap by that block and replays the estimate's requests:
+    its answer is the real step's largest. (Where the block the real step lacks shares a
+    20 MiB segment with others, the moved cap can overstate the room: a probe there fails,
+    and the fit's search goes on from it.)"""
+
+    def step(b: int, blocks: int) -> Trace:
+        records = [StorageRecord(200 * 1024 * b, "", "", "forward") for _ in range(blocks)]
+        return Trace(events=[*range(blocks), *(~i for i in range(blocks))], records=records)
+
+    def fits(b: int, cap: int) -> bool:
+        try:
+            replay(step(b, 3), cap, AllocatorConfig())
+        except AllocatorOutOfMemory:
+            return False
+        return True
+
+    cap = 100 * MiB
+    requests = Requests.between(step(60, 4), step(61, 4), 60)
+    assert requests is not None
+    real_at_60 = 3 * 200 * 1024 * 60
+    got = requests.refit(60, real_at_60, 10_000, cap, AllocatorConfig())
+    real_max = max(b for b in range(52, 300) if fits(b, cap))
+    assert got == real_max == 163
+    # the estimate's own requests stop well below
+    assert (requests.largest(60, 10_000, cap, AllocatorConfig()) or 0) < 0.8 * real_max

@@ -445,3 +445,37 @@ def test_an_edge_is_confirmed_only_by_a_fitting_probe_that_allocated_as_predicte
     assert not _edge_confirmed(Probe(100, 210_000_000, True, 0, None, 190_000_000), seed)
     assert not _edge_confirmed(Probe(100, None, False, 0, None, None), seed)
     assert not _edge_confirmed(Probe(100, 210_000_000, True, 0, None, 200_000_000), Seed(100))
+
+
+def test_a_first_probe_that_allocates_less_than_estimated_refits_the_estimate() -> None:
+    """The estimate keeps the model's output through backward; this step does not, so the
+    first probe allocates less than predicted. The second probe is the estimate refitted to
+    it (the difference taken as bytes per sample, the allocator's staircase replayed), and
+    the search ends within 3% of what probing alone finds, in at most three probes."""
+    from vramctl.estimator import CachingAllocatorModel
+
+    def fit_on_fresh_gpu(**kw: Any) -> FitResult:
+        torch.manual_seed(0)
+        with vramctl.simulate("96MiB", allocator=CachingAllocatorModel()) as gpu:
+            # an output of 128 KiB per sample, eight times its hidden layer
+            model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 2048))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+            def step(x: torch.Tensor) -> None:
+                # cross-entropy keeps its log-softmax, not the output (the estimate's
+                # default loss, the mean square, keeps the output)
+                out = model(x).flatten(0, 1)
+                target = torch.zeros(out.shape[0], dtype=torch.long)
+                nn.functional.cross_entropy(out, target).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            return fit_batch_size(
+                step, mlp_batch, device=gpu, model=model, optimizer=opt, cache=False, **kw
+            )
+
+    fit = fit_on_fresh_gpu()
+    assert any("refitted the estimate" in n for n in fit.notes)
+    assert len(fit.probes) <= 3
+    probed = fit_on_fresh_gpu(estimate=False, start=32, max_probes=20, tolerance=0.0)
+    assert fit.batch_size >= 0.97 * probed.batch_size

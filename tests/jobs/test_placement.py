@@ -341,14 +341,14 @@ def test_ledger_restores_what_a_store_recorded() -> None:
 
 
 def test_fragmentation_gives_a_tie_to_the_first_node_or_to_the_tightest_fit() -> None:
-    """Two placements whose fragmentation grows alike: by default the first node in the
-    cluster's order takes the job (a fixed priority, as FGD's simulator breaks ties);
-    with ``ties="tightest"`` the GPU left with the least does."""
+    """Two placements whose fragmentation grows alike: by default the GPU left with the
+    least takes the job; with ``ties="order"`` the first node in the cluster's order does
+    (a fixed priority, as FGD's simulator breaks ties)."""
     s = ClusterState([1, 1], 1000)
     s.allocate(Request(300), Placement(1, (1,)))
     mix = Workload({Request(100): 1})  # every free GPU can host the mix: no growth
     r = Request(100)
-    assert Fragmentation(mix).choose(s, r) == Placement(0, (0,))
-    assert Fragmentation(mix, ties="tightest").choose(s, r) == Placement(1, (1,))
+    assert Fragmentation(mix).choose(s, r) == Placement(1, (1,))
+    assert Fragmentation(mix, ties="order").choose(s, r) == Placement(0, (0,))
     with pytest.raises(ValueError, match="ties"):
         Fragmentation(mix, ties="random")

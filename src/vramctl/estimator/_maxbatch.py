@@ -31,7 +31,7 @@ from vramctl.estimator._request import STEP_FIELDS, Step, step_request
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._session import Session, open_session
 from vramctl.estimator._spec import EstimateError, ModelSource
-from vramctl.estimator._staircase import larger_fit
+from vramctl.estimator._staircase import Requests, larger_fit
 from vramctl.estimator._target import Target
 from vramctl.estimator._timing import Throughput
 from vramctl.estimator._trace import Trace
@@ -89,6 +89,23 @@ class MaxBatch:
     safe: bool = True
     #: What the answer rests on beyond fitting traces (sizes that could not be traced).
     notes: tuple[str, ...] = ()
+    #: The step's requests per sample near the answer, the caching allocator's
+    #: configuration, the bytes it may hold and the largest size searched: what
+    #: :meth:`refit` replays (None without a caching allocator).
+    replayable: tuple[Requests, AllocatorConfig, int, int] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def refit(self, batch_size: int, allocated: int) -> int | None:
+        """The largest batch, once a real step of ``batch_size`` allocated ``allocated``
+        bytes at its peak: each request's per-sample bytes are scaled so that the estimate's
+        live peak there is the one measured, and the larger sizes' requests are replayed
+        through the caching allocator model. None without a caching allocator, or where no
+        larger size fits."""
+        if self.replayable is None:
+            return None
+        requests, config, capacity, ceiling = self.replayable
+        return requests.refit(batch_size, allocated, ceiling, capacity, config)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -295,6 +312,12 @@ def _search(
                 f"{untraceable[best + 1]}"
             )
     result_est = at(best) if best else None
+    replayable = None
+    if allocator is not None and result_est is not None and best + 1 in requests:
+        between = Requests.between(requests[best], requests[best + 1], best)
+        if between is not None:
+            outside = result_est.peak_device - result_est.peak_reserved
+            replayable = (between, allocator, budget - outside, ceiling)
     curve = sorted((b, e.peak_device, e.fits) for (b, n), e in cache.items() if n is None)
     per, base = _affine_near(curve, best) if best else (slope, fixed)
 
@@ -319,6 +342,7 @@ def _search(
         stopped_by=None if found else stop,
         safe=safe,
         notes=tuple(notes),
+        replayable=replayable,
     )
 
 

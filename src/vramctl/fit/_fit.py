@@ -279,6 +279,7 @@ def _fit(
         b: int | None = first
         while b is not None:
             search.probes.append(probe(b))
+            refit: int | None = None
             if b == predicted and _edge_confirmed(search.probes[-1], seed):
                 # The estimate's edge, with its allocations as measured: one more sample
                 # does not fit, as the estimate said.
@@ -287,10 +288,14 @@ def _fit(
                     f"the estimate's edge held: batch {b} allocated what it predicted "
                     f"(within {EDGE_MATCH:.0%}), and {b + 1} does not fit by the estimate"
                 )
+            elif b == predicted and len(search.probes) == 1:
+                refit = _refit(search.probes[-1], seed, search)
+                if refit is not None:
+                    notes.append(f"refitted the estimate to the first probe's allocations: {refit}")
             if search.lo and len(search.probes) - search.misses_before_fit() >= max_probes:
                 notes.append(f"stopped after {max_probes} probes from the first that fitted")
                 break
-            b = search.next()
+            b = refit if refit is not None else search.next()
 
     best = search.lo
     if best == 0:
@@ -335,6 +340,21 @@ def _edge_confirmed(probe: Probe, seed: Seed) -> bool:
     if not probe.fits or probe.allocated is None or not seed.edge_allocated:
         return False
     return abs(probe.allocated - seed.edge_allocated) <= EDGE_MATCH * seed.edge_allocated
+
+
+def _refit(probe: Probe, seed: Seed, search: Search) -> int | None:
+    """After a first probe at the seed that fitted but allocated other than predicted: the
+    estimate's answer with its per-sample bytes scaled to the probe's, where the estimate
+    replays a caching allocator (its staircase is where a line from one probe misses);
+    None where there is none, or it is not above the probe."""
+    if not probe.fits or probe.allocated is None or seed.refit is None:
+        return None
+    got = seed.refit(probe.batch_size, probe.allocated)
+    if got is None or got <= probe.batch_size:
+        return None
+    if search.ceiling is not None:
+        got = min(got, search.ceiling)
+    return got if got > probe.batch_size else None
 
 
 def _trainable(model: torch.nn.Module) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -216,6 +216,10 @@ class Seed:
     #: (that size fits, one more sample does not) with no range to allow for: a probe at
     #: ``batch_size`` that allocates that much confirms the edge (None: no such edge).
     edge_allocated: int | None = None
+    #: ``(batch_size, allocated) -> batch size``: the estimate's answer once a real step
+    #: allocated that much at that size (see :meth:`vramctl.estimator.MaxBatch.refit`);
+    #: None without a caching allocator to replay.
+    refit: Callable[[int, int], int | None] | None = field(default=None, compare=False)
 
 
 def predict(
@@ -256,4 +260,5 @@ def predict(
         if at is not None and est.limit_found and at.device_uncertainty == 0
         else None
     )
-    return Seed(est.batch_size, slope if slope > 0 else None, None, edge)
+    refit = est.refit if est.replayable is not None else None
+    return Seed(est.batch_size, slope if slope > 0 else None, None, edge, refit)

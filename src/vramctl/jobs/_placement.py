@@ -580,11 +580,12 @@ class Fragmentation:
     where None), so that growths a small share of a GPU apart tie. ``levels=None``
     compares the growth itself.
 
-    ``ties``: ``"order"`` (the default) gives a tie to the first node in the cluster's
+    ``ties``: ``"tightest"`` (the default) gives a tie to the tightest fit (as
+    :class:`BestFit`: a small device before a large one), then the node left with the
+    least, then the lowest index. ``"order"`` gives it to the first node in the cluster's
     order, and on it to the lowest GPU: a fixed priority of nodes, as FGD's own simulator
-    breaks them, which keeps filling the same nodes and leaves others whole.
-    ``"tightest"`` gives it to the tightest fit (as :class:`BestFit`), then the node left
-    with the least, then the lowest index.
+    breaks them, which keeps filling the same nodes and leaves others whole (on FGD's
+    trace, with the nodes in a random order, it fills 0.1 points more).
 
     ``workload``: the typical mix; None learns it from the requests this policy is asked
     to place (each counted every time it is asked, kept or not).
@@ -596,7 +597,7 @@ class Fragmentation:
         *,
         levels: int | None = 100,
         scale: float | None = None,
-        ties: str = "order",
+        ties: str = "tightest",
     ) -> None:
         if ties not in ("order", "tightest"):
             raise ValueError(f"ties must be 'order' or 'tightest', got {ties!r}")
