@@ -7,9 +7,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch import nn
 
 import vramctl
+from tests.fit.models import SmallCnn
 from vramctl.estimator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocatorModel
 from vramctl.estimator import estimate as estimate_step
 from vramctl.estimator._maxbatch import _past_edge
@@ -19,25 +19,6 @@ from vramctl.estimator._trace import StorageRecord, Trace
 from vramctl.estimator._verdict import replay
 
 MiB = 2**20
-
-
-class Cnn(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1),
-            nn.BatchNorm2d(16),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(2),
-            nn.Flatten(),
-            nn.Linear(128, 10),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
 
 
 def test_a_simulated_gpu_with_an_allocator_model_is_estimated_with_it() -> None:
@@ -54,7 +35,7 @@ def test_its_reserved_peak_is_the_devices() -> None:
     scratch (host memory no simulated GPU counts): the replay reserves what it did."""
     torch.manual_seed(0)
     with vramctl.simulate("1GiB", allocator=CachingAllocatorModel()) as gpu:
-        model = Cnn()
+        model = SmallCnn()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             out = model(torch.randn(300, 3, 32, 32))
