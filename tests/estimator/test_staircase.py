@@ -13,7 +13,7 @@ from tests.fit.models import SmallCnn
 from vramctl.estimator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocatorModel
 from vramctl.estimator import estimate as estimate_step
 from vramctl.estimator._maxbatch import _past_edge
-from vramctl.estimator._staircase import Requests, larger_fit
+from vramctl.estimator._staircase import Requests
 from vramctl.estimator._target import run_target
 from vramctl.estimator._trace import StorageRecord, Trace
 from vramctl.estimator._verdict import replay
@@ -75,12 +75,14 @@ def _fits(b: int, capacity: int) -> bool:
 
 def test_the_largest_size_the_replay_serves_is_found_from_two_traces() -> None:
     cap = 64 * MiB
-    got = larger_fit(_step(30), _step(31), 30, cap, AllocatorConfig(), ceiling=10_000)
+    requests = Requests.between(_step(30), _step(31), 30)
+    assert requests is not None
+    got = requests.largest(30, 10_000, cap, AllocatorConfig())
     assert got is not None and _fits(got, cap) and not _fits(got + 1, cap)
     assert all(not _fits(b, cap) for b in range(got + 1, got + 40))
     # traces whose requests differ in number are not extrapolated
     other = Trace(events=[0, ~0], records=[StorageRecord(MiB, "", "", "forward")])
-    assert larger_fit(_step(30), other, 30, cap, AllocatorConfig(), ceiling=10_000) is None
+    assert Requests.between(_step(30), other, 30) is None
 
 
 def test_an_edge_below_a_stretch_that_fits_again_is_passed() -> None:

@@ -31,7 +31,7 @@ from vramctl.estimator._request import STEP_FIELDS, Step, step_request
 from vramctl.estimator._result import Estimate
 from vramctl.estimator._session import Session, open_session
 from vramctl.estimator._spec import EstimateError, ModelSource
-from vramctl.estimator._staircase import Requests, larger_fit
+from vramctl.estimator._staircase import Requests
 from vramctl.estimator._target import Target
 from vramctl.estimator._timing import Throughput
 from vramctl.estimator._trace import Trace
@@ -359,9 +359,8 @@ def _past_edge(
     else ``best``."""
     est = at(best)
     outside = est.peak_device - est.peak_reserved  # the CUDA context: not the allocator's
-    found = larger_fit(
-        requests[best], requests[best + 1], best, budget - outside, allocator, ceiling
-    )
+    between = Requests.between(requests[best], requests[best + 1], best)
+    found = None if between is None else between.largest(best, ceiling, budget - outside, allocator)
     if found is None:
         return best
     try:

@@ -16,7 +16,7 @@ replay fits is returned for a trace to confirm.
 ...     r = [StorageRecord(n, "", "", "forward") for n in (2**20, 300 * 2**10 * b, 300 * 2**10 * b)]
 ...     return Trace(events=[0, 1, 2, ~1, ~2], records=r)
 >>> from vramctl.estimator._allocator import AllocatorConfig
->>> larger_fit(step(30), step(31), 30, 64 * 2**20, AllocatorConfig(), ceiling=500)
+>>> Requests.between(step(30), step(31), 30).largest(30, 500, 64 * 2**20, AllocatorConfig())
 102
 
 At 102 samples each block is 29.9 MiB, a 30 MiB segment (the allocator rounds a large
@@ -33,7 +33,7 @@ from vramctl.estimator._allocator import AllocatorConfig, AllocatorOutOfMemory
 from vramctl.estimator._trace import Trace
 from vramctl.estimator._verdict import replay
 
-__all__ = ["MAX_REPLAYS", "Requests", "larger_fit"]
+__all__ = ["MAX_REPLAYS", "Requests"]
 
 #: The most sizes replayed in one search (a step of a large model has many requests:
 #: the count is cut so that the replays stay a fraction of a trace's time).
@@ -125,19 +125,3 @@ class Requests:
         traced, under a cap moved by that tensor. None where no size above ``b + 1`` fits."""
         spare = (self.live_peak(b) - allocated) / b
         return self.largest(b, ceiling, capacity, config, spare=spare)
-
-
-def larger_fit(
-    at_b: Trace,
-    at_next: Trace,
-    b: int,
-    capacity: int,
-    config: AllocatorConfig,
-    ceiling: int,
-) -> int | None:
-    """The largest size above ``b + 1`` (to ``ceiling``) whose requests, extrapolated from
-    ``at_b`` and ``at_next`` (traces of ``b`` and ``b + 1`` samples), the allocator model
-    capped at ``capacity`` can serve; None where none can, or where the traces' requests
-    differ in number, order or sign of growth."""
-    requests = Requests.between(at_b, at_next, b)
-    return None if requests is None else requests.largest(b, ceiling, capacity, config)

@@ -97,19 +97,10 @@ def build_estimate(
             )
         for end in (False, True):  # the point estimate, the safe end
             extra = context + (uncertainty if end else 0)
-            fits[end] = reserved + extra <= budget
-            if not fits[end] and budget > extra:
-                try:
-                    tight = replay(trace, budget - extra, allocator_config)
-                except AllocatorOutOfMemory:
-                    pass
-                else:
-                    fits[end], retries[end] = True, tight.alloc_retries
-        if retries[safe]:
-            notes.append(
-                f"fits only because the allocator frees its cache {retries[safe]} "
-                "time(s) (alloc retries slow a step)"
+            fits[end], retries[end] = _fits_capped(
+                trace, reserved, budget - extra, allocator_config
             )
+        notes.extend(_retries_note(retries[safe]))
         by_cat["allocator"] = reserved - logical
         by_cat["context"] = context
         peak_device = reserved + context
@@ -152,13 +143,11 @@ def build_estimate(
         alloc = replay(seen, None, config)
         allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
         peak_device = reserved
-        fits[False] = fits[True] = _fits_capped(seen, reserved, budget, config, retries)
+        fit, retried = _fits_capped(seen, reserved, budget, config)
+        fits = dict.fromkeys((False, True), fit)
+        retries = dict.fromkeys((False, True), retried)
         by_cat["allocator"] = reserved - logical
-        if retries[safe]:
-            notes.append(
-                f"fits only because the allocator frees its cache {retries[safe]} "
-                "time(s) (alloc retries slow a step)"
-            )
+        notes.extend(_retries_note(retried))
         notes.append(
             "simulated GPU with a caching allocator model: its segments counted, no CUDA "
             "context or workspace"
@@ -334,23 +323,29 @@ def device_trace(traced: Traced, target: Target) -> Trace:
 
 
 def _fits_capped(
-    trace: Trace,
-    reserved: int,
-    budget: int,
-    config: AllocatorConfig | None,
-    retries: dict[bool, int],
-) -> bool:
-    """Whether a step whose unbounded replay reserves ``reserved`` fits ``budget``: at once,
-    or once the allocator, capped there, gives its cache back and retries (``retries``
-    gets how many times, at both ends)."""
-    if reserved <= budget:
-        return True
+    trace: Trace, reserved: int, room: int, config: AllocatorConfig | None
+) -> tuple[bool, int]:
+    """Whether a step whose unbounded replay reserves ``reserved`` fits the allocator's
+    ``room``: at once, or once the allocator, capped there, gives its cache back and
+    retries; and how many times it retried."""
+    if reserved <= room:
+        return True, 0
+    if room <= 0:
+        return False, 0
     try:
-        tight = replay(trace, budget, config)
+        tight = replay(trace, room, config)
     except AllocatorOutOfMemory:
-        return False
-    retries[False] = retries[True] = tight.alloc_retries
-    return True
+        return False, 0
+    return True, tight.alloc_retries
+
+
+def _retries_note(retries: int) -> list[str]:
+    if not retries:
+        return []
+    return [
+        f"fits only because the allocator frees its cache {retries} time(s) "
+        "(alloc retries slow a step)"
+    ]
 
 
 def _tf32_capable(target: Target) -> bool:

@@ -350,11 +350,9 @@ def _refit(probe: Probe, seed: Seed, search: Search) -> int | None:
     if not probe.fits or probe.allocated is None or seed.refit is None:
         return None
     got = seed.refit(probe.batch_size, probe.allocated)
-    if got is None or got <= probe.batch_size:
-        return None
-    if search.ceiling is not None:
+    if got is not None and search.ceiling is not None:
         got = min(got, search.ceiling)
-    return got if got > probe.batch_size else None
+    return got if got is not None and got > probe.batch_size else None
 
 
 def _trainable(model: torch.nn.Module) -> bool:
