@@ -137,3 +137,112 @@ def test_a_refit_takes_the_bytes_a_real_step_did_not_allocate_as_a_tensor_per_sa
     assert got == real_max == 163
     # the estimate's own requests stop well below
     assert (requests.largest(60, 10_000, cap, AllocatorConfig()) or 0) < 0.8 * real_max
+
+
+def _token_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 1024),
+        torch.nn.GELU(),
+        torch.nn.Linear(1024, 256),
+        torch.nn.GELU(),
+        torch.nn.Linear(256, 10),
+    )
+
+
+def _loop(model: torch.nn.Module, b: int, steps: int, *, keep_output: bool = True) -> int | None:
+    """The step at which a training loop of ``b`` samples a step (a new batch each) runs
+    out of memory, or None."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for i in range(1, steps + 1):
+        try:
+            x = torch.randn(b, 16, 64)
+            out = model(x)
+            loss = out.float().square().mean() if keep_output else model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out, loss, x
+        except torch.OutOfMemoryError:
+            return i
+    return None
+
+
+def test_a_size_whose_second_step_runs_out_of_memory_does_not_fit() -> None:
+    """The first step of a loop takes its segments from an empty cache; the second is served
+    from the blocks the first left cached, and splits them: at 1850 samples this MLP's
+    second step needs a segment the cap has no room for, though its first step fitted. The
+    estimate replays the loop's steps, not one, and says so; at 1824 the loop runs."""
+    budget = int(0.9 * 512 * MiB)
+
+    def estimated(b: int) -> Any:
+        with vramctl.simulate(budget, allocator=CachingAllocatorModel()) as gpu:
+            return estimate_step(
+                _token_mlp(),
+                lambda n: torch.randn(n, 16, 64),
+                batch_size=b,
+                device=run_target(gpu),
+                target_utilization=1.0,
+                optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+            )
+
+    def real(b: int) -> int | None:
+        with vramctl.simulate(budget, allocator=CachingAllocatorModel()):
+            return _loop(_token_mlp(), b, 4)
+
+    assert real(1850) == 2
+    assert not estimated(1850).fits
+    assert real(1824) is None
+    assert estimated(1824).fits
+
+
+def test_a_loop_that_lets_go_of_the_output_before_backward_is_estimated_as_one() -> None:
+    """``keep_output=False`` prices a loop whose step returns the loss alone (Lightning's,
+    the Hugging Face Trainer's): the model's output is let go before backward, so only
+    what the loss saved stays. Its allocations are the device's to the byte, and they are
+    not the held output's."""
+
+    def built() -> torch.nn.Module:  # on the device, as the estimate counts it
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 2048)
+        )
+
+    def loss_fn(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # cross-entropy saves its log-softmax, not the output
+        return torch.nn.functional.cross_entropy(
+            out.flatten(0, 1), torch.zeros(out.shape[0] * out.shape[1], dtype=torch.long)
+        )
+
+    def real(keep: bool) -> int:
+        with vramctl.simulate("1GiB", allocator=CachingAllocatorModel()) as gpu:
+            model = built()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            for _ in range(2):
+                x = torch.randn(64, 16, 64)
+                out = model(x)
+                loss = loss_fn(out, x)
+                if not keep:
+                    del out
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                del loss, x
+            return int(gpu.memory().peak_allocated)
+
+    def estimated(keep: bool) -> int:
+        with vramctl.simulate("1GiB", allocator=CachingAllocatorModel()) as gpu:
+            return estimate_step(
+                built(),
+                lambda n: torch.randn(n, 16, 64),
+                batch_size=64,
+                device=run_target(gpu),
+                optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+                loss_fn=loss_fn,
+                keep_output=keep,
+            ).peak_allocated
+
+    held, let_go = real(True), real(False)
+    assert let_go < held - 64 * 16 * 2048 * 4 // 2  # most of the output's 8 MiB
+    assert estimated(True) == held
+    assert estimated(False) == let_go

@@ -362,10 +362,15 @@ def test_the_seed_is_judged_at_the_safe_end_unless_the_caller_says_otherwise() -
     model = TokenMlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = train_step(model, opt)
-    request, _ = estimate_request(None, step, "train", opt)
+    request, _, readings = estimate_request(None, step, "train", opt)
     assert request.safe is True
-    request, _ = estimate_request({"safe": False}, step, "train", opt)
+    assert readings == (True, False)  # the loop's hold on the output: both, unless said
+    request, _, readings = estimate_request({"safe": False}, step, "train", opt)
     assert request.safe is False
+    _, _, readings = estimate_request({"keep_output": False}, step, "train", opt)
+    assert readings == (False,)
+    _, _, readings = estimate_request(None, step, "infer", None)
+    assert readings == (True,)
 
 
 def test_on_a_gpu_that_replays_the_caching_allocator_the_answer_runs_under_its_cap() -> None:
@@ -435,16 +440,35 @@ def test_a_probe_that_allocates_what_the_estimate_said_confirms_its_edge() -> No
     assert fresh(fit.batch_size) and not fresh(fit.batch_size + 1)
 
 
-def test_an_edge_is_confirmed_only_by_a_fitting_probe_that_allocated_as_predicted() -> None:
-    from vramctl.fit._fit import _edge_confirmed
-    from vramctl.fit._search import Probe
-    from vramctl.fit._seed import Seed
+def test_a_probe_follows_the_reading_of_the_loop_whose_allocations_it_matched() -> None:
+    """Two readings of the loop (holding the model's output through backward, or not):
+    a probe that allocated as one predicted (within 1%) confirms that reading's edge at its
+    answer, or goes on to its answer from below it; one that matches neither, and a probe
+    that failed, are not followed."""
+    from vramctl.fit._fit import _follow
+    from vramctl.fit._search import Probe, Search
+    from vramctl.fit._seed import Reading, Seed
 
-    seed = Seed(100, 1e6, None, edge_allocated=200_000_000)
-    assert _edge_confirmed(Probe(100, 210_000_000, True, 0, None, 201_000_000), seed)
-    assert not _edge_confirmed(Probe(100, 210_000_000, True, 0, None, 190_000_000), seed)
-    assert not _edge_confirmed(Probe(100, None, False, 0, None, None), seed)
-    assert not _edge_confirmed(Probe(100, 210_000_000, True, 0, None, 200_000_000), Seed(100))
+    holds = Reading(True, 100, 200_000_000, allocated_at={100: 200_000_000}.get)
+    lets_go = Reading(False, 120, 230_000_000, None, {100: 190_000_000, 120: 230_000_000}.get)
+    seed = Seed(100, 1e6, None, (holds, lets_go))
+
+    def follow(*probes: tuple[int, int | None]) -> tuple[int | None, int | None, list[str]]:
+        search = Search(10**9, None, 1e6, 0.01, None)
+        for b, allocated in probes:
+            fits = allocated is not None
+            search.probes.append(Probe(b, 250_000_000 if fits else None, fits, 0, None, allocated))
+        notes: list[str] = []
+        return _follow(search, seed, notes), search.edge, notes
+
+    got, edge, notes = follow((100, 201_000_000))
+    assert (got, edge) == (None, 101) and "holds the model's output" in notes[0]
+    got, edge, notes = follow((100, 190_500_000))
+    assert (got, edge) == (120, None) and "lets go of the model's output" in notes[0]
+    got, edge, _ = follow((100, 190_500_000), (120, 229_000_000))
+    assert (got, edge) == (None, 121)
+    assert follow((100, 150_000_000))[:2] == (None, None)  # no refit to fall back on
+    assert follow((100, None))[:2] == (None, None)
 
 
 def test_a_first_probe_that_allocates_less_than_estimated_refits_the_estimate() -> None:

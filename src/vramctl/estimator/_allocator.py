@@ -290,6 +290,14 @@ class CachingAllocatorModel:
             )
         return out
 
+    def layout(self) -> tuple[tuple[str, int, tuple[tuple[int, int], ...]], ...]:
+        """The segments' pools, sizes and blocks in address order, without the addresses:
+        equal layouts serve the same requests the same way."""
+        return tuple(
+            (pool, size, tuple((b, a) for b, a in blocks))
+            for _addr, size, _stream, pool, blocks in self.segments_state()
+        )
+
     def seed(self, segments: list[list[Any]]) -> dict[int, int]:
         """Start from existing segments (as :meth:`segments_state` gives them, or a snapshot's).
 

@@ -55,6 +55,7 @@ def estimate(
     offload_activations: bool = False,
     offload_optimizer: bool = False,
     grad_accumulation: bool = False,
+    keep_output: bool = True,
     parallel: Parallel | str | None = None,
     tf32: bool | None = None,
     throughput: Throughput | None = None,
@@ -101,7 +102,15 @@ def estimate(
     copied to the host and the parameters back each step, the step at the host CPU's rate.
     ``grad_accumulation=True`` prices a micro-batch of gradient accumulation after the
     first: the gradients are already there through forward and backward, which add into
-    them.
+    them. ``keep_output=False`` prices a loop that lets go of the model's output before
+    backward (Lightning's, the Hugging Face Trainer's: the step returns the loss alone);
+    by default the output is held until backward is done, as ``out = model(x);
+    loss = f(out); loss.backward()`` holds it.
+
+    The caching allocator is replayed over the steps of a loop, not one: the blocks a step
+    frees stay cached and split, and the next step is served from them, until the
+    allocator's layout after a step repeats. The peaks are the loop's, and so is
+    ``fits``: a size whose first step fits and whose second does not, does not fit.
 
     ``parallel`` estimates one rank of a distributed step (a :class:`Parallel`, or its
     text such as ``"fsdp:8"``): DDP, FSDP2, ZeRO stages 1 to 3 or tensor parallel over

@@ -185,6 +185,7 @@ def max_batch_size(
     offload_activations: bool = False,
     offload_optimizer: bool = False,
     grad_accumulation: bool = False,
+    keep_output: bool = True,
     parallel: Parallel | str | None = None,
     tf32: bool | None = None,
     throughput: Throughput | None = None,

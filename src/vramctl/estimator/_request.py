@@ -55,6 +55,11 @@ class Step:
     offload_activations: bool = False
     offload_optimizer: bool = False
     grad_accumulation: bool = False
+    #: Training: the loop holds the model's output until backward is done
+    #: (``out = model(x); loss = f(out); loss.backward()``). False: it lets go of it first,
+    #: as Lightning's and the Hugging Face Trainer's loops do (the step returns the loss
+    #: alone), so of the output only what the loss saved for backward stays.
+    keep_output: bool = True
     parallel: Parallel | str | None = None
     #: fp32 matrix multiplies on a GPU's TF32 tensor cores (its time; memory is the same).
     #: None: as this process is set (``torch.backends.cuda.matmul.allow_tf32``, or a

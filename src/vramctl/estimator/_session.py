@@ -298,6 +298,7 @@ def open_session(model: ModelSource, step: Step, rates: Rates) -> Session:
         offload_activations=step.offload_activations,
         offload_optimizer=step.offload_optimizer,
         grad_accumulation=step.grad_accumulation,
+        keep_output=step.keep_output,
         max_new_tokens=step.max_new_tokens or 0,
         cache=step.cache,
         kv_dtype=step.kv_dtype,

@@ -87,6 +87,8 @@ class StepSpec:
     #: A micro-batch of gradient accumulation: the gradients of the earlier micro-batches
     #: are held through this one's forward and backward, which add into them.
     grad_accumulation: bool = False
+    #: The loop holds the model's output through backward (False: only the loss does).
+    keep_output: bool = True
     #: mode="generate": the tokens generated after the prompt, and the cache class.
     max_new_tokens: int = 0
     cache: str = "dynamic"
@@ -242,6 +244,8 @@ def run_step(
     if loss is None:
         del out
         return
+    if not spec.keep_output:
+        out = None
     phase("backward")
     loss.backward()
     del out, loss

@@ -104,7 +104,13 @@ class Requests:
 
         def fits(b: int) -> bool:
             try:
-                replay(self.trace, capacity + int(spare * b), config, self.sizes(b, scale))
+                replay(
+                    self.trace,
+                    capacity + int(spare * b),
+                    config,
+                    self.sizes(b, scale),
+                    steady=True,
+                )
             except AllocatorOutOfMemory:
                 return False
             return True

@@ -299,6 +299,8 @@ def _train(
     with spec.forward_context(), _saved_on_host(tracer, spec.offload_activations):
         out = call_model(session.model, batch)
         loss = spec.loss(out, batch)
+    if not spec.keep_output:
+        out = None  # the loop returns the loss alone: autograd holds what backward needs
     phase("backward")
     tracer.module = "loss"
     loss.backward()

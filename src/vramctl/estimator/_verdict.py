@@ -29,6 +29,8 @@ __all__ = ["NCCL_UNCERTAINTY", "Judged", "build_estimate"]
 
 #: What NCCL's communicator buffers may add on a GPU, outside PyTorch's allocator.
 NCCL_UNCERTAINTY = 1 << 30
+#: The most steps a steady replay takes (:func:`replay`); a loop's layout repeats sooner.
+STEADY_STEPS = 8
 
 
 class Judged(Opened, Protocol):
@@ -79,7 +81,7 @@ def build_estimate(
         consts = target.constants
         context = consts.context_bytes + (consts.cudnn_context_bytes if traced.convolutions else 0)
         allocator_config = allocator_of(target, allocator_config)
-        alloc = replay(trace, None, allocator_config)
+        alloc = replay(trace, None, allocator_config, steady=True)
         allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
         cal = target.calibration
         same_gpu = cal is not None and measured_on(cal, target.name)
@@ -140,8 +142,9 @@ def build_estimate(
         # segments are the device's used memory; no context or workspace.
         seen = device_trace(traced, target)
         config = allocator_of(target, allocator_config)
-        alloc = replay(seen, None, config)
-        allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
+        alloc = replay(seen, None, config, steady=True)
+        # The device counts its live storages' bytes as allocated (not the blocks').
+        allocated, reserved = alloc.peak_requested, alloc.peak_reserved
         peak_device = reserved
         fit, retried = _fits_capped(seen, reserved, budget, config)
         fits = dict.fromkeys((False, True), fit)
@@ -270,24 +273,46 @@ def replay(
     capacity: int | None,
     config: AllocatorConfig | None,
     sizes: list[int] | None = None,
+    *,
+    steady: bool = False,
 ) -> CachingAllocatorModel:
     """``trace``'s requests through the caching allocator model (``capacity``: its cap,
     above which it gives its cache back and retries, then raises
     :class:`~vramctl.estimator.AllocatorOutOfMemory`); ``sizes``: each storage's bytes
-    in place of its record's."""
+    in place of its record's.
+
+    ``steady``: the step is taken again, as a loop takes it, until the allocator's layout
+    after a step repeats (at most :data:`STEADY_STEPS` steps): a step's storages that it
+    frees (its inputs, activations, gradients and temporaries) are requested anew, from
+    the blocks the steps before it left cached and split. A second step can need a
+    segment the first did not, or fail under a cap the first fitted."""
     cfg = config or AllocatorConfig()
     if capacity is not None:
         cfg = AllocatorConfig(**{**cfg.__dict__, "capacity": capacity})
     alloc = CachingAllocatorModel(cfg)
-    handles: dict[int, int] = {}
     nbytes = sizes if sizes is not None else [r.nbytes for r in trace.records]
-    for e in trace.events:
-        if e >= 0:
-            handles[e] = alloc.malloc(nbytes[e])
-        else:
-            h = handles.pop(~e, None)
-            if h is not None:
-                alloc.free(h)
+
+    def run(events: list[int]) -> None:
+        handles: dict[int, int] = {}
+        for e in events:
+            if e >= 0:
+                handles[e] = alloc.malloc(nbytes[e])
+            else:
+                h = handles.pop(~e, None)
+                if h is not None:
+                    alloc.free(h)
+
+    run(trace.events)
+    if steady:
+        freed = {~e for e in trace.events if e < 0}
+        again = [e for e in trace.events if (e if e >= 0 else ~e) in freed]
+        layout = alloc.layout()
+        for _ in range(STEADY_STEPS - 1):
+            run(again)
+            after = alloc.layout()
+            if after == layout:
+                break
+            layout = after
     return alloc
 
 
@@ -333,7 +358,7 @@ def _fits_capped(
     if room <= 0:
         return False, 0
     try:
-        tight = replay(trace, room, config)
+        tight = replay(trace, room, config, steady=True)
     except AllocatorOutOfMemory:
         return False, 0
     return True, tight.alloc_retries

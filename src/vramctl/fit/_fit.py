@@ -51,8 +51,8 @@ from vramctl.estimator import Step
 from vramctl.fit import _cache
 from vramctl.fit._probe import Prober, preserved, rng_kept
 from vramctl.fit._result import FitError, FitResult
-from vramctl.fit._search import Probe, Search
-from vramctl.fit._seed import Seed, as_called, batch_structure, estimate_request, predict
+from vramctl.fit._search import Search
+from vramctl.fit._seed import Reading, Seed, as_called, batch_structure, estimate_request, predict
 from vramctl.guard import is_oom
 
 __all__ = ["DEFAULT_START", "MAX_PROBES", "TOLERANCE", "fit_batch_size"]
@@ -120,8 +120,9 @@ def fit_batch_size(
     state: they are copied before probing (to host memory; on a simulated GPU
     inside ``device.uncounted()``, so the copies take none of its budget) and put
     back afterwards, with the train/eval flags and the random number generators.
-    Gradients are set to None. Each probe runs ``steps_per_probe`` steps on one
-    batch (the first step also makes the optimizer's state) and fits when its
+    Gradients are set to None. Each probe runs ``steps_per_probe`` steps, each on a
+    new batch as a training loop takes them (the first step also makes the optimizer's
+    state), and fits when its
     peak device-level used bytes stay within ``target * total`` with no
     out-of-memory error (one the step caught itself counts too).
 
@@ -141,8 +142,11 @@ def fit_batch_size(
     mapping of its fields (``precision``, ``loss_fn`` ...) and of ``max_batch_size``'s
     own arguments (``seq_len`` ...). The fit fills in, where the options say nothing
     (see :meth:`vramctl.Step.of`), the mode and optimizer it found, its step's
-    ``loss_fn`` attribute and ``safe=False`` (the point estimate: the probes settle the
-    rest); the device and target are always the fit's.
+    ``loss_fn`` attribute and ``safe=True`` (the safe end of a GPU's range, so that the
+    first probe fits and measures); the device and target are always the fit's. A fit
+    cannot see whether its step holds the model's output through backward: unless
+    ``keep_output`` is given, a training step is estimated both ways, the first probe
+    goes to the smaller answer, and what it allocates tells which the step is.
 
     On a simulated GPU, call it inside the device's ``with`` block.
     """
@@ -251,7 +255,9 @@ def _fit(
         run_mode = mode or (
             "train" if optimizer is not None or (model.training and _trainable(model)) else "infer"
         )
-        request, search_args = estimate_request(estimate_options, step, run_mode, optimizer)
+        request, search_args, readings = estimate_request(
+            estimate_options, step, run_mode, optimizer
+        )
         if ceiling is not None and ceiling >= 1:
             search_args.setdefault("limit", ceiling)
         seed = predict(
@@ -262,6 +268,7 @@ def _fit(
             request,
             optimizer,
             search_args,
+            readings,
         )
         if seed.note:
             notes.append(seed.note)
@@ -277,25 +284,19 @@ def _fit(
         for owner in owners:
             owner.zero_grad(set_to_none=True)
         b: int | None = first
+        # The sizes the estimate advised: a probe at one is read against it.
+        advised = {first} if predicted else set()
         while b is not None:
             search.probes.append(probe(b))
-            refit: int | None = None
-            if b == predicted and _edge_confirmed(search.probes[-1], seed):
-                # The estimate's edge, with its allocations as measured: one more sample
-                # does not fit, as the estimate said.
-                search.edge = b + 1
-                notes.append(
-                    f"the estimate's edge held: batch {b} allocated what it predicted "
-                    f"(within {EDGE_MATCH:.0%}), and {b + 1} does not fit by the estimate"
-                )
-            elif b == predicted and len(search.probes) == 1:
-                refit = _refit(search.probes[-1], seed, search)
-                if refit is not None:
-                    notes.append(f"refitted the estimate to the first probe's allocations: {refit}")
+            following: int | None = None
+            if b in advised:
+                following = _follow(search, seed, notes)
+                if following is not None:
+                    advised.add(following)
             if search.lo and len(search.probes) - search.misses_before_fit() >= max_probes:
                 notes.append(f"stopped after {max_probes} probes from the first that fitted")
                 break
-            b = refit if refit is not None else search.next()
+            b = following if following is not None else search.next()
 
     best = search.lo
     if best == 0:
@@ -335,24 +336,61 @@ def _nothing_fits(search: Search, dev: Device, budget: int, target: float) -> st
     )
 
 
-def _edge_confirmed(probe: Probe, seed: Seed) -> bool:
-    """Whether ``probe`` (at the seed) fitted and allocated what the estimate predicted."""
-    if not probe.fits or probe.allocated is None or not seed.edge_allocated:
-        return False
-    return abs(probe.allocated - seed.edge_allocated) <= EDGE_MATCH * seed.edge_allocated
+def _follow(search: Search, seed: Seed, notes: list[str]) -> int | None:
+    """After a probe at a size the estimate advised: the next size it advises, or None.
 
-
-def _refit(probe: Probe, seed: Seed, search: Search) -> int | None:
-    """After a first probe at the seed that fitted but allocated other than predicted: the
-    estimate's answer with its per-sample bytes scaled to the probe's, where the estimate
-    replays a caching allocator (its staircase is where a line from one probe misses);
-    None where there is none, or it is not above the probe."""
-    if not probe.fits or probe.allocated is None or seed.refit is None:
+    A probe that fitted and allocated what one reading of the loop predicted (within
+    :data:`EDGE_MATCH`) says the step is that loop. At that reading's answer, where the
+    estimate found the edge with no range, it confirms the edge: one more sample does not
+    fit, and the search ends. Below it, the reading's answer is next (refitted to the
+    probe where the answer was the safe end of a range). A first probe that allocated
+    what no reading predicted refits the nearest one to its allocations."""
+    probe = search.probes[-1]
+    b = probe.batch_size
+    if not probe.fits or probe.allocated is None or not seed.readings:
         return None
-    got = seed.refit(probe.batch_size, probe.allocated)
+    reading = seed.matching(b, probe.allocated, EDGE_MATCH)
+    if reading is not None:
+        if reading.batch_size == b and reading.edge_allocated is not None:
+            search.edge = b + 1
+            notes.append(
+                f"the estimate's edge held: batch {b} allocated what it predicted for "
+                f"{reading.describe()} (within {EDGE_MATCH:.0%}), and {b + 1} does not fit by it"
+            )
+            return None
+        if reading.batch_size > b and reading.edge_allocated is not None:
+            got: int | None = reading.batch_size
+        else:
+            got = reading.refit(b, probe.allocated) if reading.refit is not None else None
+        got = _below_ceiling(got, search, b)
+        if got is not None:
+            notes.append(
+                f"batch {b} allocated what the estimate predicted for {reading.describe()}; "
+                f"its answer is {got}"
+            )
+        return got
+    if len(search.probes) > 1:
+        return None
+    allocated = probe.allocated
+
+    def off(r: Reading) -> float:
+        predicted = r.allocated_at(b) if r.allocated_at is not None else None
+        return abs(predicted - allocated) if predicted else float("inf")
+
+    nearest = min(seed.readings, key=off)
+    if nearest.refit is None:
+        return None
+    got = _below_ceiling(nearest.refit(b, probe.allocated), search, b)
+    if got is not None:
+        notes.append(f"refitted the estimate to the first probe's allocations: {got}")
+    return got
+
+
+def _below_ceiling(got: int | None, search: Search, b: int) -> int | None:
+    """``got``, no higher than the search's ceiling; None where that is not above ``b``."""
     if got is not None and search.ceiling is not None:
         got = min(got, search.ceiling)
-    return got if got is not None and got > probe.batch_size else None
+    return got if got is not None and got > b else None
 
 
 def _trainable(model: torch.nn.Module) -> bool:

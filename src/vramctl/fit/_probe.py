@@ -1,6 +1,6 @@
 """Running one real probe, and keeping the model's state safe while probes run.
 
-A probe builds one batch, runs ``step`` on it a few times under a
+A probe runs ``step`` a few times, each on a batch of its own, under a
 :meth:`Device.peak_meter <vramctl.Device.peak_meter>`, and reports the peak device-level used bytes,
 or an out-of-memory error. What a failed probe held is freed outside the
 ``except`` block (its frames are cleared first), so nothing it made is alive
@@ -44,15 +44,19 @@ class _BatchError(Exception):
 
 
 def _run(step: Callable[[Any], Any], make_batch: Callable[[int], Any], b: int, n: int) -> None:
-    """One probe's work in its own frame, so that nothing it made outlives it."""
-    try:
-        batch = make_batch(b)
-    except Exception as exc:
-        if is_oom(exc):
-            raise
-        raise _BatchError(f"make_batch({b}) failed: {type(exc).__name__}: {exc}") from exc
+    """One probe's work in its own frame, so that nothing it made outlives it: ``n`` steps,
+    each on a batch of its own made after the last one was let go, as a training loop
+    takes them. (Steps on one batch can fit where a loop's do not: the caching allocator
+    serves each new batch from the blocks the steps before it left cached and split.)"""
     for _ in range(n):
+        try:
+            batch = make_batch(b)
+        except Exception as exc:
+            if is_oom(exc):
+                raise
+            raise _BatchError(f"make_batch({b}) failed: {type(exc).__name__}: {exc}") from exc
         step(batch)
+        del batch
 
 
 def _settle(device: Device) -> None:

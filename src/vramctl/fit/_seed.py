@@ -25,10 +25,10 @@ import torch
 
 from vramctl._step import call_model
 from vramctl.device import Device
-from vramctl.estimator import Step, max_batch_size
+from vramctl.estimator import MaxBatch, Step, estimate, max_batch_size
 from vramctl.estimator._shared import Target, resolve_target, run_target
 
-__all__ = ["Seed", "as_called", "batch_structure", "estimate_request", "predict"]
+__all__ = ["Reading", "Seed", "as_called", "batch_structure", "estimate_request", "predict"]
 
 
 def batch_structure(batch: Any) -> str:
@@ -177,8 +177,9 @@ def estimate_request(
     step: Callable[[Any], Any],
     mode: str,
     optimizer: torch.optim.Optimizer | None,
-) -> tuple[Step, dict[str, Any]]:
-    """The step a fit estimates, and the other arguments of its search (``seq_len`` ...).
+) -> tuple[Step, dict[str, Any], tuple[bool, ...]]:
+    """The step a fit estimates, the other arguments of its search (``seq_len`` ...), and
+    the readings of its loop to estimate (``keep_output`` values).
 
     ``options`` (a :class:`~vramctl.Step` or a mapping) say what they say; the fit's
     own knowledge fills the rest: the mode and optimizer it found, the step's
@@ -188,6 +189,10 @@ def estimate_request(
     elsewhere there is none and the safe end is the point estimate). A first probe that
     fits is scaled up from its measured peak; one that overshoots measures nothing, and
     the search must step down blind.
+
+    A fit cannot see whether its step holds the model's output through backward: where
+    the options do not say (``keep_output``), a training step is estimated both ways,
+    and the first probe's allocations tell which the step is (:func:`predict`).
     """
     search: dict[str, Any] = {}
     if isinstance(options, Mapping):
@@ -199,19 +204,22 @@ def estimate_request(
     }
     if callable(getattr(step, "loss_fn", None)):
         defaults["loss_fn"] = step.loss_fn  # type: ignore[attr-defined]
-    return Step.of(options, **defaults), search
+    request = Step.of(options, **defaults)
+    said = (isinstance(options, Mapping) and "keep_output" in options) or (
+        isinstance(options, Step) and not options.keep_output
+    )
+    readings = (request.keep_output,) if said or request.mode != "train" else (True, False)
+    return request, search, readings
 
 
 @dataclass(frozen=True)
-class Seed:
-    """The estimator's answer for a fit: where the search starts and what it knows."""
+class Reading:
+    """The estimator's answer for one reading of the step's loop: whether it holds the
+    model's output through backward (``keep_output``)."""
 
-    #: The largest batch the estimate says fits (None: no estimate).
-    batch_size: int | None = None
-    #: Bytes per sample near it.
-    slope: float | None = None
-    #: Why there is no estimate.
-    note: str | None = None
+    keep_output: bool
+    #: The largest batch the estimate says fits.
+    batch_size: int
     #: The estimate's peak allocated bytes at ``batch_size``, where it found the edge
     #: (that size fits, one more sample does not) with no range to allow for: a probe at
     #: ``batch_size`` that allocates that much confirms the edge (None: no such edge).
@@ -220,6 +228,46 @@ class Seed:
     #: allocated that much at that size (see :meth:`vramctl.estimator.MaxBatch.refit`);
     #: None without a caching allocator to replay.
     refit: Callable[[int, int], int | None] | None = field(default=None, compare=False)
+    #: ``batch_size -> bytes``: the estimate's peak allocated bytes at a size (None where
+    #: it cannot say).
+    allocated_at: Callable[[int], int | None] | None = field(default=None, compare=False)
+
+    def describe(self) -> str:
+        return (
+            "a loop that holds the model's output through backward"
+            if self.keep_output
+            else "a loop that lets go of the model's output before backward"
+        )
+
+
+@dataclass(frozen=True)
+class Seed:
+    """The estimator's answer for a fit: where the search starts and what it knows."""
+
+    #: The largest batch the estimate says fits (None: no estimate); with two readings of
+    #: the loop, the smaller of their answers.
+    batch_size: int | None = None
+    #: Bytes per sample near it.
+    slope: float | None = None
+    #: Why there is no estimate.
+    note: str | None = None
+    #: The estimate's answer per reading of the loop, the first probe's first.
+    readings: tuple[Reading, ...] = ()
+
+    def matching(self, batch_size: int, allocated: int, within: float) -> Reading | None:
+        """The reading whose estimate allocates within ``within`` (a share) of what a real
+        step of ``batch_size`` samples ``allocated`` (the nearest, where two do)."""
+        best: tuple[float, Reading] | None = None
+        for reading in self.readings:
+            predicted = reading.allocated_at(batch_size) if reading.allocated_at else None
+            if not predicted:
+                continue
+            off = abs(allocated - predicted) / predicted
+            if off <= within and (best is None or off < best[0]):
+                best = (off, reading)
+                if off == 0:
+                    break
+        return best[1] if best is not None else None
 
 
 def predict(
@@ -230,35 +278,66 @@ def predict(
     request: Step,
     optimizer: torch.optim.Optimizer | None,
     search: dict[str, Any],
+    readings: tuple[bool, ...] = (True,),
 ) -> Seed:
-    """The estimator's answer for ``request`` on the room the fit has, and its per-sample
-    slope near it (or a note saying why not)."""
+    """The estimator's answer for ``request`` on the room the fit has, for each reading of
+    the loop (``keep_output``), and its per-sample slope near the smallest (or a note
+    saying why not)."""
+    answers: list[tuple[bool, MaxBatch]] = []
     try:
         where = _estimator_target(device, target, model, optimizer)
         if where is None:
             return Seed(note="no room left for the step: the estimate was skipped")
+        on = request.replace(device=where[0], target_utilization=where[1])
         with device.uncounted():
             # The seed of a search by real steps: the safe end of the estimate's range (see
             # estimate_request), so that the first probe fits and measures a real peak.
-            est = max_batch_size(
-                model,
-                make_batch,
-                step=request.replace(device=where[0], target_utilization=where[1]),
-                **search,
-            )
+            for keep in readings:
+                step = on.replace(keep_output=keep)
+                answers.append((keep, max_batch_size(model, make_batch, step=step, **search)))
     except Exception as exc:
-        return Seed(note=f"estimate failed ({type(exc).__name__}: {exc}); searched without it")
+        if not answers:
+            return Seed(note=f"estimate failed ({type(exc).__name__}: {exc}); searched without it")
+    answers.sort(key=lambda a: a[1].batch_size)
+    est = answers[0][1]
     points = sorted({b: p for b, p, _ in est.curve}.items())
     slope = est.per_sample
     if est.batch_size > 1:
         near = [(b, p) for b, p in points if b >= est.batch_size / 2]
         if len(near) >= 2 and near[-1][0] - near[0][0] >= 2:
             slope = (near[-1][1] - near[0][1]) / (near[-1][0] - near[0][0])
-    at = est.estimate
-    edge = (
-        at.peak_allocated
-        if at is not None and est.limit_found and at.device_uncertainty == 0
-        else None
+    lengths = {k: v for k, v in search.items() if k in ("seq_len", "seconds")}
+
+    def reading(keep: bool, found: MaxBatch) -> Reading:
+        at = found.estimate
+        edge = (
+            at.peak_allocated
+            if at is not None and found.limit_found and at.device_uncertainty == 0
+            else None
+        )
+        known = {found.batch_size: at.peak_allocated} if at is not None else {}
+
+        def allocated_at(b: int) -> int | None:
+            if b not in known:
+                try:
+                    with device.uncounted():
+                        known[b] = estimate(
+                            model,
+                            make_batch,
+                            batch_size=b,
+                            step=on.replace(keep_output=keep),
+                            **lengths,
+                        ).peak_allocated
+                except Exception:
+                    return None
+            return known[b]
+
+        refit = found.refit if found.replayable is not None else None
+        return Reading(keep, found.batch_size, edge, refit, allocated_at)
+
+    return Seed(
+        est.batch_size,
+        slope if slope > 0 else None,
+        None,
+        tuple(reading(keep, found) for keep, found in answers),
     )
-    refit = est.refit if est.replayable is not None else None
-    return Seed(est.batch_size, slope if slope > 0 else None, None, edge, refit)
