@@ -374,20 +374,25 @@ def test_kbit_prep_keeps_what_is_not_quantized_in_fp32_as_peft_does() -> None:
         vramctl.estimate(llama(), batch(), device="cpu", kbit_prep=True)
 
 
+def _llama_1b_width(layers: int) -> Any:
+    """A Llama config of a 1B model's widths (2048 wide, 32k words) with ``layers`` layers."""
+    return transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    )
+
+
 def test_the_largest_batch_of_a_quantized_model_is_larger() -> None:
     """``max_batch_size`` takes ``quant`` as ``estimate`` does: on a 16 GB GPU a Llama
     config of 16 layers in QLoRA (nf4) fits a larger batch than in LoRA on a bf16 base (50
     against 46). With 8 layers the weights nf4 saves are worth a few samples, and a loop's
     second step bounds both at 81: there the cached blocks are split otherwise (the bf16
     logits land in the block the fp32 logits had), and a new 1.2 GiB segment follows."""
-    config = transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=16,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-    )
+    config = _llama_1b_width(layers=16)
     kw: dict[str, Any] = {"seq_len": 128, "device": "T4-16GB", "precision": "bf16", "adapter": QV}
     lora = vramctl.max_batch_size(config, **kw)
     qlora = vramctl.max_batch_size(config, quant="nf4", **kw)
@@ -442,3 +447,29 @@ def test_the_fine_tuning_pages_qlora_answer_holds() -> None:
     est = json.loads(result.output)["estimates"][0]
     assert est["fits"] is True
     assert f"{est['peak_device_bytes'] / 2**30:.1f} GiB: fits" in page
+
+
+def test_a_loop_whose_later_steps_split_cached_blocks_says_so() -> None:
+    """QLoRA on a 16 GB GPU at batch 81: the second step's bf16 logits land in the block the
+    first step's fp32 logits had, and a new 1.2 GiB segment follows. The estimate is the
+    loop's, says by how much its later steps reserve more, and names the remedy, which the
+    allocator model prices: with max_split_size_mb:1024 no large block is split."""
+    from vramctl.estimator import AllocatorConfig
+
+    config = _llama_1b_width(layers=8)
+    kw: dict[str, Any] = {
+        "batch_size": 81,
+        "seq_len": 128,
+        "device": "T4-16GB",
+        "precision": "bf16",
+        "adapter": QV,
+        "quant": "nf4",
+    }
+    split = vramctl.estimate(config, **kw)
+    [note] = [n for n in split.notes if "later steps" in n]
+    assert "1.24 GiB more than its first" in note and "max_split_size_mb" in note
+    whole = vramctl.estimate(
+        config, allocator_config=AllocatorConfig.from_conf("max_split_size_mb:1024"), **kw
+    )
+    assert not any("later steps" in n for n in whole.notes)
+    assert whole.peak_reserved < split.peak_reserved - 2**29

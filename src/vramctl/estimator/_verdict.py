@@ -103,6 +103,7 @@ def build_estimate(
                 trace, reserved, budget - extra, allocator_config
             )
         notes.extend(_retries_note(retries[safe]))
+        notes.extend(_later_steps_note(trace, allocator_config, reserved))
         by_cat["allocator"] = reserved - logical
         by_cat["context"] = context
         peak_device = reserved + context
@@ -151,6 +152,7 @@ def build_estimate(
         retries = dict.fromkeys((False, True), retried)
         by_cat["allocator"] = reserved - logical
         notes.extend(_retries_note(retried))
+        notes.extend(_later_steps_note(seen, config, reserved))
         notes.append(
             "simulated GPU with a caching allocator model: its segments counted, no CUDA "
             "context or workspace"
@@ -370,6 +372,20 @@ def _retries_note(retries: int) -> list[str]:
     return [
         f"fits only because the allocator frees its cache {retries} time(s) "
         "(alloc retries slow a step)"
+    ]
+
+
+def _later_steps_note(trace: Trace, config: AllocatorConfig | None, reserved: int) -> list[str]:
+    """A note where a loop's later steps reserve more than its first (``reserved``: the
+    loop's peak)."""
+    first = replay(trace, None, config).peak_reserved
+    if reserved <= first:
+        return []
+    return [
+        f"a loop's later steps reserve {format_bytes(reserved - first)} more than its first "
+        f"({format_bytes(first)}): they are served from the blocks the first left cached, "
+        "and split them; PyTorch's remedies are PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb "
+        "(priced with allocator_config=) and expandable_segments (not modelled)"
     ]
 
 
