@@ -449,8 +449,8 @@ def test_a_probe_follows_the_reading_of_the_loop_whose_allocations_it_matched() 
     from vramctl.fit._search import Probe, Search
     from vramctl.fit._seed import Reading, Seed
 
-    holds = Reading(True, 100, 200_000_000, allocated_at={100: 200_000_000}.get)
-    lets_go = Reading(False, 120, 230_000_000, None, {100: 190_000_000, 120: 230_000_000}.get)
+    holds = Reading(True, 100, True, allocated_at={100: 200_000_000}.get)
+    lets_go = Reading(False, 120, True, None, {100: 190_000_000, 120: 230_000_000}.get)
     seed = Seed(100, 1e6, None, (holds, lets_go))
 
     def follow(*probes: tuple[int, int | None]) -> tuple[int | None, int | None, list[str]]:

@@ -351,14 +351,14 @@ def _follow(search: Search, seed: Seed, notes: list[str]) -> int | None:
         return None
     reading = seed.matching(b, probe.allocated, EDGE_MATCH)
     if reading is not None:
-        if reading.batch_size == b and reading.edge_allocated is not None:
+        if reading.batch_size == b and reading.edge:
             search.edge = b + 1
             notes.append(
                 f"the estimate's edge held: batch {b} allocated what it predicted for "
                 f"{reading.describe()} (within {EDGE_MATCH:.0%}), and {b + 1} does not fit by it"
             )
             return None
-        if reading.batch_size > b and reading.edge_allocated is not None:
+        if reading.batch_size > b and reading.edge:
             got: int | None = reading.batch_size
         else:
             got = reading.refit(b, probe.allocated) if reading.refit is not None else None

@@ -220,10 +220,10 @@ class Reading:
     keep_output: bool
     #: The largest batch the estimate says fits.
     batch_size: int
-    #: The estimate's peak allocated bytes at ``batch_size``, where it found the edge
-    #: (that size fits, one more sample does not) with no range to allow for: a probe at
-    #: ``batch_size`` that allocates that much confirms the edge (None: no such edge).
-    edge_allocated: int | None = None
+    #: Whether the estimate found the edge (``batch_size`` fits, one more sample does not)
+    #: with no range to allow for: a probe at ``batch_size`` that allocates what
+    #: ``allocated_at`` predicts there confirms it.
+    edge: bool = False
     #: ``(batch_size, allocated) -> batch size``: the estimate's answer once a real step
     #: allocated that much at that size (see :meth:`vramctl.estimator.MaxBatch.refit`);
     #: None without a caching allocator to replay.
@@ -296,8 +296,13 @@ def predict(
                 step = on.replace(keep_output=keep)
                 answers.append((keep, max_batch_size(model, make_batch, step=step, **search)))
     except Exception as exc:
+        failed = f"estimate failed ({type(exc).__name__}: {exc})"
         if not answers:
-            return Seed(note=f"estimate failed ({type(exc).__name__}: {exc}); searched without it")
+            return Seed(note=f"{failed}; searched without it")
+        # The first reading stands alone: the probes cannot tell the loop apart.
+        note: str | None = f"{failed} for the loop's other reading; searched with one"
+    else:
+        note = None
     answers.sort(key=lambda a: a[1].batch_size)
     est = answers[0][1]
     points = sorted({b: p for b, p, _ in est.curve}.items())
@@ -310,11 +315,7 @@ def predict(
 
     def reading(keep: bool, found: MaxBatch) -> Reading:
         at = found.estimate
-        edge = (
-            at.peak_allocated
-            if at is not None and found.limit_found and at.device_uncertainty == 0
-            else None
-        )
+        edge = at is not None and found.limit_found and at.device_uncertainty == 0
         known = {found.batch_size: at.peak_allocated} if at is not None else {}
 
         def allocated_at(b: int) -> int | None:
@@ -338,6 +339,6 @@ def predict(
     return Seed(
         est.batch_size,
         slope if slope > 0 else None,
-        None,
+        note,
         tuple(reading(keep, found) for keep, found in answers),
     )
