@@ -4,6 +4,7 @@
     python benchmarks/cuda_truth.py capture --out DIR --simulate --quick
     python benchmarks/cuda_truth.py check DIR          # the allocator model on each trace
     python benchmarks/cuda_truth.py diff DIR CASE      # the estimator's stream against it
+    python benchmarks/cuda_truth.py workspaces DIR [--write]  # recorded cuDNN workspaces
     python benchmarks/cuda_truth.py cases              # the cases a capture runs, in order
 
 ``capture`` runs each case (benchmarks/_truth/cases.py: the zoo, RNNs, the SDPA backends,
@@ -26,6 +27,12 @@ fails the check with a line that names it.
 one: the first divergence and the bytes each operator allocates in each; ``--at-peak`` also
 what was live at each side's own peak, by operator. The estimate is of the step as it was
 recorded: under the recorder's dispatch mode, where autograd sums gradients out of place.
+
+``workspaces`` reads the cuDNN workspace each recorded convolution call held and pairs it
+with the estimator's key for that call (its shapes and arguments, ``conv_key``); with
+``--write`` the table goes into the corpus' calibration.json (``constants.cudnn_workspaces``),
+where estimates with that profile take a recorded call's workspace in place of the
+calibrated line (the upper envelope over all convolutions measured).
 
 The last line printed is one JSON object with the figures.
 """
@@ -301,6 +308,72 @@ def check(args: argparse.Namespace) -> int:
     return _common.finish(summary, not damaged and not differs)
 
 
+# -- workspaces ------------------------------------------------------------------------------
+
+
+def workspaces(args: argparse.Namespace) -> int:
+    import json
+
+    from _truth import workspaces as ws
+    from _truth.diff import predicted_trace
+
+    try:
+        index = corpus.load_index(args.corpus)
+    except corpus.CorpusError as exc:
+        print(f"workspaces: {exc}", file=sys.stderr)
+        return 2
+    gpu = index["environment"].get("gpu")
+    table: dict[str, int] = {}
+    paired, skipped = 0, {}
+    for case in index["cases"]:
+        if not case.get("file") or (args.only and args.only not in case["id"]):
+            continue
+        steps = corpus.load_traces(args.corpus, case)
+        calls = {name: ws.recorded(trace) for name, trace in steps.items()}
+        if not any(calls.values()):
+            continue
+        try:
+            keys = predicted_trace(case["spec"], gpu).workspace_keys
+        except Exception as exc:  # a case the estimator cannot trace is reported, not fatal
+            skipped[case["id"]] = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        for name, recorded in calls.items():
+            got = ws.pair(keys, recorded)
+            if isinstance(got, str):
+                skipped[f"{case['id']} ({name})"] = got
+                continue
+            paired += 1
+            for key, n in got.items():
+                table[key] = max(table.get(key, 0), n)
+    for what, why in skipped.items():
+        print(f"  skipped {what}: {why}")
+    print(
+        f"{len(table)} convolution calls from {paired} recorded steps on {gpu}; "
+        f"{sum(1 for n in table.values() if n == 0)} ran without a workspace, the largest "
+        f"held {max(table.values(), default=0) / 2**20:.1f} MiB"
+    )
+    summary: dict[str, Any] = {
+        "benchmark": "cuda_truth",
+        "command": "workspaces",
+        "corpus": str(args.corpus),
+        "gpu": gpu,
+        "steps_paired": paired,
+        "keys": len(table),
+        "skipped": skipped,
+    }
+    if args.write:
+        path = Path(args.corpus) / "calibration.json"
+        if not path.is_file():
+            print(f"workspaces: {args.corpus} has no calibration.json to carry the table")
+            return 2
+        doc = json.loads(path.read_text())
+        doc.setdefault("constants", {})["cudnn_workspaces"] = dict(sorted(table.items()))
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        summary["written"] = str(path)
+        print(f"written to {path}")
+    return _common.finish(summary, True)
+
+
 # -- diff ------------------------------------------------------------------------------------
 
 
@@ -435,12 +508,24 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also what was live at each side's own peak, by operator (where a peak's gap is)",
     )
+    wsp = sub.add_parser("workspaces", help="each recorded convolution's cuDNN workspace")
+    wsp.add_argument("corpus", type=Path)
+    wsp.add_argument("--only", help="cases whose id contains this")
+    wsp.add_argument(
+        "--write",
+        action="store_true",
+        help="put the table into the corpus' calibration.json (constants.cudnn_workspaces)",
+    )
     lst = sub.add_parser("cases", help="the cases a capture runs, in order")
     lst.add_argument("--simulate", action="store_true", help="those a simulated capture runs")
     args = ap.parse_args(argv)
-    return {"capture": capture, "check": check, "diff": diff_case, "cases": list_cases}[
-        args.command
-    ](args)
+    return {
+        "capture": capture,
+        "check": check,
+        "diff": diff_case,
+        "workspaces": workspaces,
+        "cases": list_cases,
+    }[args.command](args)
 
 
 if __name__ == "__main__":

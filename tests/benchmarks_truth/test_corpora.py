@@ -90,7 +90,9 @@ def test_the_h200_rows_give_the_figures_the_gpu_run_printed() -> None:
     hundredths of a percent. A larger worst under-estimate means the estimator got worse.
     Since the profile's one training cuBLAS handle is read as two (the recorded traces show
     two workspaces in every training step), the training rows moved up by 32 MiB: the
-    median is now 4.652%, the worst under-estimate (LSTM inference) unchanged.
+    median was then 4.652%. Since a CUDA target's trace runs dropout, attention dropout and
+    cross-entropy as CUDA runs them (2026-11-30), it is 3.601%; the worst under-estimate
+    (LSTM inference) is unchanged.
     """
     from vramctl.estimator import load_calibration
 
@@ -107,7 +109,7 @@ def test_the_h200_rows_give_the_figures_the_gpu_run_printed() -> None:
         pairs.append((est.peak_allocated, case["steps"]["warm"]["max_allocated"]))
     stats = error_stats(pairs)
     assert stats["rows"] == 20
-    assert stats["median_pct"] == pytest.approx(4.652, abs=0.1)
+    assert stats["median_pct"] == pytest.approx(3.601, abs=0.1)
     assert stats["worst_under_pct"] <= 37.5
 
 
@@ -166,22 +168,48 @@ def test_a_recorded_step_sums_gradients_out_of_place() -> None:
     real = case["steps"]["warm"]["max_allocated"]
     assert 0 <= recorded.peak_allocated / real - 1 < 0.005
     assert plain.peak_allocated / real - 1 < -0.06
-    # (the allocator's rounding and what else is live at the new peak: within 1 MiB)
-    assert abs(recorded.peak_allocated - plain.peak_allocated - 51865 * 512 * 4) < 2**20
+    # (the allocator's rounding and what else is live at the new peak: within 2 MiB)
+    assert abs(recorded.peak_allocated - plain.peak_allocated - 51865 * 512 * 4) < 2 * 2**20
 
 
 def test_the_traced_corpus_evidence_sets_the_h200_range() -> None:
     """The traced corpus' profile carries the device peak's evidence (written by
     ``estimate_accuracy.py --truth DIR --write-evidence``): over its 60 warm steps NVML read
-    at most 3.0% above the estimate (52 MiB, convnext-tiny training), so an estimate with
-    that profile allows 3.0% of its device peak where the fixed allowance said 128 MiB;
-    the step that fell furthest short is inside its range."""
+    at most 6.3% above the estimate (96 MiB, convnext-tiny training in bf16 at batch 4, whose
+    reductions' staging buffers are not modelled; 3.0% before the profile's recorded cuDNN
+    workspaces replaced the line's over-estimate), so an estimate with that profile allows
+    6.3% of its device peak where the fixed allowance said 128 MiB; the step that fell
+    furthest short is inside its range."""
     from vramctl.estimator import load_calibration
 
     cal = load_calibration(H200_TRACED / "calibration.json")
     assert cal.evidence is not None and cal.evidence.steps == 60
-    assert cal.evidence.shortfall_pct == pytest.approx(3.006, abs=0.01)
-    assert cal.evidence.shortfall == 52 * 2**20
+    assert cal.evidence.shortfall_pct == pytest.approx(6.332, abs=0.01)
+    assert cal.evidence.shortfall == 96 * 2**20
     case, est = estimated_row(H200_TRACED, "zoo/convnext-tiny/train/fp32/b1")
     assert est.device_uncertainty == cal.evidence.allowance(est.peak_device) < 128 * 2**20
     assert est.peak_device < case["steps"]["warm"]["nvml_bytes"] <= est.peak_device_high
+
+
+def test_the_traced_corpus_profile_holds_each_recorded_convolutions_workspace() -> None:
+    """``cuda_truth.py workspaces DIR --write`` paired each of the H200 corpus' recorded
+    convolution calls with the estimator's key for it. ResNet-50's first convolution at
+    batch 4 in fp32 held a 15.3 MB workspace where the profile's line (27.7 MiB + 2.33x its
+    12.8 MB output) charged 57 MiB; with the table its inference step, 23% over before, is
+    within 1% (the table comes from the same recorded steps: other shapes keep the line)."""
+    from _truth import workspaces
+    from _truth.diff import predicted_trace
+
+    from vramctl.estimator import load_calibration
+
+    cal = load_calibration(H200_TRACED / "calibration.json")
+    index = corpus.load_index(H200_TRACED)
+    case = next(c for c in index["cases"] if c["id"] == "zoo/resnet-50/infer/fp32/b4")
+    keys = predicted_trace(case["spec"], index["environment"]["gpu"]).workspace_keys
+    calls = workspaces.recorded(corpus.load_traces(H200_TRACED, case)["warm"])
+    got = workspaces.pair(keys, calls)
+    assert isinstance(got, dict) and len(keys) == 53
+    assert got[keys[0]] == 15291152
+    assert all(cal.cudnn_workspaces[k] >= n for k, n in got.items())
+    case, est = estimated_row(H200_TRACED, case["id"])
+    assert abs(est.peak_allocated / case["steps"]["warm"]["max_allocated"] - 1) < 0.01

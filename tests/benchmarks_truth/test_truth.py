@@ -309,6 +309,32 @@ def test_diff_finds_the_first_divergence_and_the_bytes_by_operator() -> None:
     assert diff(real, list(real)).first is None
 
 
+def test_a_convolutions_workspace_is_what_it_freed_before_returning() -> None:
+    from _truth.workspaces import pair, recorded
+
+    tb = TraceBuilder()
+    fwd = tb.call("convolution")
+    bwd = tb.call("convolution_backward")
+    plain = tb.call("convolution")
+    tb.event("alloc", B, 4 * MiB, call=fwd)  # the output
+    tb.event("alloc", B + 8 * MiB, 3 * MiB, call=fwd)  # the workspace
+    tb.event("free_requested", B + 8 * MiB, 3 * MiB, call=fwd)
+    tb.event("alloc", B + 16 * MiB, 2 * MiB, call=bwd)  # grad input
+    tb.event("alloc", B + 24 * MiB, 5 * MiB, call=bwd)  # a temporary ...
+    tb.event("free_requested", B + 24 * MiB, 5 * MiB, call=bwd)
+    tb.event("alloc", B + 24 * MiB, MiB, call=bwd)  # ... whose address the weight grad takes
+    tb.event("alloc", B + 32 * MiB, 4 * MiB, call=bwd)  # another, after the first
+    tb.event("free_requested", B + 32 * MiB, 4 * MiB, call=bwd)
+    tb.event("alloc", B + 40 * MiB, MiB, call=plain)  # no workspace
+    calls = recorded(tb.build())
+    want = [("convolution", 3 * MiB), ("convolution_backward", 5 * MiB), ("convolution", 0)]
+    assert calls == want
+    keys = ["convolution(a)", "convolution_backward(a)", "convolution(a)"]
+    assert pair(keys, calls) == {"convolution(a)": 3 * MiB, "convolution_backward(a)": 5 * MiB}
+    assert "2 traced" in str(pair(keys[:2], calls))
+    assert "convolution_backward" in str(pair(list(reversed(keys)), calls))
+
+
 # -- the model's segments, out and in ----------------------------------------------------
 
 

@@ -181,3 +181,133 @@ def test_the_forced_math_backend_costs_on_a_gpu_what_the_estimate_adds() -> None
     measured = real(SDPBackend.MATH) - real(SDPBackend.EFFICIENT_ATTENTION)
     predicted = _attention_peak(SDPBackend.MATH) - _attention_peak(None)
     assert abs(predicted - measured) <= 0.05 * measured
+
+
+def _dropout_bytes(p: float, device: str) -> float:
+    """Bytes a dropout layer adds to a training step's peak, per element it drops."""
+
+    def peak(rate: float) -> int:
+        model = nn.Sequential(nn.Linear(256, 256), nn.Dropout(rate), nn.Linear(256, 256))
+        return vramctl.estimate(
+            model,
+            torch.randn(4096, 256),
+            device=device,
+            mode="train",
+            loss_fn=lambda out, _batch: out.square().mean(),
+        ).logical_peak
+
+    return (peak(p) - peak(0.0)) / (4096 * 256)
+
+
+def test_a_cuda_target_keeps_dropout_a_one_byte_mask() -> None:
+    # CUDA's fused kernel keeps a bool mask for backward; the host keeps fp32 noise
+    assert _dropout_bytes(0.1, "A10G-24GB") == 1.0
+    assert _dropout_bytes(0.1, "cpu") == 4.0
+
+
+class _DroppedAttention(nn.Module):
+    """Attention with dropout, and optionally a learned bias as its mask."""
+
+    def __init__(self, p: float, learned_mask: bool = False) -> None:
+        super().__init__()
+        self.p = p
+        self.qkv = nn.Linear(64, 192)
+        self.bias = nn.Parameter(torch.zeros(1, 4, 256, 256)) if learned_mask else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(b, n, 3, 4, 16).unbind(2))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias, dropout_p=self.p)
+
+
+def _attention_train_peak(p: float, device: str, learned_mask: bool = False) -> int:
+    return vramctl.estimate(
+        _DroppedAttention(p, learned_mask),
+        torch.randn(8, 256, 64),
+        device=device,
+        mode="train",
+        loss_fn=lambda out, _batch: out.square().mean(),
+    ).logical_peak
+
+
+def test_a_cuda_target_runs_attention_dropout_in_the_fused_kernel() -> None:
+    # CUDA's fused kernels drop with a random seed, no mask: the same peak as without
+    assert _attention_train_peak(0.1, "A10G-24GB") == _attention_train_peak(0.0, "A10G-24GB")
+    # the host's fused kernel takes no dropout: the host target keeps the math path's scores
+    scores = 8 * 4 * 256 * 256 * 4
+    assert _attention_train_peak(0.1, "cpu") - _attention_train_peak(0.0, "cpu") >= scores
+    # a mask that needs a gradient sends CUDA to the math path too (T5's position bias)
+    learned = _attention_train_peak(0.1, "A10G-24GB", learned_mask=True)
+    assert learned - _attention_train_peak(0.1, "A10G-24GB") >= scores
+
+
+def test_cross_entropy_takes_its_log_softmax_in_the_logits_dtype_as_cuda_does() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: dict[str, list[torch.dtype]] = {}
+
+    class Dtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = func.overloadpacket.__name__
+            if name in ("_log_softmax", "nll_loss_forward", "_log_softmax_backward_data"):
+                seen[name] = [a.dtype for a in args if isinstance(a, torch.Tensor)]
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.randn(8, 100, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 100, (8,))
+    with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocast(), Dtypes():
+        loss = F.cross_entropy(logits, labels)
+        loss.backward()
+    assert loss.dtype == torch.float32
+    assert seen["_log_softmax"] == [torch.bfloat16]  # ATen passes the logits' dtype
+    assert seen["nll_loss_forward"][0] == torch.float32  # NLL is an fp32 operator
+    assert seen["_log_softmax_backward_data"][0] == torch.bfloat16
+
+
+@pytest.mark.cuda
+def test_dropout_on_a_gpu_keeps_what_the_estimate_keeps() -> None:
+    def kept(rate: float) -> int:
+        torch.manual_seed(0)
+        layer = nn.Linear(256, 256).cuda()
+        x = torch.randn(4096, 256, device="cuda")
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        out = F.dropout(layer(x), rate, training=True)
+        held = torch.cuda.memory_allocated() - base
+        del out
+        return held
+
+    assert (kept(0.1) - kept(0.0)) / (4096 * 256) == _dropout_bytes(0.1, "A10G-24GB")
+
+
+class _CheckpointedDropout(nn.Module):
+    """A checkpointed block with dropout and attention dropout: backward recomputes both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.attention = _DroppedAttention(0.1)
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(F.dropout(self.fc(x), 0.1, training=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        out: torch.Tensor = checkpoint(self.block, x, use_reentrant=False)
+        return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
+def test_a_checkpointed_block_recomputes_with_the_cuda_rules(precision: str) -> None:
+    # the recomputation must keep what the forward kept (a bool mask, no attention mask):
+    # the checkpoint refuses recomputed tensors whose metadata differ
+    est = vramctl.estimate(
+        _CheckpointedDropout(),
+        torch.randn(8, 256, 64),
+        device="A10G-24GB",
+        mode="train",
+        precision=precision,
+        loss_fn=lambda out, _batch: out.square().mean(),
+    )
+    assert est.peak_allocated > 0

@@ -296,6 +296,42 @@ def test_convolutions_add_cudnn_context_and_the_measured_workspace() -> None:
     assert line.peak_allocated - none.peak_allocated == 6 * MiB + 3 * out_bytes
 
 
+def test_a_recorded_convolution_takes_its_recorded_workspace_and_others_the_line(
+    tmp_path: Path,
+) -> None:
+    from vramctl.estimator._trace_step import conv_key
+
+    x = torch.randn(8, 16, 64, 64)
+    conv = Conv().conv
+    key = conv_key(
+        torch.ops.aten.convolution.default,
+        (x, conv.weight, conv.bias, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+    )
+    assert key == (
+        "convolution(float32[8, 16, 64, 64],float32[64, 16, 3, 3],float32[64],"
+        "[1,1],[1,1],[1,1],False,[0,0],1)"
+    )
+    base = replace(fitted(), cudnn_workspace_ratio=3.0, cudnn_workspace_fixed=6 * MiB)
+    table = replace(base, cudnn_workspaces={key: 5 * MiB, "convolution(other)": 1})
+
+    def run(cal: Calibration, batch: torch.Tensor = x) -> vramctl.Estimate:
+        return vramctl.estimate(Conv(), batch, mode="infer", device="A10G-24GB", calibration=cal)
+
+    # the recorded call holds what a flat 5 MiB workspace would
+    flat = run(replace(base, cudnn_workspace_ratio=0.0, cudnn_workspace_fixed=5 * MiB))
+    assert run(table).peak_allocated == flat.peak_allocated < run(base).peak_allocated
+    # another batch is another call: the line
+    other = torch.randn(4, 16, 64, 64)
+    assert run(table, other).peak_allocated == run(base, other).peak_allocated
+    # the table is saved and read back with the profile; a bad entry names the field
+    back = load_calibration(table.save(tmp_path / "t.json").path or "")
+    assert back.cudnn_workspaces == {key: 5 * MiB, "convolution(other)": 1}
+    doc = table.to_dict()
+    doc["constants"]["cudnn_workspaces"] = {key: -1}
+    with pytest.raises(CalibrationError, match="cudnn_workspaces"):
+        Calibration.from_dict(doc)
+
+
 def test_the_measured_allocator_constants_drive_the_replay() -> None:
     cal = fitted()
     wide = replace(cal, allocator=replace(cal.allocator, small_buffer=8 * MiB))

@@ -19,21 +19,33 @@ lists in a recent PyTorch (``rms_norm``, in 2.12) are applied only where the
 installed PyTorch's CUDA autocast has a kernel for them.
 
 A function mode sees the Python-level call only, not operators a composite
-calls inside C++; ``cross_entropy`` (log-softmax then NLL, both fp32 under CUDA
-autocast) is therefore listed as an fp32 operator itself.
+calls inside C++. ``cross_entropy`` is one: ATen's composite takes the log-softmax
+in the logits' own dtype (it passes that dtype, so the fp32 rule does not apply)
+and casts the log-probabilities to fp32 for the NLL, an fp32 operator. CPU autocast
+instead casts the logits at the composite, which would hold fp32 log-probabilities
+and their fp32 gradient; the mode runs CUDA's order. ``interpolate`` reaches the
+fp32 upsampling operators and is cast itself.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.nn import _reduction
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["CUDA_FP32", "CUDA_FP32_SET_OPT_DTYPE", "CudaAutocast", "cuda_autocast"]
+__all__ = [
+    "CUDA_FP32",
+    "CUDA_FP32_SET_OPT_DTYPE",
+    "CudaAutocast",
+    "cuda_autocast",
+    "recomputed_too",
+]
 
 
 def _cuda_autocasts(op: str) -> bool:
@@ -126,7 +138,8 @@ CUDA_FP32_SET_OPT_DTYPE = frozenset(
     }
 )
 #: Python-level names that reach an fp32 operator through a composite.
-_PYTHON_FP32 = frozenset({"cross_entropy", "interpolate", "upsample"})
+_PYTHON_FP32 = frozenset({"interpolate", "upsample"})
+_CROSS_ENTROPY = inspect.signature(torch.nn.functional.cross_entropy)
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -150,6 +163,8 @@ class CudaAutocast(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name and torch.is_autocast_enabled("cpu"):
+            if func is torch.nn.functional.cross_entropy:
+                return _cross_entropy(*args, **kwargs)
             if name in CUDA_FP32 or name in _PYTHON_FP32:
                 args, kwargs = tree_map(_to_fp32, (args, kwargs))
             elif (
@@ -164,28 +179,67 @@ class CudaAutocast(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _cross_entropy(*args: Any, **kwargs: Any) -> Any:
+    """``F.cross_entropy`` as CUDA autocast runs ATen's composite: the log-softmax in the
+    logits' dtype, then NLL on its fp32 cast. Probability targets and label smoothing take
+    other composites; they keep the earlier rule (fp32 logits)."""
+    a = _CROSS_ENTROPY.bind(*args, **kwargs)
+    a.apply_defaults()
+    x, target = a.arguments["input"], a.arguments["target"]
+    if (
+        not isinstance(x, torch.Tensor)
+        or not isinstance(target, torch.Tensor)
+        or x.dtype not in _LOW
+        or target.is_floating_point()
+        or a.arguments["label_smoothing"] > 0
+    ):
+        args, kwargs = tree_map(_to_fp32, (args, kwargs))
+        return torch.nn.functional.cross_entropy(*args, **kwargs)
+    reduction = a.arguments["reduction"]
+    if a.arguments["size_average"] is not None or a.arguments["reduce"] is not None:
+        reduction = _reduction.legacy_get_string(a.arguments["size_average"], a.arguments["reduce"])
+    with torch.autocast("cpu", enabled=False):
+        logp = torch.log_softmax(x, 0 if x.dim() == 1 else 1, dtype=x.dtype)
+        return torch.nn.functional.nll_loss(
+            logp.float(),
+            target,
+            weight=_to_fp32(a.arguments["weight"]),
+            ignore_index=a.arguments["ignore_index"],
+            reduction=reduction,
+        )
+
+
 @contextlib.contextmanager
 def cuda_autocast() -> Iterator[None]:
-    """:class:`CudaAutocast` for a step, activation checkpointing's recomputation included.
+    """:class:`CudaAutocast` for a step, activation checkpointing's recomputation included."""
+    with recomputed_too(CudaAutocast):
+        yield
+
+
+@contextlib.contextmanager
+def recomputed_too(mode: Callable[[], TorchFunctionMode]) -> Iterator[None]:
+    """A function mode (made by ``mode``) for a step, activation checkpointing's
+    recomputation included.
 
     Backward runs a checkpointed block's forward again without the Python function modes
-    of the forward (autocast itself is restored by the checkpoint), so the rules are
-    entered again around the recomputation; without it the recomputed tensors would
-    differ in dtype from the saved ones and the checkpoint refuse them.
+    of the forward (autocast itself is restored by the checkpoint), so the mode is
+    entered again around the recomputation; without it the recomputed tensors could
+    differ from the saved ones (a dtype, a dropout mask's) and the checkpoint refuse them.
+    Modes entered so nest: each recomputation runs under all of them.
     """
     import torch.utils.checkpoint as checkpoint
 
     run = getattr(checkpoint, "_run_fn_with_dynamo_disabled", None)
 
     def recompute(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        with CudaAutocast():
+        with mode():
             assert run is not None
             return run(fn, *args, **kwargs)
 
     if run is not None:
         checkpoint._run_fn_with_dynamo_disabled = recompute
     try:
-        with CudaAutocast():
+        with mode():
             yield
     finally:
         if run is not None:

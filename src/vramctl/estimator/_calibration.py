@@ -167,7 +167,10 @@ class Calibration:
     A convolution's cuDNN workspace is modelled as ``cudnn_workspace_fixed``
     plus ``cudnn_workspace_ratio`` times its largest output, at most
     ``cudnn_workspace_cap``: the line lies on or above every convolution
-    measured, as low as it can (their upper envelope).
+    measured, as low as it can (their upper envelope). ``cudnn_workspaces`` holds
+    the workspace recorded on this GPU for each convolution call seen in a recorded
+    corpus (by its shapes and arguments, cuDNN's heuristics' choice with
+    ``cudnn.benchmark`` off); those calls take it in place of the line.
     """
 
     device: str
@@ -179,6 +182,8 @@ class Calibration:
     cudnn_workspace_ratio: float
     cudnn_workspace_cap: int
     cudnn_workspace_fixed: int = 0
+    #: Recorded workspaces by convolution call (``conv_key``); others take the line.
+    cudnn_workspaces: Mapping[str, int] = field(default_factory=dict)
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     #: Versions the figures were measured with: torch, cuda, cudnn, driver.
     software: Mapping[str, str] = field(default_factory=dict)
@@ -215,6 +220,11 @@ class Calibration:
                 "cudnn_workspace_ratio": self.cudnn_workspace_ratio,
                 "cudnn_workspace_cap": self.cudnn_workspace_cap,
                 "cudnn_workspace_fixed": self.cudnn_workspace_fixed,
+                **(
+                    {"cudnn_workspaces": dict(sorted(self.cudnn_workspaces.items()))}
+                    if self.cudnn_workspaces
+                    else {}
+                ),
                 "allocator": {k: getattr(self.allocator, k) for k in ALLOCATOR_FIELDS},
             },
             "measurements": dict(self.measurements),
@@ -285,6 +295,15 @@ class Calibration:
                         f"integer, got {v!r}"
                     )
                 alloc_kw[k] = v
+        table = consts.get("cudnn_workspaces", {})
+        if not isinstance(table, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for k, v in table.items()
+        ):
+            raise CalibrationError(
+                f"{source}: field 'constants.cudnn_workspaces' must map convolution keys to "
+                "byte counts of at least 0"
+            )
         software = doc.get("software", {})
         if not isinstance(software, dict):
             raise CalibrationError(f"{source}: field 'software' must be an object")
@@ -304,6 +323,7 @@ class Calibration:
             cudnn_workspace_cap=size("cudnn_workspace_cap"),
             # Profiles written before the fixed part was measured have none.
             cudnn_workspace_fixed=size("cudnn_workspace_fixed") if fixed_given else 0,
+            cudnn_workspaces=table,
             allocator=AllocatorConfig(**alloc_kw),
             software={str(k): str(v) for k, v in software.items() if v is not None},
             created=str(doc.get("created", "")),

@@ -155,6 +155,8 @@ class Trace:
     ops: int = 0
     #: Each operator's FLOPs and bytes, in order (the step-time model's input).
     costs: list[OpCost] = field(default_factory=list)
+    #: Each convolution's workspace key, in order (a CUDA target's; see ``conv_key``).
+    workspace_keys: list[str] = field(default_factory=list)
 
     def live_bytes(self) -> Iterator[int]:
         """Live bytes after each event."""

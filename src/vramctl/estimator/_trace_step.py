@@ -5,9 +5,10 @@ the device or the host), and each storage of the trace put in its category."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,11 +16,12 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from vramctl._errors import VramctlError
 from vramctl._step import call_model
-from vramctl.estimator._autocast import cuda_autocast
+from vramctl.estimator._autocast import cuda_autocast, recomputed_too
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace, rank_threads
 from vramctl.estimator._distributed import (
     DDPStandIn,
@@ -109,7 +111,10 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
     tracer = Tracer(session.fake_mode)
     consts = session.target.constants
     cudnn = _CudnnWorkspace(
-        consts.cudnn_workspace_ratio, consts.cudnn_workspace_cap, consts.cudnn_workspace_fixed
+        consts.cudnn_workspace_ratio,
+        consts.cudnn_workspace_cap,
+        consts.cudnn_workspace_fixed,
+        consts.cudnn_workspaces,
     )
     tracer.workspace = cudnn if session.target.cuda else cpu_workspace
     tracer.output_bytes = None if session.target.cuda else cpu_output_bytes
@@ -158,6 +163,7 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
             es.enter_context(cuda_autocast())
         if session.target.cuda:
             es.enter_context(cuda_attention_backends())
+            es.enter_context(recomputed_too(CudaDropout))
         es.enter_context(tracer)
         es.enter_context(storage_resizes(tracer))
         if session.parallel is not None and session.parallel.strategy == "fsdp":
@@ -224,6 +230,7 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
                 "mode='infer' to estimate the forward alone"
             ) from exc
         del fake_batch
+    tracer.trace.workspace_keys = cudnn.keys
     categories = _categorize(tracer.trace, param_ids, grads, states, inputs)
     if session.parallel is not None and session.parallel.zero_stage is not None:
         return _zero(session, tracer.trace, categories, batch_size, cudnn.calls > 0)
@@ -238,14 +245,128 @@ def cuda_attention_backends() -> Iterator[None]:
     computes in fp32 from bf16 or fp16 inputs, on CUDA as here); otherwise the host's fused
     kernel, which keeps what CUDA's fused kernels keep (the output and an fp32 logsumexp).
     A caller that enabled only a GPU's fused backend (memory-efficient, cuDNN) would find no
-    host kernel without this."""
+    host kernel without this.
+
+    CUDA's fused kernels take dropout (they keep a random seed, not a mask); the host's
+    does not, and would fall back to the math path, which keeps the score matrix and its
+    dropout mask. Where the host's fused kernel takes the call without dropout, it runs so
+    (:class:`_FusedDropout`). A mask that needs a gradient sends both devices to the math
+    path, as the recorded H200 steps show (T5's position bias)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     cuda = torch.backends.cuda
     fused = cuda.flash_sdp_enabled() or cuda.mem_efficient_sdp_enabled() or cuda.cudnn_sdp_enabled()
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if fused else [SDPBackend.MATH]
-    with sdpa_kernel(backends):
+    with sdpa_kernel(backends), recomputed_too(_FusedDropout):
         yield
+
+
+#: ``F.scaled_dot_product_attention``'s parameters (a builtin: no signature to read).
+_SDPA = inspect.Signature(
+    [
+        inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d)
+        for n, d in (
+            ("query", inspect.Parameter.empty),
+            ("key", inspect.Parameter.empty),
+            ("value", inspect.Parameter.empty),
+            ("attn_mask", None),
+            ("dropout_p", 0.0),
+            ("is_causal", False),
+        )
+    ]
+    + [
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d)
+        for n, d in (("scale", None), ("enable_gqa", False))
+    ]
+)
+
+
+def _shape_of(t: Any) -> Any:
+    """A host tensor with ``t``'s sizes, dtype and gradient flag on a storage of one row:
+    what the backend choice reads (it reads no values and no strides but the last). Made
+    with the fake mode and the tracer off."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    row = torch.empty(max(int(t.shape[-1]), 1) if t.dim() else 1, dtype=t.dtype)
+    strides = [0] * (t.dim() - 1) + [1] if t.dim() else []
+    stand_in = row.as_strided(tuple(int(n) for n in t.shape), strides)
+    return stand_in.requires_grad_(t.requires_grad) if t.is_floating_point() else stand_in
+
+
+def _host_chooses_fused(a: dict[str, Any]) -> bool:
+    """Whether the host's backend choice, under the enabled backends, takes a fused kernel
+    for this call without dropout."""
+    try:
+        with _disable_current_modes():
+            q, k, v, mask = (_shape_of(a[n]) for n in ("query", "key", "value", "attn_mask"))
+            choice = torch._fused_sdp_choice(
+                q,
+                k,
+                v,
+                mask,
+                0.0,
+                a["is_causal"],
+                scale=a["scale"],
+                enable_gqa=a["enable_gqa"],
+            )
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return bool(choice != 0)  # SDPBackend.MATH is 0
+
+
+class _FusedDropout(TorchFunctionMode):
+    """Attention with dropout on the host's fused kernel, where that kernel takes the
+    call without dropout (see :func:`cuda_attention_backends`)."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            call = _SDPA.bind(*args, **kwargs)
+            call.apply_defaults()
+            a = call.arguments
+            if a["dropout_p"] > 0 and _host_chooses_fused(a):
+                a["dropout_p"] = 0.0
+                return func(*call.args, **call.kwargs)
+        return func(*args, **kwargs)
+
+
+class CudaDropout(TorchFunctionMode):
+    """While a step for a CUDA GPU is traced on the host, ``F.dropout`` in training takes
+    the kernel it takes on CUDA: ``native_dropout``, which keeps a one-byte mask for
+    backward. On the host it draws a noise tensor of the input's dtype, multiplies, and
+    keeps the noise (four bytes an element in fp32 where CUDA keeps one). In-place dropout
+    and a probability of 0 or 1 take the same path on both devices (ATen's
+    ``is_fused_kernel_acceptable``)."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout:
+            bound = _DROPOUT.bind(*args, **kwargs).arguments
+            x, p = bound["input"], float(bound.get("p", 0.5))
+            if (
+                bound.get("training", True)
+                and not bound.get("inplace", False)
+                and 0 < p < 1
+                and isinstance(x, torch.Tensor)
+                and x.numel() > 0
+            ):
+                return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kwargs)
+
+
+_DROPOUT = inspect.signature(torch.nn.functional.dropout)
 
 
 def _zero(
@@ -421,11 +542,16 @@ _CONV_OPS = {
 
 
 class _CudnnWorkspace:
-    """A convolution's cuDNN workspace: ``fixed`` plus ``ratio`` times its largest output,
-    at most ``cap``."""
+    """A convolution's cuDNN workspace: the bytes recorded for that very call on this GPU
+    (``table``, by :func:`conv_key`), else ``fixed`` plus ``ratio`` times its largest
+    output, at most ``cap``. ``keys`` lists each convolution's key in the step's order."""
 
-    def __init__(self, ratio: float, cap: int, fixed: int = 0) -> None:
+    def __init__(
+        self, ratio: float, cap: int, fixed: int = 0, table: Mapping[str, int] | None = None
+    ) -> None:
         self.ratio, self.cap, self.fixed, self.calls = ratio, cap, fixed, 0
+        self.table = table or {}
+        self.keys: list[str] = []
 
     def __call__(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
@@ -433,8 +559,34 @@ class _CudnnWorkspace:
         if func not in _CONV_OPS or not outs:
             return 0
         self.calls += 1
+        key = conv_key(func, args)
+        self.keys.append(key)
+        if key in self.table:
+            return self.table[key]
         biggest = max(t.untyped_storage().nbytes() for t in outs)
         return min(self.fixed + int(biggest * self.ratio), self.cap)
+
+
+def conv_key(func: Any, args: tuple[Any, ...]) -> str:
+    """What a convolution's cuDNN workspace follows: the operator, each tensor's dtype,
+    shape and memory format, and the other arguments (stride, padding, groups, which
+    gradients). A recorded table of workspaces is keyed by it."""
+
+    def part(a: Any) -> str:
+        if isinstance(a, torch.Tensor):
+            fmt = ""
+            if (
+                a.dim() == 4
+                and not a.is_contiguous()
+                and a.is_contiguous(memory_format=torch.channels_last)
+            ):
+                fmt = ":channels_last"
+            return f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}{fmt}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ",".join(part(x) for x in a) + "]"
+        return repr(a)
+
+    return f"{func.overloadpacket.__name__}(" + ",".join(part(a) for a in args) + ")"
 
 
 def _claim_nodes(out: Any, module: str, table: dict[int, str]) -> None:
