@@ -11,7 +11,9 @@
 fp16 with a scaler, checkpointing, expandable segments, a second stream, a Llama's
 ``generate`` with the dynamic, static and offloaded caches, transformers classes,
 torchvision and timm CNNs) on the machine's GPU, a cold and a warm step each, and
-writes the corpus (benchmarks/data/cuda_truth/README.md says what is in it). It stops
+writes the corpus (benchmarks/data/cuda_truth/README.md says what is in it). Cases that a
+committed corpus already holds traces of for the same GPU model run last, so that a GPU's
+few minutes record what no corpus has yet (``--keep-order`` runs them in order). It stops
 cleanly at ``--budget`` seconds and keeps every case it finished; the index is rewritten
 after each case. Without a usable GPU it says so in one line and exits with status 2;
 ``--simulate`` records the same cases on the CPU through the allocator model instead (the
@@ -134,9 +136,18 @@ def capture(args: argparse.Namespace) -> int:
         ]
     elif args.quick and not cuda:
         cases = [c for c in cases if c["id"] in QUICK_SIMULATED]
+    env = environment(cuda)
+    if cuda and not args.keep_order:
+        traced = traced_before(env.get("gpu"), args.corpora)
+        cases, moved = untraced_first(cases, traced)
+        if moved:
+            print(
+                f"capture: {moved} of the cases were traced on this GPU model before "
+                f"(in {args.corpora}): they run last (--keep-order runs them in order)",
+                flush=True,
+            )
     if args.limit:
         cases = cases[: args.limit]
-    env = environment(cuda)
     index = corpus.new_index(
         "cuda" if cuda else "simulated",
         env,
@@ -192,6 +203,31 @@ def capture(args: argparse.Namespace) -> int:
         "out": str(out),
     }
     return _common.finish(summary, bool(ok) or not cases)
+
+
+def traced_before(gpu: str | None, root: Path) -> set[str]:
+    """Ids of the cases that a committed corpus under ``root`` holds traces of, recorded on
+    a GPU of this name."""
+    out: set[str] = set()
+    if not gpu or not root.is_dir():
+        return out
+    for folder in sorted(p for p in root.iterdir() if (p / "index.json").is_file()):
+        try:
+            index = corpus.load_index(folder)
+        except corpus.CorpusError:
+            continue
+        if index.get("source") == "cuda" and index["environment"].get("gpu") == gpu:
+            out.update(c["id"] for c in index["cases"] if c.get("file"))
+    return out
+
+
+def untraced_first(
+    cases: list[dict[str, Any]], traced: set[str]
+) -> tuple[list[dict[str, Any]], int]:
+    """The cases with those not traced before first, each group in its own order, and how
+    many went last: a GPU's few minutes go to what no corpus holds yet."""
+    fresh = [c for c in cases if c["id"] not in traced]
+    return fresh + [c for c in cases if c["id"] in traced], len(cases) - len(fresh)
 
 
 def _capture_case(out: Path, spec: dict[str, Any], cuda: bool) -> dict[str, Any]:
@@ -494,6 +530,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     cap.add_argument("--only", help="comma-separated case ids, or parts of them, to record")
     cap.add_argument("--limit", type=int, help="record at most this many cases")
+    cap.add_argument(
+        "--corpora",
+        type=Path,
+        default=Path(__file__).parent / "data" / "cuda_truth",
+        help="committed corpora: cases traced there on this GPU model run last "
+        "(default: benchmarks/data/cuda_truth)",
+    )
+    cap.add_argument(
+        "--keep-order",
+        action="store_true",
+        help="run the cases in their own order, those traced before included",
+    )
     chk = sub.add_parser("check", help="replay each trace through the allocator model")
     chk.add_argument("corpus", type=Path)
     chk.add_argument("--quick", action="store_true", help="the first 10 traced cases")

@@ -672,3 +672,14 @@ def test_real_capture_ties_allocations_to_operators_and_replays(tmp_path: Path) 
     assert summary["damaged"] == [] and summary["differs"] == []
     assert summary["single_stream_steps"] > 0
     assert summary["matched"] == summary["single_stream_steps"]
+
+
+def test_a_capture_runs_what_no_corpus_traced_on_its_gpu_model_first() -> None:
+    data = ROOT / "benchmarks" / "data" / "cuda_truth"
+    traced = cuda_truth.traced_before("NVIDIA H200", data)
+    # the traced H200 corpus' cases (the summary corpus kept no traces)
+    assert "zoo/gpt2/train/fp32/b1" in traced and "zoo/lstm/infer/fp32/b1" not in traced
+    assert cuda_truth.traced_before("NVIDIA H100 80GB HBM3", data) == set()
+    cases = [{"id": i} for i in ("a", "b", "c", "d")]
+    ordered, moved = cuda_truth.untraced_first(cases, {"a", "c"})
+    assert [c["id"] for c in ordered] == ["b", "d", "a", "c"] and moved == 2
