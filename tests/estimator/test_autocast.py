@@ -311,3 +311,36 @@ def test_a_checkpointed_block_recomputes_with_the_cuda_rules(precision: str) -> 
         loss_fn=lambda out, _batch: out.square().mean(),
     )
     assert est.peak_allocated > 0
+
+
+def test_concurrent_estimates_leave_the_checkpoints_recomputation_as_it_was() -> None:
+    import threading
+
+    import torch.utils.checkpoint as checkpoint
+
+    original = checkpoint._run_fn_with_dynamo_disabled
+    errors: list[BaseException] = []
+
+    def run(device: str) -> None:
+        try:
+            for _ in range(3):
+                vramctl.estimate(
+                    _CheckpointedDropout(),
+                    torch.randn(2, 256, 64),
+                    device=device,
+                    mode="train",
+                    loss_fn=lambda out, _batch: out.square().mean(),
+                )
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(d,)) for d in ("A10G-24GB", "cpu", "T4-16GB")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert checkpoint._run_fn_with_dynamo_disabled is original
+    # a host step afterwards recomputes as the host (no CUDA rule left behind)
+    run("cpu")
+    assert not errors, errors

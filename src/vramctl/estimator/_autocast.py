@@ -30,7 +30,9 @@ fp32 upsampling operators and is cast itself.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -216,6 +218,23 @@ def cuda_autocast() -> Iterator[None]:
         yield
 
 
+#: The function modes the current trace enters around a checkpoint's recomputation, in
+#: the order they were entered (per thread and task: estimates may run concurrently).
+_RECOMPUTE_MODES: contextvars.ContextVar[tuple[Callable[[], TorchFunctionMode], ...]] = (
+    contextvars.ContextVar("vramctl_recompute_modes", default=())
+)
+_PATCH_LOCK = threading.Lock()
+#: How many traces hold the patch, and the function it replaced.
+_patch: dict[str, Any] = {"users": 0, "original": None}
+
+
+def _recompute(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    with contextlib.ExitStack() as es:
+        for mode in _RECOMPUTE_MODES.get():
+            es.enter_context(mode())
+        return _patch["original"](fn, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def recomputed_too(mode: Callable[[], TorchFunctionMode]) -> Iterator[None]:
     """A function mode (made by ``mode``) for a step, activation checkpointing's
@@ -225,22 +244,29 @@ def recomputed_too(mode: Callable[[], TorchFunctionMode]) -> Iterator[None]:
     of the forward (autocast itself is restored by the checkpoint), so the mode is
     entered again around the recomputation; without it the recomputed tensors could
     differ from the saved ones (a dtype, a dropout mask's) and the checkpoint refuse them.
-    Modes entered so nest: each recomputation runs under all of them.
+    Modes entered so nest: each recomputation runs under all of them, in order. The
+    checkpoint's recomputation function is replaced while any trace needs it (counted, so
+    that concurrent estimates in other threads neither lose it nor leave it behind), and
+    the modes it enters are this context's own.
     """
     import torch.utils.checkpoint as checkpoint
 
-    run = getattr(checkpoint, "_run_fn_with_dynamo_disabled", None)
-
-    def recompute(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        with mode():
-            assert run is not None
-            return run(fn, *args, **kwargs)
-
-    if run is not None:
-        checkpoint._run_fn_with_dynamo_disabled = recompute
+    patchable = getattr(checkpoint, "_run_fn_with_dynamo_disabled", None) is not None
+    if patchable:
+        with _PATCH_LOCK:
+            if _patch["users"] == 0:
+                _patch["original"] = checkpoint._run_fn_with_dynamo_disabled
+                checkpoint._run_fn_with_dynamo_disabled = _recompute
+            _patch["users"] += 1
+    token = _RECOMPUTE_MODES.set((*_RECOMPUTE_MODES.get(), mode))
     try:
         with mode():
             yield
     finally:
-        if run is not None:
-            checkpoint._run_fn_with_dynamo_disabled = run
+        _RECOMPUTE_MODES.reset(token)
+        if patchable:
+            with _PATCH_LOCK:
+                _patch["users"] -= 1
+                if _patch["users"] == 0:
+                    checkpoint._run_fn_with_dynamo_disabled = _patch["original"]
+                    _patch["original"] = None

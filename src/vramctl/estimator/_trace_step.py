@@ -23,6 +23,7 @@ from vramctl._errors import VramctlError
 from vramctl._step import call_model
 from vramctl.estimator._autocast import cuda_autocast, recomputed_too
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace, rank_threads
+from vramctl.estimator._cuda_kernels import multiprocessors, reduction_scratch
 from vramctl.estimator._distributed import (
     DDPStandIn,
     fsdp_categories,
@@ -116,7 +117,13 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
         consts.cudnn_workspace_fixed,
         consts.cudnn_workspaces,
     )
-    tracer.workspace = cudnn if session.target.cuda else cpu_workspace
+    if session.target.cuda:
+        cc = session.target.capability
+        tracer.workspace = _CudaScratch(
+            cudnn, multiprocessors(session.target.name, (cc.major, cc.minor) if cc else None)
+        )
+    else:
+        tracer.workspace = cpu_workspace
     tracer.output_bytes = None if session.target.cuda else cpu_output_bytes
     names = {id(m): n for n, m in model.named_modules()}
     root = type(model).__name__
@@ -565,6 +572,21 @@ class _CudnnWorkspace:
             return self.table[key]
         biggest = max(t.untyped_storage().nbytes() for t in outs)
         return min(self.fixed + int(biggest * self.ratio), self.cap)
+
+
+class _CudaScratch:
+    """A CUDA kernel's scratch around an operator: a convolution's cuDNN workspace, a
+    reduction's staging buffer (:mod:`~vramctl.estimator._cuda_kernels`)."""
+
+    def __init__(self, cudnn: _CudnnWorkspace, sms: tuple[int, int]) -> None:
+        self.cudnn, self.sms = cudnn, sms
+
+    def __call__(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
+    ) -> int:
+        return self.cudnn(func, args, kwargs, outs) or reduction_scratch(
+            func, args, kwargs, self.sms
+        )
 
 
 def conv_key(func: Any, args: tuple[Any, ...]) -> str:

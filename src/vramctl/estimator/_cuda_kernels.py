@@ -1,0 +1,276 @@
+"""Scratch memory of PyTorch's CUDA kernels that a host trace cannot see.
+
+A trace runs on the host; where a CUDA kernel asks the caching allocator for scratch that
+the host's kernel does not, the estimate for a CUDA target adds it as a workspace around
+the operator (:class:`~vramctl.estimator._trace.Tracer`'s ``workspace`` hook).
+
+**Reductions.** ``sum`` and ``mean`` run ATen's ``gpu_reduce_kernel`` on CUDA
+(``aten/src/ATen/native/cuda/Reduce.cuh``). Where one output's inputs are many and the
+outputs few, it splits each output's inputs over several thread blocks
+(``ctas_per_output``) and reduces their partial results through a staging buffer in
+global memory, allocated from the caching allocator for the call and freed when it
+returns, with a semaphore per block column. Its size follows the launch configuration
+(``setReduceConfig``), which follows the iterator's layout of the input (its dimensions
+reordered by stride and coalesced, as ``TensorIterator`` does) and the GPU's
+multiprocessors. A reduction over the rows of a channels-last activation (a layer
+scale's or a bias's gradient over N·H·W) takes tens of MiB: on an H200, ConvNeXt-Tiny's
+first-stage bias gradients at batch 4 took 38.5 MB for a 1.5 KB output. This module
+replays that configuration; the sizes it gives are the recorded ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vramctl._errors import VramctlError
+from vramctl.device import gpu_spec
+
+__all__ = ["ReductionScratch", "multiprocessors", "reduction_config", "reduction_scratch"]
+
+_aten = torch.ops.aten
+
+#: The reductions whose scratch is modelled: the operator and where its ``dim`` is.
+_REDUCTIONS = {
+    _aten.sum.dim_IntList: 1,
+    _aten.sum.default: None,
+    _aten.mean.dim: 1,
+    _aten.mean.default: None,
+}
+#: Multiprocessors by catalog GPU (NVIDIA's data sheets; SXM parts where there are two).
+_SMS = {
+    "H200-141GB": 132,
+    "H100-80GB": 132,
+    "A100-80GB": 108,
+    "A100-40GB": 108,
+    "L40S-48GB": 142,
+    "A10G-24GB": 80,
+    "L4-24GB": 58,
+    "RTX4090-24GB": 128,
+    "RTX3090-24GB": 82,
+    "V100-32GB": 80,
+    "V100-16GB": 80,
+    "T4-16GB": 40,
+}
+#: Resident threads per multiprocessor by compute capability (CUDA programming guide).
+_THREADS_PER_SM = {(7, 0): 2048, (7, 5): 1024, (8, 6): 1536, (8, 9): 1536, (12, 0): 1536}
+#: For a GPU not in the catalog: the largest grid any catalog GPU launches (more blocks
+#: per output, a larger buffer), so that the scratch is not under-counted.
+_UNKNOWN = (142, 2048)
+MAX_NUM_THREADS = 512
+WARP = 32
+
+
+def multiprocessors(name: str, capability: tuple[int, int] | None) -> tuple[int, int]:
+    """``(multiprocessors, resident threads per multiprocessor)`` of a target GPU."""
+    try:
+        sms = _SMS.get(gpu_spec(name).name)
+    except (VramctlError, ValueError):
+        sms = None
+    if sms is None:
+        return _UNKNOWN
+    return sms, _THREADS_PER_SM.get(capability or (9, 0), 2048)
+
+
+def _iterator_layout(
+    shape: Sequence[int], strides: Sequence[int], reduced: set[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """The dimensions ``TensorIterator`` runs a reduction over, innermost first: sizes, the
+    input's strides and the output's (0 on reduced dimensions), all in elements. The
+    output is contiguous over the kept dimensions; dimensions are ordered as
+    ``reorder_dimensions`` orders them (reduced ones first, then by the output's and the
+    input's strides) and merged as ``coalesce_dimensions`` merges them."""
+    ndim = len(shape)
+    out = [0] * ndim
+    step = 1
+    for d in reversed(range(ndim)):
+        if d not in reduced:
+            out[d] = step
+            step *= shape[d]
+    operands = (out, list(strides))
+
+    def should_swap(d0: int, d1: int) -> int:
+        for i, st in enumerate(operands):
+            s0, s1 = st[d0], st[d1]
+            if i == 0 and (s0 == 0) != (s1 == 0):  # the output: reduced dimensions first
+                return 1 if s1 == 0 else -1
+            if s0 == 0 or s1 == 0:
+                continue
+            if s0 < s1:
+                return -1
+            if s0 > s1:
+                return 1
+            if shape[d0] > shape[d1]:
+                return 1
+        return 0
+
+    perm = list(reversed(range(ndim)))
+    for i in range(1, ndim):
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            c = should_swap(perm[d0], perm[d1])
+            if c > 0:
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+                d1 = d0
+            elif c < 0:
+                break
+    sizes = [shape[p] for p in perm]
+    st = [[op[p] for p in perm] for op in operands]
+    if not sizes:
+        return [], [], []
+    prev = 0
+    for d in range(1, len(sizes)):
+        if sizes[prev] == 1 or sizes[d] == 1 or all(sizes[prev] * s[prev] == s[d] for s in st):
+            if sizes[prev] == 1:
+                for s in st:
+                    s[prev] = s[d]
+            sizes[prev] *= sizes[d]
+        else:
+            prev += 1
+            if prev != d:
+                for s in st:
+                    s[prev] = s[d]
+                sizes[prev] = sizes[d]
+    n = prev + 1
+    return sizes[:n], st[1][:n], st[0][:n]
+
+
+@dataclass(frozen=True)
+class ReductionScratch:
+    """One reduction's launch, as ``setReduceConfig`` plans it, and the scratch it takes."""
+
+    num_outputs: int
+    inputs_per_output: int
+    block: tuple[int, int]
+    output_vec_size: int
+    ctas_per_output: int
+    #: The staging buffer for the partial results of an output's blocks, in bytes.
+    buffer: int
+    #: The blocks' semaphores, in bytes.
+    semaphores: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer + self.semaphores
+
+
+def reduction_config(
+    shape: Sequence[int],
+    strides: Sequence[int],
+    reduced: Sequence[int],
+    element_size: int,
+    acc_size: int,
+    multiprocessors: tuple[int, int],
+    storage_offset: int = 0,
+    vt0: int = 4,
+) -> ReductionScratch:
+    """The launch of a reduction of a tensor (``shape``, ``strides`` in elements) over the
+    dimensions ``reduced``, whose elements are ``element_size`` bytes and accumulate in
+    ``acc_size`` bytes, on a GPU of ``multiprocessors`` (count, threads each)."""
+    sizes, in_st, out_st = _iterator_layout(shape, strides, set(reduced))
+    numel = math.prod(shape)
+    reduce_dims = 0
+    while reduce_dims < len(sizes) and out_st[reduce_dims] == 0:
+        reduce_dims += 1
+    num_outputs = max(math.prod(sizes[reduce_dims:]), 1)
+    inputs_per_output = numel // num_outputs if num_outputs else 0
+    ndim = len(sizes)
+    if ndim:
+        fastest = reduce_dims == ndim or in_st[0] < in_st[reduce_dims]
+        if fastest:
+            dim0, dim1, moving = inputs_per_output, num_outputs, in_st[0]
+        else:
+            dim0, dim1, moving = num_outputs, inputs_per_output, in_st[reduce_dims]
+    else:
+        fastest, dim0, dim1, moving = True, 1, 1, 1
+    output_vec = 1
+    if moving == 1:
+        if fastest and dim0 > 128 and reduce_dims == 1:
+            dim0 //= vt0  # vectorized along the input
+        elif not fastest:
+            output_vec = 4
+            others = [s for j, s in enumerate(in_st) if j != reduce_dims]
+            for n in (storage_offset, sizes[reduce_dims], *others):
+                while n % output_vec:
+                    output_vec //= 2
+            dim0 //= output_vec
+    most = MAX_NUM_THREADS // output_vec
+
+    def pow2(n: int) -> int:
+        return most if n >= most else max(1, 1 << (max(n, 1).bit_length() - 1))
+
+    width = min(pow2(dim0), WARP)
+    height = min(pow2(dim1), most // width)
+    width = min(pow2(dim0), most // height)
+    threads = width * height
+    step_in = step_out = 1
+    block_x_reduce = ndim == 0 or fastest
+    if block_x_reduce:
+        step_in *= width
+    else:
+        step_out *= width
+
+    def per_thread() -> int:
+        return -(-inputs_per_output // step_in)
+
+    split_warps = per_thread() >= height * 16 or per_thread() >= 256
+    if split_warps:
+        step_in *= height
+    else:
+        step_out *= height
+    sms, per_sm = multiprocessors
+    target = sms * max(per_sm // threads, 1)
+    grid = -(-(num_outputs // output_vec) // step_out)
+    ctas = 1
+    if split_warps and per_thread() >= 256 and grid <= target:
+        ctas = max(min(-(-target // grid), -(-per_thread() // 16)), -(-per_thread() // 256))
+    if ctas <= 1:
+        return ReductionScratch(
+            num_outputs, inputs_per_output, (width, height), output_vec, 1, 0, 0
+        )
+    buffer = acc_size * num_outputs * ctas
+    if not block_x_reduce:
+        buffer *= width * output_vec
+    return ReductionScratch(
+        num_outputs, inputs_per_output, (width, height), output_vec, ctas, buffer, 4 * grid
+    )
+
+
+def reduction_scratch(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], multiprocessors: tuple[int, int]
+) -> int:
+    """The bytes of scratch a CUDA reduction (``sum``, ``mean``) takes for this call; 0 for
+    any other operator, or where the kernel reduces without a staging buffer."""
+    if func not in _REDUCTIONS:
+        return 0
+    x = args[0] if args else kwargs.get("self")
+    if not isinstance(x, torch.Tensor) or x.numel() == 0 or x.numel() >= 2**31:
+        return 0
+    where = _REDUCTIONS[func]
+    dims: Any = None
+    if where is not None:
+        dims = args[where] if len(args) > where else kwargs.get("dim")
+    ndim = x.dim()
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        reduced = set(range(ndim))
+    else:
+        listed = dims if isinstance(dims, (list, tuple)) else [dims]
+        reduced = {int(d) % max(ndim, 1) for d in listed}
+    dtype = kwargs.get("dtype") or x.dtype
+    if x.is_complex() or dtype.is_complex:
+        return 0
+    acc = 8 if torch.float64 in (x.dtype, dtype) or not dtype.is_floating_point else 4
+    cfg = reduction_config(
+        [int(n) for n in x.shape],
+        [int(s) for s in x.stride()],
+        sorted(reduced),
+        x.element_size(),
+        acc,
+        multiprocessors,
+        storage_offset=int(x.storage_offset()),
+    )
+    return cfg.nbytes

@@ -1,0 +1,98 @@
+"""CUDA kernels' scratch that a host trace cannot see: the staging buffers of reductions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import vramctl
+from vramctl.estimator._cuda_kernels import multiprocessors, reduction_config
+
+H200 = multiprocessors("NVIDIA H200", (9, 0))
+
+
+def _contiguous(shape: tuple[int, ...]) -> list[int]:
+    return [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+
+
+@pytest.mark.parametrize(
+    ("shape", "reduced", "buffer", "semaphores"),
+    [
+        # ConvNeXt-Tiny training at batch 4 on the H200 (the traced corpus): the pointwise
+        # layers' bias gradients over N·H·W rows, and the layer scale's over (N, H, W)
+        ((12544, 384), [0], 38535168, 12),
+        ((3136, 768), [0], 19267584, 24),
+        ((4, 56, 56, 96), [0, 1, 2], 2408448, 8),
+        ((4, 28, 28, 192), [0, 1, 2], 4816896, 8),
+    ],
+)
+def test_a_reduction_over_many_rows_takes_the_staging_buffer_the_h200_recorded(
+    shape: tuple[int, ...], reduced: list[int], buffer: int, semaphores: int
+) -> None:
+    cfg = reduction_config(shape, _contiguous(shape), reduced, 4, 4, H200)
+    assert (cfg.buffer, cfg.semaphores) == (buffer, semaphores)
+
+
+@pytest.mark.parametrize(
+    ("shape", "reduced"),
+    [
+        ((512, 768), [0]),  # GPT-2's bias gradients at batch 4 (the H200 recorded none)
+        ((4, 1000), [0, 1]),  # a loss's mean: one block reduces it
+        ((4, 128, 768), [2]),  # a row's sum: the lanes of a block
+    ],
+)
+def test_a_small_or_row_reduction_takes_none(shape: tuple[int, ...], reduced: list[int]) -> None:
+    assert reduction_config(shape, _contiguous(shape), reduced, 4, 4, H200).nbytes == 0
+
+
+def test_the_layout_follows_the_strides_not_the_shape() -> None:
+    # the same reduction over N·H·W of a channels-last NCHW tensor is the (N, H, W, C) one
+    shape, strides = (4, 96, 56, 56), [56 * 56 * 96, 1, 56 * 96, 96]
+    cl = reduction_config(shape, strides, [0, 2, 3], 4, 4, H200)
+    assert cl.buffer == 2408448
+    # contiguous NCHW: each channel's inputs are rows apart; a block's lanes share an output
+    plain = reduction_config(shape, _contiguous(shape), [0, 2, 3], 4, 4, H200)
+    assert plain.buffer != cl.buffer
+
+
+def test_fewer_multiprocessors_split_an_output_over_fewer_blocks() -> None:
+    t4 = multiprocessors("T4-16GB", (7, 5))
+    assert t4 == (40, 1024)
+    small = reduction_config((12544, 384), [384, 1], [0], 4, 4, t4)
+    assert 0 < small.buffer < 38535168
+    # a GPU the catalog does not know takes the largest grid: never fewer bytes
+    assert multiprocessors("24GiB", None) == (142, 2048)
+
+
+class _BiasGradient(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(dim=(0, 1, 2))
+
+
+def test_a_cuda_targets_estimate_holds_the_buffer_during_the_reduction() -> None:
+    x = torch.randn(4, 56, 56, 384)
+    kw = {"mode": "infer", "calibration": False}
+    est = vramctl.estimate(_BiasGradient(), x, device="H200-141GB", **kw)
+    cublas = 4096 * 1024 * 8 + 16 * 1024 * 8  # one handle's, from Hopper
+    assert est.breakdown["workspaces"] == cublas + 38535168 + 12
+    # the host's reduction needs none
+    assert vramctl.estimate(_BiasGradient(), x, device="cpu", **kw).breakdown["workspaces"] == 0
+
+
+@pytest.mark.cuda
+def test_a_gpus_reduction_allocates_the_modelled_buffer() -> None:
+    props = torch.cuda.get_device_properties(0)
+    gpu = (props.multi_processor_count, props.max_threads_per_multi_processor)
+    x = torch.randn(12544, 384, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = x.sum(0)
+    torch.cuda.synchronize()
+    scratch = torch.cuda.max_memory_allocated() - base - 384 * 4 - 512  # output, semaphores
+    del y
+    cfg = reduction_config((12544, 384), [384, 1], [0], 4, 4, gpu)
+    assert scratch == cfg.buffer or (cfg.buffer == 0 and scratch <= 0)
