@@ -257,14 +257,14 @@ def cuda_attention_backends() -> Iterator[None]:
     CUDA's fused kernels take dropout (they keep a random seed, not a mask); the host's
     does not, and would fall back to the math path, which keeps the score matrix and its
     dropout mask. Where the host's fused kernel takes the call without dropout, it runs so
-    (:class:`_FusedDropout`). A mask that needs a gradient sends both devices to the math
+    (:class:`CudaDropout`). A mask that needs a gradient sends both devices to the math
     path, as the recorded H200 steps show (T5's position bias)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     cuda = torch.backends.cuda
     fused = cuda.flash_sdp_enabled() or cuda.mem_efficient_sdp_enabled() or cuda.cudnn_sdp_enabled()
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if fused else [SDPBackend.MATH]
-    with sdpa_kernel(backends), recomputed_too(_FusedDropout):
+    with sdpa_kernel(backends):
         yield
 
 
@@ -321,35 +321,18 @@ def _host_chooses_fused(a: dict[str, Any]) -> bool:
     return bool(choice != 0)  # SDPBackend.MATH is 0
 
 
-class _FusedDropout(TorchFunctionMode):
-    """Attention with dropout on the host's fused kernel, where that kernel takes the
-    call without dropout (see :func:`cuda_attention_backends`)."""
-
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            call = _SDPA.bind(*args, **kwargs)
-            call.apply_defaults()
-            a = call.arguments
-            if a["dropout_p"] > 0 and _host_chooses_fused(a):
-                a["dropout_p"] = 0.0
-                return func(*call.args, **call.kwargs)
-        return func(*args, **kwargs)
-
-
 class CudaDropout(TorchFunctionMode):
-    """While a step for a CUDA GPU is traced on the host, ``F.dropout`` in training takes
-    the kernel it takes on CUDA: ``native_dropout``, which keeps a one-byte mask for
+    """While a step for a CUDA GPU is traced on the host, dropout takes the kernels it
+    takes on CUDA.
+
+    ``F.dropout`` in training runs ``native_dropout``, which keeps a one-byte mask for
     backward. On the host it draws a noise tensor of the input's dtype, multiplies, and
     keeps the noise (four bytes an element in fp32 where CUDA keeps one). In-place dropout
     and a probability of 0 or 1 take the same path on both devices (ATen's
-    ``is_fused_kernel_acceptable``)."""
+    ``is_fused_kernel_acceptable``).
+
+    Attention with dropout runs on the host's fused kernel where that kernel takes the
+    call without dropout (see :func:`cuda_attention_backends`)."""
 
     def __torch_function__(
         self,
@@ -370,6 +353,13 @@ class CudaDropout(TorchFunctionMode):
                 and x.numel() > 0
             ):
                 return torch.native_dropout(x, p, True)[0]
+        elif func is torch.nn.functional.scaled_dot_product_attention:
+            call = _SDPA.bind(*args, **kwargs)
+            call.apply_defaults()
+            a = call.arguments
+            if a["dropout_p"] > 0 and _host_chooses_fused(a):
+                a["dropout_p"] = 0.0
+                return func(*call.args, **call.kwargs)
         return func(*args, **kwargs)
 
 
