@@ -319,6 +319,7 @@ def test_concurrent_estimates_leave_the_checkpoints_recomputation_as_it_was() ->
     import torch.utils.checkpoint as checkpoint
 
     original = checkpoint._run_fn_with_dynamo_disabled
+    to, cuda, resize = nn.Module.to, nn.Module.cuda, torch.UntypedStorage.resize_
     errors: list[BaseException] = []
 
     def run(device: str) -> None:
@@ -341,6 +342,9 @@ def test_concurrent_estimates_leave_the_checkpoints_recomputation_as_it_was() ->
         t.join(timeout=300)
     assert not errors, errors
     assert checkpoint._run_fn_with_dynamo_disabled is original
+    # (each trace's replacements of these were restored out of order before: a later
+    # `module.to("cpu")` in the process skipped `_apply`, and bitsandbytes never quantized)
+    assert (nn.Module.to, nn.Module.cuda, torch.UntypedStorage.resize_) == (to, cuda, resize)
     # a host step afterwards recomputes as the host (no CUDA rule left behind)
     run("cpu")
     assert not errors, errors

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +39,8 @@ import torch
 from torch.nn import _reduction
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
+
+from vramctl.estimator._patch import patched
 
 __all__ = [
     "CUDA_FP32",
@@ -223,16 +224,16 @@ def cuda_autocast() -> Iterator[None]:
 _RECOMPUTE_MODES: contextvars.ContextVar[tuple[Callable[[], TorchFunctionMode], ...]] = (
     contextvars.ContextVar("vramctl_recompute_modes", default=())
 )
-_PATCH_LOCK = threading.Lock()
-#: How many traces hold the patch, and the function it replaced.
-_patch: dict[str, Any] = {"users": 0, "original": None}
 
 
-def _recompute(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    with contextlib.ExitStack() as es:
-        for mode in _RECOMPUTE_MODES.get():
-            es.enter_context(mode())
-        return _patch["original"](fn, *args, **kwargs)
+def _recompute(original: Callable[..., Any]) -> Callable[..., Any]:
+    def run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.ExitStack() as es:
+            for mode in _RECOMPUTE_MODES.get():
+                es.enter_context(mode())
+            return original(fn, *args, **kwargs)
+
+    return run
 
 
 @contextlib.contextmanager
@@ -244,29 +245,17 @@ def recomputed_too(mode: Callable[[], TorchFunctionMode]) -> Iterator[None]:
     of the forward (autocast itself is restored by the checkpoint), so the mode is
     entered again around the recomputation; without it the recomputed tensors could
     differ from the saved ones (a dtype, a dropout mask's) and the checkpoint refuse them.
-    Modes entered so nest: each recomputation runs under all of them, in order. The
-    checkpoint's recomputation function is replaced while any trace needs it (counted, so
-    that concurrent estimates in other threads neither lose it nor leave it behind), and
-    the modes it enters are this context's own.
+    Modes entered so nest: each recomputation runs under all of them, in order, and only
+    in the trace that entered them (:func:`~vramctl.estimator._patch.patched`).
     """
     import torch.utils.checkpoint as checkpoint
 
-    patchable = getattr(checkpoint, "_run_fn_with_dynamo_disabled", None) is not None
-    if patchable:
-        with _PATCH_LOCK:
-            if _patch["users"] == 0:
-                _patch["original"] = checkpoint._run_fn_with_dynamo_disabled
-                checkpoint._run_fn_with_dynamo_disabled = _recompute
-            _patch["users"] += 1
     token = _RECOMPUTE_MODES.set((*_RECOMPUTE_MODES.get(), mode))
     try:
-        with mode():
+        with contextlib.ExitStack() as es:
+            if getattr(checkpoint, "_run_fn_with_dynamo_disabled", None) is not None:
+                es.enter_context(patched(checkpoint, "_run_fn_with_dynamo_disabled", _recompute))
+            es.enter_context(mode())
             yield
     finally:
         _RECOMPUTE_MODES.reset(token)
-        if patchable:
-            with _PATCH_LOCK:
-                _patch["users"] -= 1
-                if _patch["users"] == 0:
-                    checkpoint._run_fn_with_dynamo_disabled = _patch["original"]
-                    _patch["original"] = None

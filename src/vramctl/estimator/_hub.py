@@ -27,7 +27,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from torch import nn
 
 from vramctl._errors import VramctlError
 from vramctl._optional import require
+from vramctl.estimator._patch import patched
 
 __all__ = [
     "TASKS",
@@ -291,14 +292,14 @@ def eager_masks() -> Iterator[None]:
         yield
         return
 
-    def is_tracing(tensor: Any = None) -> bool:
-        return bool(original(None))
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def is_tracing(tensor: Any = None) -> bool:
+            return bool(original(None))
 
-    module.is_tracing = is_tracing  # type: ignore[attr-defined]
-    try:
+        return is_tracing
+
+    with patched(module, "is_tracing", make):
         yield
-    finally:
-        module.is_tracing = original  # type: ignore[attr-defined]
 
 
 # -- reading the configuration -------------------------------------------------------------

@@ -47,6 +47,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from vramctl._tensors import storage, tensors
 from vramctl.estimator._opcost import OpCost, op_cost
+from vramctl.estimator._patch import patched
 
 __all__ = [
     "EagerLinear",
@@ -736,31 +737,30 @@ def no_op_module_to() -> Iterator[None]:
     while the fake mode holds a weak reference to it; a model that casts a submodule in its
     forward (Switch Transformers' router: ``self.classifier.to(self.dtype)``) would not trace.
     """
-    original = nn.Module.to
 
-    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        parsed: Any = torch._C._nn._parse_to(*args, **kwargs)
-        device, dtype, _, memory_format = parsed
-        if device is not None and torch.device(device).type not in ("cpu", "meta"):
-            device = "cpu"  # traced on the host (see _on_host)
-        same = memory_format is None and all(
-            (dtype is None or not t.is_floating_point() or t.dtype == dtype)
-            and (device is None or t.device == torch.device(device))
-            for t in itertools.chain(self.parameters(), self.buffers())
-        )
-        return self if same else original(self, *args, **kwargs)
+    def make_to(original: Callable[..., Any]) -> Callable[..., Any]:
+        def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+            parsed: Any = torch._C._nn._parse_to(*args, **kwargs)
+            device, dtype, _, memory_format = parsed
+            if device is not None and torch.device(device).type not in ("cpu", "meta"):
+                device = "cpu"  # traced on the host (see _on_host)
+            same = memory_format is None and all(
+                (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+                and (device is None or t.device == torch.device(device))
+                for t in itertools.chain(self.parameters(), self.buffers())
+            )
+            return self if same else original(self, *args, **kwargs)
 
-    def cuda(self: nn.Module, device: Any = None) -> nn.Module:
-        return self  # traced on the host (see _on_host)
+        return to
 
-    original_cuda = nn.Module.cuda
-    nn.Module.to = to  # type: ignore[method-assign, assignment]
-    nn.Module.cuda = cuda  # type: ignore[method-assign, assignment]
-    try:
+    def make_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
+        def cuda(self: nn.Module, device: Any = None) -> nn.Module:
+            return self  # traced on the host (see _on_host)
+
+        return cuda
+
+    with patched(nn.Module, "to", make_to), patched(nn.Module, "cuda", make_cuda):
         yield
-    finally:
-        nn.Module.to = original  # type: ignore[method-assign]
-        nn.Module.cuda = original_cuda  # type: ignore[method-assign]
 
 
 class DataDependentError(RuntimeError):
@@ -798,20 +798,14 @@ def _is_inplace(func: Any) -> bool:
 def storage_resizes(tracer: Tracer) -> Iterator[None]:
     """``UntypedStorage.resize_`` seen by ``tracer``: FSDP2 frees a gathered parameter by
     resizing its storage to nothing and allocates it again by resizing it back."""
-    cls = torch.UntypedStorage
-    own = "resize_" in cls.__dict__
-    original = cls.resize_
 
-    def resize_(st: torch.UntypedStorage, size: int) -> Any:
-        out = original(st, size)
-        tracer.resized(st, int(size))
-        return out
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            out = original(st, size)
+            tracer.resized(st, int(size))
+            return out
 
-    cls.resize_ = resize_  # type: ignore[method-assign,assignment]
-    try:
+        return resize_
+
+    with patched(torch.UntypedStorage, "resize_", make):
         yield
-    finally:
-        if own:
-            cls.resize_ = original  # type: ignore[method-assign]
-        else:
-            del cls.resize_
