@@ -178,6 +178,39 @@ def test_a_gloo_reduce_scatter_holds_a_copy_of_its_input() -> None:
     assert dist.reduce_scatter_single is original
 
 
+def test_concurrent_fsdp_estimates_leave_fsdp_and_gloo_as_they_were() -> None:
+    import threading
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    names = ("unshard", "wait_for_unshard", "post_backward")
+    methods = {n: vars(FSDPParamGroup)[n] for n in names}
+    scatter = dist.reduce_scatter_tensor
+    errors: list[BaseException] = []
+    peaks: list[int] = []
+    go = threading.Barrier(3)
+
+    def run() -> None:
+        try:
+            go.wait(timeout=60)
+            for _ in range(3):
+                peaks.append(_est("fsdp:2").peak_allocated)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    # each trace swapped these in and out for the whole process before, and restored them
+    # out of order: a later trace put back an earlier one's wrapper for good
+    assert {n: vars(FSDPParamGroup)[n] for n in names} == methods
+    assert dist.reduce_scatter_tensor is scatter
+    assert len(set(peaks)) == 1 and len(peaks) == 9  # the same step, whichever thread
+
+
 def test_a_process_group_already_there_is_not_replaced() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from vramctl.estimator._parallel import Parallel, ParallelError, parallelize
+from vramctl.estimator._patch import patched
 from vramctl.estimator._trace import StorageRecord, Trace, Tracer
 
 __all__ = [
@@ -207,7 +208,6 @@ def _gloo_reduce_scatter_copies() -> Iterator[None]:
     import torch.distributed as dist
 
     names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
-    originals = {n: getattr(dist, n) for n in names}
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -220,39 +220,37 @@ def _gloo_reduce_scatter_copies() -> Iterator[None]:
 
         return call
 
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(fn))
-    try:
+    with contextlib.ExitStack() as es:
+        for name in names:
+            es.enter_context(patched(dist, name, wrap))
         yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 @contextlib.contextmanager
 def _fsdp_phases(tracer: Tracer, group_class: Any) -> Iterator[None]:
-    patched = {"unshard": "unsharded", "wait_for_unshard": "unsharded", "post_backward": "buckets"}
-    originals: dict[str, Callable[..., Any]] = {n: getattr(group_class, n) for n in patched}
+    categories = {
+        "unshard": "unsharded",
+        "wait_for_unshard": "unsharded",
+        "post_backward": "buckets",
+    }
 
-    def wrap(name: str, category: str) -> Callable[..., Any]:
-        fn = originals[name]
+    def wrap(category: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+                before, tracer.category = tracer.category, category
+                try:
+                    return fn(self, *args, **kwargs)
+                finally:
+                    tracer.category = before
 
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            before, tracer.category = tracer.category, category
-            try:
-                return fn(self, *args, **kwargs)
-            finally:
-                tracer.category = before
+            return method
 
-        return method
+        return make
 
-    for name, cat in patched.items():
-        setattr(group_class, name, wrap(name, cat))
-    try:
+    with contextlib.ExitStack() as es:
+        for name, category in categories.items():
+            es.enter_context(patched(group_class, name, wrap(category)))
         yield
-    finally:
-        for name, fn in originals.items():
-            setattr(group_class, name, fn)
 
 
 def wrap_fake(model: nn.Module, parallel: Parallel) -> DDPStandIn | None:
