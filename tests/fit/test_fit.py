@@ -471,6 +471,29 @@ def test_a_probe_follows_the_reading_of_the_loop_whose_allocations_it_matched() 
     assert follow((100, None))[:2] == (None, None)
 
 
+def test_a_refit_goes_no_further_than_the_first_probes_peak_scaled_to_the_budget() -> None:
+    """A first probe that allocated what no reading predicted refits the estimate. The
+    refit is the estimate's own requests less the missing bytes, not the real step's: it is
+    probed only where the probe's measured peak, scaled to the budget, reaches as far."""
+    from vramctl.fit._fit import _follow
+    from vramctl.fit._search import Probe, Search, scaled
+    from vramctl.fit._seed import Reading, Seed
+
+    def follow(refit_to: int) -> tuple[int | None, list[str]]:
+        reading = Reading(True, 100, False, lambda _b, _a: refit_to, {100: 200_000_000}.get)
+        search = Search(1_000_000_000, None, 1e6, 0.01, None)
+        # 100 samples added 300 MB over the 100 MB held: 300 fit the budget by scaling
+        search.probes.append(Probe(100, 400_000_000, True, 100_000_000, None, 150_000_000))
+        assert scaled(search.probes[0], search.budget) == 300
+        notes: list[str] = []
+        return _follow(search, Seed(100, 1e6, None, (reading,)), notes), notes
+
+    got, notes = follow(320)
+    assert got == 300 and "probing 300 first" in notes[0] and "320" in notes[0]
+    got, notes = follow(280)
+    assert got == 280 and notes == ["refitted the estimate to the first probe's allocations: 280"]
+
+
 def test_a_first_probe_that_allocates_less_than_estimated_refits_the_estimate() -> None:
     """The estimate keeps the model's output through backward; this step does not, so the
     first probe allocates less than predicted. The second probe is the estimate refitted to

@@ -51,7 +51,7 @@ from vramctl.estimator import Step
 from vramctl.fit import _cache
 from vramctl.fit._probe import Prober, preserved, rng_kept
 from vramctl.fit._result import FitError, FitResult
-from vramctl.fit._search import Search
+from vramctl.fit._search import Search, scaled
 from vramctl.fit._seed import Reading, Seed, as_called, batch_structure, estimate_request, predict
 from vramctl.guard import is_oom
 
@@ -381,8 +381,21 @@ def _follow(search: Search, seed: Seed, notes: list[str]) -> int | None:
     if nearest.refit is None:
         return None
     got = _below_ceiling(nearest.refit(b, probe.allocated), search, b)
-    if got is not None:
-        notes.append(f"refitted the estimate to the first probe's allocations: {got}")
+    if got is None:
+        return None
+    # The refit replays the estimate's requests less the bytes the probe did not
+    # allocate; the real step's requests differ in more than those bytes (its loss's
+    # tensors come and go at other times), and the caching allocator packs them
+    # otherwise. Not confirmed by the probe, it goes no further than the probe's own
+    # peak scaled to the budget (a size that fits where the peak is affine and convex).
+    scaled_up = scaled(probe, search.budget) if probe.peak is not None else got
+    if scaled_up < got:
+        notes.append(
+            f"refitted the estimate to the first probe's allocations: {got}; probing "
+            f"{scaled_up} first, the probe's peak scaled to the budget"
+        )
+        return _below_ceiling(scaled_up, search, b)
+    notes.append(f"refitted the estimate to the first probe's allocations: {got}")
     return got
 
 
