@@ -546,6 +546,7 @@ def truth_main(args: argparse.Namespace) -> int:
             not_estimated[case["id"]] = f"{type(exc).__name__}: {exc}".split("\n")[0][:200]
             print(f"{case['id']:<52}  not estimated: {not_estimated[case['id']]}")
             continue
+        first_allocated = est.first_step_peak_allocated or est.peak_allocated
         row = {
             "case": case["id"],
             "allocated": (est.peak_allocated, warm.get(peak_key)),
@@ -553,8 +554,9 @@ def truth_main(args: argparse.Namespace) -> int:
             "device": (est.peak_device, warm.get("nvml_bytes")),
             "device_high": est.peak_device_high,
             # the cold step: the first in a fresh allocator cache (and fresh cuBLAS
-            # workspaces), always the recorded one
-            "allocated_cold": (est.peak_allocated, cold.get("max_allocated")),
+            # workspaces), always the recorded one; its allocated peak against the
+            # estimate's first step (the cuBLAS workspaces made at their first use)
+            "allocated_cold": (first_allocated, cold.get("max_allocated")),
             "reserved_cold": (est.peak_reserved, cold.get("max_reserved")),
             "device_cold": (est.peak_device, cold.get("nvml_bytes")),
             # the warm step's time: its operators' CUDA times summed (traced cases), and

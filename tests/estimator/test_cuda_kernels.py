@@ -96,3 +96,84 @@ def test_a_gpus_reduction_allocates_the_modelled_buffer() -> None:
     del y
     cfg = reduction_config((12544, 384), [384, 1], [0], 4, 4, gpu)
     assert scratch == cfg.buffer or (cfg.buffer == 0 and scratch <= 0)
+
+
+# -- cuBLAS workspaces on a first step ---------------------------------------------------
+
+
+class _HeadAtTheEnd(nn.Module):
+    """Elementwise work with a large temporary, then the one matrix product: a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((x.exp() * 2).mean(dim=1))
+
+
+def test_a_first_step_makes_each_cublas_workspace_at_its_first_product() -> None:
+    from vramctl.estimator._cuda_kernels import CUBLAS_WORKSPACE, first_step
+    from vramctl.estimator._trace import StorageRecord, Trace
+
+    def rec(op: str, phase: str, n: int = 100) -> StorageRecord:
+        return StorageRecord(n, op, "", phase)
+
+    records = [
+        rec(CUBLAS_WORKSPACE, "setup", 1000),  # the forward thread's handle
+        rec(CUBLAS_WORKSPACE, "setup", 1000),  # autograd's device thread's
+        rec("exp", "forward"),
+        rec("addmm", "forward"),
+        rec("mul", "backward"),
+        rec("mm", "backward"),
+        rec("mm", "backward"),
+    ]
+    trace = Trace(events=[0, 1, 2, 3, ~2, 4, 5, 6], records=records)
+    assert first_step(trace).events == [2, 3, 0, ~2, 4, 5, 1, 6]
+    assert trace.events == [0, 1, 2, 3, ~2, 4, 5, 6]  # the loop's trace is left as it was
+    # a handle no product ran on keeps its place (as the loop's)
+    no_products = Trace(events=[0, 2, ~2], records=records)
+    assert first_step(no_products).events == [0, 2, ~2]
+
+
+def test_a_cuda_estimates_first_step_peaks_before_its_cublas_workspace() -> None:
+    x = torch.randn(64, 512, 256)
+    kw = {"mode": "infer", "calibration": False}
+    est = vramctl.estimate(_HeadAtTheEnd(), x, device="H200-141GB", **kw)
+    cublas = 4096 * 1024 * 8 + 16 * 1024 * 8  # one handle's, from Hopper
+    # the loop holds the workspace throughout; the first step makes it after its peak
+    assert est.first_step_peak_allocated is not None
+    assert est.peak_allocated - est.first_step_peak_allocated == cublas
+    assert any("first step allocates" in n for n in est.notes)
+    # where the product comes first, its workspace is live at the first step's peak too
+    first = nn.Sequential(nn.Linear(256, 256), _HeadAtTheEnd())
+    est = vramctl.estimate(first, x, device="H200-141GB", **kw)
+    assert est.first_step_peak_allocated == est.peak_allocated
+    host = vramctl.estimate(_HeadAtTheEnd(), x, device="cpu", **kw)
+    assert host.first_step_peak_allocated is None
+
+
+@pytest.mark.cuda
+def test_a_gpus_first_step_peaks_as_estimated_before_its_cublas_workspace() -> None:
+    model = _HeadAtTheEnd().cuda()
+    x = torch.randn(64, 512, 256, device="cuda")
+    est = vramctl.estimate(model, x, device="cuda:0", mode="infer", calibration=False)
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        pytest.skip("this PyTorch cannot free its cuBLAS workspaces")
+    clear()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        model(x)
+    torch.cuda.synchronize()
+    first = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        model(x)
+    torch.cuda.synchronize()
+    later = torch.cuda.max_memory_allocated()
+    assert est.first_step_peak_allocated is not None
+    assert abs(first - est.first_step_peak_allocated) <= 0.01 * first
+    assert later > first  # the workspace, held from the second step's start

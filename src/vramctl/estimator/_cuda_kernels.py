@@ -16,10 +16,19 @@ multiprocessors. A reduction over the rows of a channels-last activation (a laye
 scale's or a bias's gradient over N·H·W) takes tens of MiB: on an H200, ConvNeXt-Tiny's
 first-stage bias gradients at batch 4 took 38.5 MB for a 1.5 KB output. This module
 replays that configuration; the sizes it gives are the recorded ones.
+
+**cuBLAS workspaces on a first step.** PyTorch gives each (thread, stream) cuBLAS handle a
+workspace from the caching allocator, made by the first matrix product that thread runs
+and kept for the process's life: one for the thread that runs the forward, one for
+autograd's device thread in a training step. A loop's later steps hold both from their
+start, as the estimate does; a first step makes each at its first product, which can come
+after the step's peak (ResNet-50's one product is its classifier, at its end).
+:func:`first_step` moves them there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,8 +38,16 @@ import torch
 
 from vramctl._errors import VramctlError
 from vramctl.device import gpu_spec
+from vramctl.estimator._trace import Trace
 
-__all__ = ["ReductionScratch", "multiprocessors", "reduction_config", "reduction_scratch"]
+__all__ = [
+    "CUBLAS_WORKSPACE",
+    "ReductionScratch",
+    "first_step",
+    "multiprocessors",
+    "reduction_config",
+    "reduction_scratch",
+]
 
 _aten = torch.ops.aten
 
@@ -274,3 +291,56 @@ def reduction_scratch(
         storage_offset=int(x.storage_offset()),
     )
     return cfg.nbytes
+
+
+#: The operator name of a cuBLAS handle's workspace in a trace (one record per handle).
+CUBLAS_WORKSPACE = "cublas workspace"
+#: Operators that run on a cuBLAS handle (matrix products; ``linear`` and ``matmul``
+#: reach them as these).
+_CUBLAS_OPS = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "mv",
+        "addmv",
+        "dot",
+        "vdot",
+        "_addmm_activation",
+        "_int_mm",
+        "_scaled_mm",
+        "_grouped_mm",
+        "_scaled_grouped_mm",
+    }
+)
+
+
+def first_step(trace: Trace) -> Trace:
+    """``trace`` as a process's first step takes it: each cuBLAS workspace made just after
+    the first allocation of a matrix product on its handle's thread (the first handle's:
+    any phase but backward; the second's: backward, on autograd's device thread), instead
+    of held from the start. A handle that no traced product allocated for keeps its place
+    (the loop's). The records are shared with ``trace``."""
+    records = trace.records
+    handles = [e for e in trace.events if e >= 0 and records[e].op == CUBLAS_WORKSPACE]
+    if not handles:
+        return trace
+    # the forward thread's handle, then autograd's device thread's (the backward)
+    in_backward = (False, True)
+    at: dict[int, int] = {}  # event index -> the workspace made after it
+    for sid, backward in zip(handles, in_backward, strict=False):
+        for i, e in enumerate(trace.events):
+            rec = records[e] if e >= 0 else None
+            if rec and rec.op in _CUBLAS_OPS and (rec.phase == "backward") == backward:
+                at[i] = sid
+                break
+    moved = set(at.values())
+    events: list[int] = []
+    for i, e in enumerate(trace.events):
+        if e not in moved:
+            events.append(e)
+        if i in at:
+            events.append(at[i])
+    return dataclasses.replace(trace, events=events)

@@ -143,6 +143,11 @@ class Estimate:
     host_per_rank: int = 0
     #: Host bytes a node needs for its ranks' offloaded state.
     host_per_node: int = 0
+    #: A process's first step, on a GPU: its allocated peak. ``peak_allocated`` is a
+    #: loop's, whose later steps hold the cuBLAS workspaces from their start; the first
+    #: makes each at its first matrix product, possibly after its peak. None where not
+    #: modelled (a CPU target).
+    first_step_peak_allocated: int | None = None
 
     @property
     def budget(self) -> int:
@@ -199,6 +204,7 @@ class Estimate:
             "peak_allocated_bytes": self.peak_allocated,
             "peak_reserved_bytes": self.peak_reserved,
             "peak_device_bytes": self.peak_device,
+            "first_step_peak_allocated_bytes": self.first_step_peak_allocated,
             "device_uncertainty_bytes": self.device_uncertainty,
             "peak_device_high_bytes": self.peak_device_high,
             "breakdown_bytes": dict(self.breakdown),

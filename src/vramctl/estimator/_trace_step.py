@@ -23,7 +23,7 @@ from vramctl._errors import VramctlError
 from vramctl._step import call_model
 from vramctl.estimator._autocast import cuda_autocast, recomputed_too
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace, rank_threads
-from vramctl.estimator._cuda_kernels import multiprocessors, reduction_scratch
+from vramctl.estimator._cuda_kernels import CUBLAS_WORKSPACE, multiprocessors, reduction_scratch
 from vramctl.estimator._distributed import (
     DDPStandIn,
     fsdp_categories,
@@ -182,7 +182,7 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
         if session.target.cuda:
             handles = consts.train_handles if spec.mode == "train" else 1
             for _ in range(handles):
-                _pseudo(tracer, consts.cublas_workspace_bytes, "cublas workspace", "workspaces")
+                _pseudo(tracer, consts.cublas_workspace_bytes, CUBLAS_WORKSPACE, "workspaces")
         held = (
             session.state.values()
             if session.state

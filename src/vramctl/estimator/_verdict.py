@@ -18,6 +18,7 @@ from vramctl.estimator._allocator import (
 )
 from vramctl.estimator._calibration import measured_on
 from vramctl.estimator._cpu_kernels import rank_thread_count
+from vramctl.estimator._cuda_kernels import first_step
 from vramctl.estimator._request import Step
 from vramctl.estimator._result import CATEGORIES, Estimate, no_bf16_note, uncalibrated_note
 from vramctl.estimator._target import Target
@@ -74,6 +75,7 @@ def build_estimate(
     notes: list[str] = []
     retries = {False: 0, True: 0}
     fits = {False: False, True: False}  # at the point estimate, at the safe end
+    first_step_allocated: int | None = None
     uncertainty = 0
     calibrated = True
     profile = None
@@ -83,6 +85,14 @@ def build_estimate(
         allocator_config = allocator_of(target, allocator_config)
         alloc = replay(trace, None, allocator_config, steady=True)
         allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
+        first = replay(first_step(trace), None, allocator_config).peak_allocated
+        first_step_allocated = first
+        if first < allocated:
+            notes.append(
+                f"a process's first step allocates {format_bytes(first)} at its peak: it "
+                "makes each cuBLAS workspace at its first matrix product, where later steps "
+                "hold them from their start (the peaks above are a loop's)"
+            )
         cal = target.calibration
         same_gpu = cal is not None and measured_on(cal, target.name)
         calibrated = same_gpu
@@ -146,6 +156,7 @@ def build_estimate(
         alloc = replay(seen, None, config, steady=True)
         # The device counts its live storages' bytes as allocated (not the blocks').
         allocated, reserved = alloc.peak_requested, alloc.peak_reserved
+        first_step_allocated = allocated  # no workspaces on a simulated GPU
         peak_device = reserved
         fit, retried = _fits_capped(seen, reserved, budget, config)
         fits = dict.fromkeys((False, True), fit)
@@ -249,6 +260,7 @@ def build_estimate(
         world_size=par.world_size if par is not None else 1,
         host_per_rank=host,
         host_per_node=host * ((par.ranks_per_node or par.world_size) if par else 1),
+        first_step_peak_allocated=first_step_allocated,
     )
 
 
