@@ -47,6 +47,9 @@ class GpuSpec:
     bandwidth_gbs: float = 0.0
     #: Host link (PCIe) bandwidth per direction, GB/s.
     host_gbs: float = 0.0
+    #: Streaming multiprocessors (the data sheet's SM count): CUDA kernels size their
+    #: grids, and some their scratch buffers, by it.
+    multiprocessors: int = 0
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; a dtype the GPU has no fast path for runs at
@@ -78,6 +81,7 @@ class GpuSpec:
             "peak_tflops": dict(self.peak_tflops),
             "bandwidth_gbs": self.bandwidth_gbs,
             "host_gbs": self.host_gbs,
+            "multiprocessors": self.multiprocessors,
         }
 
 
@@ -130,6 +134,23 @@ _PEAKS: dict[str, tuple[float, float | None, float | None, float, float, float]]
 }
 
 
+#: Streaming multiprocessors, from NVIDIA's data sheets (SXM parts where there are two).
+_SMS = {
+    "H200-141GB": 132,
+    "H100-80GB": 132,
+    "A100-80GB": 108,
+    "A100-40GB": 108,
+    "L40S-48GB": 142,
+    "A10G-24GB": 80,
+    "L4-24GB": 58,
+    "RTX4090-24GB": 128,
+    "RTX3090-24GB": 82,
+    "V100-32GB": 80,
+    "V100-16GB": 80,
+    "T4-16GB": 40,
+}
+
+
 def _with_peaks(spec: GpuSpec) -> GpuSpec:
     fp32, tf32, bf16, fp16, bandwidth, host = _PEAKS[spec.name]
     rates = {"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": fp16}
@@ -138,6 +159,7 @@ def _with_peaks(spec: GpuSpec) -> GpuSpec:
         peak_tflops=tuple((k, v) for k, v in rates.items() if v is not None),
         bandwidth_gbs=bandwidth,
         host_gbs=host,
+        multiprocessors=_SMS[spec.name],
     )
 
 

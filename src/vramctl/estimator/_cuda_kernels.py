@@ -58,21 +58,6 @@ _REDUCTIONS = {
     _aten.mean.dim: 1,
     _aten.mean.default: None,
 }
-#: Multiprocessors by catalog GPU (NVIDIA's data sheets; SXM parts where there are two).
-_SMS = {
-    "H200-141GB": 132,
-    "H100-80GB": 132,
-    "A100-80GB": 108,
-    "A100-40GB": 108,
-    "L40S-48GB": 142,
-    "A10G-24GB": 80,
-    "L4-24GB": 58,
-    "RTX4090-24GB": 128,
-    "RTX3090-24GB": 82,
-    "V100-32GB": 80,
-    "V100-16GB": 80,
-    "T4-16GB": 40,
-}
 #: Resident threads per multiprocessor by compute capability (CUDA programming guide).
 _THREADS_PER_SM = {(7, 0): 2048, (7, 5): 1024, (8, 6): 1536, (8, 9): 1536, (12, 0): 1536}
 #: For a GPU not in the catalog: the largest grid any catalog GPU launches (more blocks
@@ -85,10 +70,10 @@ WARP = 32
 def multiprocessors(name: str, capability: tuple[int, int] | None) -> tuple[int, int]:
     """``(multiprocessors, resident threads per multiprocessor)`` of a target GPU."""
     try:
-        sms = _SMS.get(gpu_spec(name).name)
+        sms = gpu_spec(name).multiprocessors
     except (VramctlError, ValueError):
-        sms = None
-    if sms is None:
+        sms = 0
+    if not sms:
         return _UNKNOWN
     return sms, _THREADS_PER_SM.get(capability or (9, 0), 2048)
 
