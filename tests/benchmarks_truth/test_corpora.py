@@ -91,8 +91,10 @@ def test_the_h200_rows_give_the_figures_the_gpu_run_printed() -> None:
     Since the profile's one training cuBLAS handle is read as two (the recorded traces show
     two workspaces in every training step), the training rows moved up by 32 MiB: the
     median was then 4.652%. Since a CUDA target's trace runs dropout, attention dropout and
-    cross-entropy as CUDA runs them (2026-11-30), it is 3.601%; the worst under-estimate
-    (LSTM inference) is unchanged.
+    cross-entropy as CUDA runs them (2026-11-30), it is 3.601%. Since LSTMs are run as cuDNN
+    runs them (weight copy, workspace), the worst under-estimate (LSTM inference) is 10.2%,
+    from 37.4%: the rest is the 30 MiB this run's steps held beyond the estimate on every
+    inference row (a workspace carried over from its earlier cases).
     """
     from vramctl.estimator import load_calibration
 
@@ -110,7 +112,7 @@ def test_the_h200_rows_give_the_figures_the_gpu_run_printed() -> None:
     stats = error_stats(pairs)
     assert stats["rows"] == 20
     assert stats["median_pct"] == pytest.approx(3.601, abs=0.1)
-    assert stats["worst_under_pct"] <= 37.5
+    assert stats["worst_under_pct"] <= 10.5
 
 
 def test_every_recorded_training_step_makes_two_cublas_workspaces() -> None:
@@ -153,6 +155,33 @@ def test_a_forced_math_attention_backend_is_priced_with_its_score_matrix(mode: s
     case, est = estimated_row(H200_SUMMARY, f"attention/sdpa/{mode}/amp-bf16/b4/sdpa_backend-math")
     real = case["steps"]["warm"]["max_allocated"]
     assert est.peak_allocated / real - 1 > (-0.22 if mode == "train" else -0.10)
+
+
+@pytest.mark.parametrize(
+    "case_id",
+    [
+        "rnn/lstm/train/fp32/b16",
+        "rnn/gru/train/fp32/b1",
+        "rnn/lstm/infer/fp32/b16",
+        "rnn/gru/infer/fp32/b1",
+        "zoo/lstm/infer/fp32/b4",
+        "zoo/lstm/infer/amp-bf16/b1",
+    ],
+)
+def test_recurrent_layers_are_priced_as_cudnn_runs_them(case_id: str) -> None:
+    """Two-layer LSTMs and GRUs on the H200 (2026-11-27): traced with the host's oneDNN
+    kernels and two cuBLAS workspaces the estimate was 30% short (the LSTM language model's
+    inference) to 62% over (a GRU trained at batch 1: its step makes no cuBLAS workspace).
+    Run as cuDNN runs them (the weights copied into one buffer, its workspace and, in
+    training, its reserve) and without the idle workspaces, every row is within 2%. The
+    workspace and reserve sizes were fitted to these rows (the language model's inference
+    rows were not in the fit of the workspace)."""
+    case, est = estimated_row(H200_SUMMARY, case_id)
+    real = case["steps"]["warm"]["max_allocated"]
+    assert abs(est.peak_allocated / real - 1) < 0.02
+    if case_id.startswith("rnn/"):  # no matrix product: no cuBLAS workspace was made
+        steps = case["steps"]
+        assert steps["warm"]["allocated_before"] == steps["cold"]["allocated_before"]
 
 
 def test_a_recorded_step_sums_gradients_out_of_place() -> None:

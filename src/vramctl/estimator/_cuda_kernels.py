@@ -47,6 +47,7 @@ __all__ = [
     "multiprocessors",
     "reduction_config",
     "reduction_scratch",
+    "without_idle_cublas",
 ]
 
 _aten = torch.ops.aten
@@ -302,25 +303,47 @@ _CUBLAS_OPS = frozenset(
 )
 
 
-def first_step(trace: Trace) -> Trace:
-    """``trace`` as a process's first step takes it: each cuBLAS workspace made just after
-    the first allocation of a matrix product on its handle's thread (the first handle's:
-    any phase but backward; the second's: backward, on autograd's device thread), instead
-    of held from the start. A handle that no traced product allocated for keeps its place
-    (the loop's). The records are shared with ``trace``."""
+def _first_products(trace: Trace) -> dict[int, int]:
+    """Event index of each cuBLAS handle's first product -> that handle's workspace record
+    (the first handle's: any phase but backward; the second's: the backward)."""
     records = trace.records
     handles = [e for e in trace.events if e >= 0 and records[e].op == CUBLAS_WORKSPACE]
-    if not handles:
-        return trace
     # the forward thread's handle, then autograd's device thread's (the backward)
     in_backward = (False, True)
-    at: dict[int, int] = {}  # event index -> the workspace made after it
+    at: dict[int, int] = {}
     for sid, backward in zip(handles, in_backward, strict=False):
         for i, e in enumerate(trace.events):
             rec = records[e] if e >= 0 else None
             if rec and rec.op in _CUBLAS_OPS and (rec.phase == "backward") == backward:
                 at[i] = sid
                 break
+    return at
+
+
+def without_idle_cublas(trace: Trace) -> None:
+    """Take out of ``trace`` (in place) each cuBLAS workspace whose thread ran no matrix
+    product: PyTorch makes a handle's workspace at its first product, and a step of cuDNN
+    RNNs and elementwise work alone makes none (the recorded H200 steps of LSTMs and GRUs
+    allocated none)."""
+    records = trace.records
+    used = set(_first_products(trace).values())
+    idle = {
+        e for e in trace.events if e >= 0 and records[e].op == CUBLAS_WORKSPACE and e not in used
+    }
+    if idle:
+        trace.events[:] = [e for e in trace.events if (e if e >= 0 else ~e) not in idle]
+
+
+def first_step(trace: Trace) -> Trace:
+    """``trace`` as a process's first step takes it: each cuBLAS workspace made just after
+    the first allocation of a matrix product on its handle's thread (the first handle's:
+    any phase but backward; the second's: backward, on autograd's device thread), instead
+    of held from the start. A handle that no traced product allocated for keeps its place
+    (the loop's; :func:`without_idle_cublas` takes it out). The records are shared with
+    ``trace``."""
+    at = _first_products(trace)  # event index -> the workspace made after it
+    if not at:
+        return trace
     moved = set(at.values())
     events: list[int] = []
     for i, e in enumerate(trace.events):

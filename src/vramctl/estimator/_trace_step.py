@@ -23,7 +23,13 @@ from vramctl._errors import VramctlError
 from vramctl._step import call_model
 from vramctl.estimator._autocast import cuda_autocast, recomputed_too
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace, rank_threads
-from vramctl.estimator._cuda_kernels import CUBLAS_WORKSPACE, multiprocessors, reduction_scratch
+from vramctl.estimator._cuda_kernels import (
+    CUBLAS_WORKSPACE,
+    multiprocessors,
+    reduction_scratch,
+    without_idle_cublas,
+)
+from vramctl.estimator._cuda_rnn import CudnnRnn
 from vramctl.estimator._distributed import (
     DDPStandIn,
     fsdp_categories,
@@ -171,6 +177,7 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
         if session.target.cuda:
             es.enter_context(cuda_attention_backends())
             es.enter_context(recomputed_too(CudaDropout))
+            es.enter_context(recomputed_too(lambda: CudnnRnn(tracer)))
         es.enter_context(tracer)
         es.enter_context(storage_resizes(tracer))
         if session.parallel is not None and session.parallel.strategy == "fsdp":
@@ -238,6 +245,8 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
             ) from exc
         del fake_batch
     tracer.trace.workspace_keys = cudnn.keys
+    if session.target.cuda:
+        without_idle_cublas(tracer.trace)
     categories = _categorize(tracer.trace, param_ids, grads, states, inputs)
     if session.parallel is not None and session.parallel.zero_stage is not None:
         return _zero(session, tracer.trace, categories, batch_size, cudnn.calls > 0)

@@ -1,0 +1,125 @@
+"""Recurrent layers as cuDNN runs them on a CUDA target (estimator/_cuda_rnn.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import vramctl
+from vramctl.estimator._cuda_rnn import WORKSPACE_FIXED, RnnCall
+
+H200 = "H200-141GB"
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell: type[nn.Module], head: bool = False) -> None:
+        super().__init__()
+        self.rnn = cell(64, 128, num_layers=2, batch_first=True)
+        self.head = nn.Linear(128, 10) if head else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.rnn(x)[0]
+        return self.head(y) if self.head is not None else y
+
+
+def _loss(out: torch.Tensor, _batch: object) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def _estimate(model: nn.Module, mode: str, device: str = H200, **kw: object) -> vramctl.Estimate:
+    return vramctl.estimate(
+        model,
+        torch.randn(8, 32, 64),
+        device=device,
+        mode=mode,
+        calibration=False,
+        loss_fn=_loss,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_the_call_takes_cudnns_sizes() -> None:
+    call = RnnCall("lstm", 2, 1, True, True, torch.float32, 2, 128, 16, 256, 512)
+    # the workspace: the fixed part, then per sample and step one layer's gates, one
+    # layer's output and the input; the reserve: 5.5 hidden vectors per step and layer
+    assert call.workspace_bytes() == WORKSPACE_FIXED + 16 * 128 * (5 * 512 + 256) * 4
+    assert call.reserve_bytes() == 16 * 128 * int(5.5 * 512 * 2) * 4
+    inference = RnnCall("gru", 2, 1, True, False, torch.bfloat16, 1, 128, 16, 256, 512)
+    assert inference.reserve_bytes() == 0
+    assert inference.workspace_bytes() == WORKSPACE_FIXED + 16 * 128 * (4 * 512 + 256) * 2
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_a_cuda_target_runs_the_recurrent_layer_as_cudnn(cell: type[nn.Module], mode: str) -> None:
+    est = _estimate(Recurrent(cell), mode)
+    host = _estimate(Recurrent(cell), mode, device="cpu")
+    # cuDNN's workspace alone is larger than the host's whole step here
+    assert est.peak_allocated > WORKSPACE_FIXED > host.peak_allocated
+    assert est.breakdown["workspaces"] >= WORKSPACE_FIXED or mode == "train"
+    if mode == "train":  # the parameters' gradients came back (views of one buffer)
+        assert est.breakdown["gradients"] > 0 or est.breakdown["optimizer"] > 0
+
+
+def test_a_step_with_no_matrix_product_makes_no_cublas_workspace() -> None:
+    cublas = 4096 * 1024 * 8 + 16 * 1024 * 8  # one handle's, from Hopper
+    without = _estimate(Recurrent(nn.GRU), "infer")
+    with_head = _estimate(Recurrent(nn.GRU, head=True), "infer")
+    head_output = 8 * 32 * 10 * 4
+    # the head's product makes the workspace (and the head its output, after the GRU's peak)
+    assert with_head.peak_allocated - without.peak_allocated >= cublas
+    assert with_head.peak_allocated - without.peak_allocated <= cublas + head_output + 8192
+
+
+def test_a_host_target_keeps_the_hosts_kernels() -> None:
+    from vramctl.estimator._cuda_rnn import CudnnRnn
+
+    rnn = nn.LSTM(8, 16, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    expected = rnn(x)
+    with CudnnRnn():  # outside a trace the values would be garbage: shapes only
+        out, (h, c) = rnn(x)
+    assert out.shape == expected[0].shape and h.shape == expected[1][0].shape
+    assert c.shape == expected[1][1].shape
+    # packed sequences take the host's path
+    packed = nn.utils.rnn.pack_padded_sequence(x, [5, 3], batch_first=True)
+    with CudnnRnn():
+        out_packed, _ = rnn(packed)
+    assert torch.equal(out_packed.data, rnn(packed)[0].data)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_a_gpus_lstm_step_peaks_as_estimated(mode: str) -> None:
+    torch.manual_seed(0)
+    model = nn.LSTM(256, 512, num_layers=2, batch_first=True).cuda().train(mode == "train")
+    x = torch.randn(16, 128, 256, device="cuda")
+    opt = torch.optim.AdamW(model.parameters()) if mode == "train" else None
+    est = vramctl.estimate(
+        model,
+        x,
+        device="cuda:0",
+        mode=mode,
+        calibration=False,
+        loss_fn=lambda out, _b: out[0].float().square().mean(),
+        optimizer="adamw",
+    )
+
+    def step() -> None:
+        if opt is None:
+            with torch.no_grad():
+                model(x)
+            return
+        model(x)[0].float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # the optimizer's state, as the estimate holds it
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    real = torch.cuda.max_memory_allocated()
+    # the sizes were fitted on an H200; other GPUs' cuDNN may choose other workspaces
+    assert abs(est.peak_allocated / real - 1) < 0.05
