@@ -303,15 +303,18 @@ _CUBLAS_OPS = frozenset(
 )
 
 
+#: The threads whose cuBLAS handles a step's workspace records stand for, in order: the
+#: forward's (and the optimizer's), then autograd's device thread's (the backward: True).
+_THREADS = (False, True)
+
+
 def _first_products(trace: Trace) -> dict[int, int]:
     """Event index of each cuBLAS handle's first product -> that handle's workspace record
     (the first handle's: any phase but backward; the second's: the backward)."""
     records = trace.records
     handles = [e for e in trace.events if e >= 0 and records[e].op == CUBLAS_WORKSPACE]
-    # the forward thread's handle, then autograd's device thread's (the backward)
-    in_backward = (False, True)
     at: dict[int, int] = {}
-    for sid, backward in zip(handles, in_backward, strict=False):
+    for sid, backward in zip(handles, _THREADS, strict=False):
         for i, e in enumerate(trace.events):
             rec = records[e] if e >= 0 else None
             if rec and rec.op in _CUBLAS_OPS and (rec.phase == "backward") == backward:
@@ -327,9 +330,9 @@ def without_idle_cublas(trace: Trace) -> None:
     allocated none)."""
     records = trace.records
     used = set(_first_products(trace).values())
-    idle = {
-        e for e in trace.events if e >= 0 and records[e].op == CUBLAS_WORKSPACE and e not in used
-    }
+    handles = [e for e in trace.events if e >= 0 and records[e].op == CUBLAS_WORKSPACE]
+    # the two threads' handles; any more a profile counts are not tied to a thread here
+    idle = {e for e in handles[: len(_THREADS)] if e not in used}
     if idle:
         trace.events[:] = [e for e in trace.events if (e if e >= 0 else ~e) not in idle]
 

@@ -90,8 +90,8 @@ def build_estimate(
         if first < allocated:
             notes.append(
                 f"a process's first step allocates {format_bytes(first)} at its peak: it "
-                "makes each cuBLAS workspace at its first matrix product, where later steps "
-                "hold them from their start (the peaks above are a loop's)"
+                "makes each cuBLAS workspace at its first matrix product, and the steps "
+                "after it hold them from their start (the peaks above are a loop's)"
             )
         cal = target.calibration
         same_gpu = cal is not None and measured_on(cal, target.name)
