@@ -79,7 +79,7 @@ class RnnCall:
 
     @property
     def _size(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 def rnn_call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RnnCall | None:
