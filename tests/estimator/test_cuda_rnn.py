@@ -123,3 +123,22 @@ def test_a_gpus_lstm_step_peaks_as_estimated(mode: str) -> None:
     real = torch.cuda.max_memory_allocated()
     # the sizes were fitted on an H200; other GPUs' cuDNN may choose other workspaces
     assert abs(est.peak_allocated / real - 1) < 0.05
+
+
+def test_a_gpu_holds_each_recurrent_layers_weights_in_one_buffer() -> None:
+    from vramctl.estimator._cuda_rnn import flat_weight_bytes
+
+    model = nn.Sequential(nn.Linear(4, 64), nn.LSTM(64, 32, num_layers=2), nn.GRU(32, 16))
+    flat = flat_weight_bytes(model)
+    lstm = sum(p.numel() * 4 for p in model[1].parameters())
+    gru = sum(p.numel() * 4 for p in model[2].parameters())
+    assert flat["1.weight_ih_l0"] == lstm and flat["2.weight_ih_l0"] == gru
+    assert sum(flat.values()) == lstm + gru  # the other weights are views of those buffers
+    assert "0.weight" not in flat  # not a recurrent layer
+    # the estimate's parameters are the same bytes, held as the buffers
+    est = vramctl.estimate(
+        Recurrent(nn.LSTM), torch.randn(2, 8, 64), device=H200, mode="infer", calibration=False
+    )
+    assert est.breakdown["parameters"] == sum(
+        p.numel() * 4 for p in Recurrent(nn.LSTM).parameters()
+    )

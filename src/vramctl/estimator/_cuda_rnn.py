@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["RESERVE_PER_STEP", "WORKSPACE_FIXED", "CudnnRnn", "rnn_call"]
+__all__ = ["RESERVE_PER_STEP", "WORKSPACE_FIXED", "CudnnRnn", "flat_weight_bytes", "rnn_call"]
 
 #: Gates per cell (the rows of a weight matrix, in hidden sizes).
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -231,3 +231,28 @@ class CudnnRnn(TorchFunctionMode):
                 outs = _CudnnRnnStep.apply(call, self.tracer, x, *states, *params)  # type: ignore[no-untyped-call]
                 return tuple(outs)
         return func(*args, **kwargs)
+
+
+def flat_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Each recurrent layer's weights as a GPU holds them: ``nn.LSTM``/``GRU``/``RNN`` on
+    CUDA copy their weights into one buffer when built or moved there
+    (``flatten_parameters``), and the parameters become views of it. Maps each such
+    weight's name to the buffer's bytes for the layer's first weight, 0 for the others
+    (a layer whose weights differ in dtype, or are not floating, stays as it is)."""
+    out: dict[str, int] = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, torch.nn.RNNBase):
+            continue
+        names = [n for n in module._flat_weights_names if getattr(module, n, None) is not None]
+        weights = [getattr(module, n) for n in names]
+        dtypes = {w.dtype for w in weights}
+        if not weights or len(dtypes) != 1 or dtypes.pop() not in _CUDNN_DTYPES:
+            continue
+        total = sum(w.numel() * w.element_size() for w in weights)
+        full = [f"{prefix}.{n}" if prefix else n for n in names]
+        out.update(dict.fromkeys(full, 0))
+        out[full[0]] = total
+    return out
+
+
+_CUDNN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

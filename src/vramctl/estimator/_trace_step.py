@@ -29,7 +29,7 @@ from vramctl.estimator._cuda_kernels import (
     reduction_scratch,
     without_idle_cublas,
 )
-from vramctl.estimator._cuda_rnn import CudnnRnn
+from vramctl.estimator._cuda_rnn import CudnnRnn, flat_weight_bytes
 from vramctl.estimator._distributed import (
     DDPStandIn,
     fsdp_categories,
@@ -191,12 +191,17 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
             for _ in range(handles):
                 _pseudo(tracer, consts.cublas_workspace_bytes, CUBLAS_WORKSPACE, "workspaces")
         held = (
-            session.state.values()
+            list(session.state.items())
             if session.state
-            else [local(t) for t in (*model.parameters(), *model.buffers())]
+            else [(n, local(t)) for n, t in (*model.named_parameters(), *model.named_buffers())]
         )
-        for t in held:
-            sid = tracer.register(t)
+        # on a GPU, each recurrent layer's weights are one buffer (``flatten_parameters``)
+        flat = flat_weight_bytes(model) if session.target.cuda else {}
+        for name, t in held:
+            size = flat.get(name)
+            if size == 0:  # in the buffer an earlier weight of its layer stands for
+                continue
+            sid = tracer.register(t, nbytes=size)
             if sid is not None:
                 param_ids.add(sid)
         if session.ddp is not None:
