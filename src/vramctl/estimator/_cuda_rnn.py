@@ -98,9 +98,9 @@ def rnn_call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RnnCal
     ):
         return None
     dtype = x.dtype
-    if torch.is_autocast_enabled("cpu") and dtype in (torch.float32, torch.bfloat16, torch.float16):
+    if torch.is_autocast_enabled("cpu") and dtype in _CUDNN_DTYPES:
         dtype = torch.get_autocast_dtype("cpu")
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if dtype not in _CUDNN_DTYPES:
         return None
     steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
     return RnnCall(
@@ -130,6 +130,13 @@ def _workspace(x: torch.Tensor, call: RnnCall, tracer: Any) -> torch.Tensor:
             tracer.category = before
 
 
+def _time_major(x: torch.Tensor, call: RnnCall) -> torch.Tensor:
+    """The input as cuDNN takes it: in the call's dtype, time-major and contiguous (a copy
+    where it was not already)."""
+    xin = x if x.dtype == call.dtype else x.to(call.dtype)
+    return (xin.transpose(0, 1) if call.batch_first else xin).contiguous()
+
+
 class _CudnnRnnStep(torch.autograd.Function):
     """``_cudnn_rnn`` and its backward, by their allocations (the values are not computed:
     a trace's tensors have none)."""
@@ -144,16 +151,14 @@ class _CudnnRnnStep(torch.autograd.Function):
         ctx.input_dtype = x.dtype
         # autocast casts the input and each weight for the call
         casts = [w.to(call.dtype) for w in weights if w.dtype != call.dtype]
-        xin = x if x.dtype == call.dtype else x.to(call.dtype)
-        time_major = xin.transpose(0, 1) if call.batch_first else xin
-        contiguous = time_major.contiguous()
+        time_major = _time_major(x, call)
         out_features = states[0].shape[-1] * call.directions
         y = x.new_empty((call.steps, call.batch, out_features), dtype=call.dtype)
         finals = [s.new_empty(s.shape, dtype=call.dtype) for s in states]
         weight_buf = x.new_empty((sum(w.numel() for w in weights),), dtype=call.dtype)
         workspace = _workspace(x, call, tracer)
         reserve = x.new_empty((call.reserve_bytes(),), dtype=torch.uint8) if call.train else None
-        del workspace, contiguous, casts, xin
+        del workspace, time_major, casts
         if call.train:
             ctx.shapes = [w.shape for w in weights]
             ctx.save_for_backward(x, weight_buf, reserve, y, *states)
@@ -172,8 +177,7 @@ class _CudnnRnnStep(torch.autograd.Function):
         ]
         # backward data: the input and the output's gradient time-major and contiguous
         # (copies that live for the call), the input's and the states' gradients
-        xin = x if x.dtype == call.dtype else x.to(call.dtype)
-        time_major = (xin.transpose(0, 1) if call.batch_first else xin).contiguous()
+        time_major = _time_major(x, call)
         g = grad_out.transpose(0, 1) if call.batch_first else grad_out
         dy = g.to(call.dtype).contiguous()
         dx = x.new_empty((call.steps, call.batch, call.input_size), dtype=call.dtype)
@@ -182,10 +186,10 @@ class _CudnnRnnStep(torch.autograd.Function):
         del workspace, dy, time_major
         # backward weights: the input again, one zeroed buffer for the weights' gradient
         # (the parameters' gradients are views of it), the workspace again
-        time_major = (xin.transpose(0, 1) if call.batch_first else xin).contiguous()
+        time_major = _time_major(x, call)
         dw = weight_buf.new_zeros(weight_buf.shape)
         workspace = _workspace(x, call, ctx.tracer)
-        del workspace, time_major, xin, zeros
+        del workspace, time_major, zeros
         grads: list[torch.Tensor] = []
         at = 0
         for shape, dtype in zip(ctx.shapes, ctx.weight_dtypes, strict=True):
