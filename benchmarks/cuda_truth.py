@@ -4,7 +4,7 @@
     python benchmarks/cuda_truth.py capture --out DIR --simulate --quick
     python benchmarks/cuda_truth.py check DIR          # the allocator model on each trace
     python benchmarks/cuda_truth.py diff DIR CASE      # the estimator's stream against it
-    python benchmarks/cuda_truth.py workspaces DIR [--write]  # recorded cuDNN workspaces
+    python benchmarks/cuda_truth.py workspaces DIR [--write] [--into DIR2]  # cuDNN workspaces
     python benchmarks/cuda_truth.py cases              # the cases a capture runs, in order
 
 ``capture`` runs each case (benchmarks/_truth/cases.py: the zoo, RNNs, the SDPA backends,
@@ -34,7 +34,9 @@ recorded: under the recorder's dispatch mode, where autograd sums gradients out 
 with the estimator's key for that call (its shapes and arguments, ``conv_key``); with
 ``--write`` the table goes into the corpus' calibration.json (``constants.cudnn_workspaces``),
 where estimates with that profile take a recorded call's workspace in place of the
-calibrated line (the upper envelope over all convolutions measured).
+calibrated line (the upper envelope over all convolutions measured); ``--into DIR`` also
+into another corpus' profile, where that corpus was recorded on the same GPU with the same
+driver, torch, CUDA and cuDNN (a capture whose traces did not come back).
 
 The last line printed is one JSON object with the figures.
 """
@@ -397,17 +399,34 @@ def workspaces(args: argparse.Namespace) -> int:
         "keys": len(table),
         "skipped": skipped,
     }
-    if args.write:
-        path = Path(args.corpus) / "calibration.json"
+    for target in ([args.corpus] if args.write else []) + list(args.into or []):
+        path = Path(target) / "calibration.json"
         if not path.is_file():
-            print(f"workspaces: {args.corpus} has no calibration.json to carry the table")
+            print(f"workspaces: {target} has no calibration.json to carry the table")
             return 2
+        if Path(target) != Path(args.corpus):
+            differs = _software_differs(index, corpus.load_index(target))
+            if differs:
+                print(f"workspaces: {target} was recorded with other {differs}", file=sys.stderr)
+                return 2
         doc = json.loads(path.read_text())
         doc.setdefault("constants", {})["cudnn_workspaces"] = dict(sorted(table.items()))
         path.write_text(json.dumps(doc, indent=2) + "\n")
-        summary["written"] = str(path)
+        summary.setdefault("written", []).append(str(path))
         print(f"written to {path}")
     return _common.finish(summary, True)
+
+
+#: What a convolution's cuDNN workspace depends on besides the call: the GPU and the
+#: software that picks the algorithm.
+_WORKSPACE_SOFTWARE = ("gpu", "capability", "driver", "torch", "cuda", "cudnn", "cudnn_benchmark")
+
+
+def _software_differs(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """The environment fields (GPU and software) two corpora were recorded with that
+    differ, comma-separated; empty where they match."""
+    ea, eb = a["environment"], b["environment"]
+    return ", ".join(k for k in _WORKSPACE_SOFTWARE if ea.get(k) != eb.get(k))
 
 
 # -- diff ------------------------------------------------------------------------------------
@@ -563,6 +582,14 @@ def main(argv: list[str] | None = None) -> int:
         "--write",
         action="store_true",
         help="put the table into the corpus' calibration.json (constants.cudnn_workspaces)",
+    )
+    wsp.add_argument(
+        "--into",
+        type=Path,
+        action="append",
+        metavar="DIR",
+        help="also put it into DIR's calibration.json: a corpus of the same GPU and software "
+        "whose traces did not come back (refused where they differ); may be repeated",
     )
     lst = sub.add_parser("cases", help="the cases a capture runs, in order")
     lst.add_argument("--simulate", action="store_true", help="those a simulated capture runs")

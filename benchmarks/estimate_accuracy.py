@@ -461,6 +461,13 @@ def truth_calibration(root: Any, index: dict[str, Any]) -> tuple[Calibration, st
     )
 
 
+def _held_bytes(step: dict[str, Any], cal: Calibration) -> int:
+    """Bytes a recorded step's process held from earlier cases beyond what the step makes
+    itself: ``held_cublas_workspaces`` workspaces of the profile's size (a summary corpus
+    whose harness ran every case in one process says so per step; 0 for any other)."""
+    return int(step.get("held_cublas_workspaces") or 0) * cal.cublas_workspace_bytes
+
+
 def _gpu_seconds(root: Any, case: dict[str, Any]) -> float | None:
     """The warm step's operators' CUDA times summed (None for a case kept without its
     trace, or one recorded untimed)."""
@@ -547,18 +554,21 @@ def truth_main(args: argparse.Namespace) -> int:
             print(f"{case['id']:<52}  not estimated: {not_estimated[case['id']]}")
             continue
         first_allocated = est.first_step_peak_allocated or est.peak_allocated
+        # what the capture's process held from earlier cases, beyond the step's own
+        held = _held_bytes(warm, cal)
+        held_cold = _held_bytes(cold, cal)
         row = {
             "case": case["id"],
-            "allocated": (est.peak_allocated, warm.get(peak_key)),
-            "reserved": (est.peak_reserved, warm.get(reserved_key)),
-            "device": (est.peak_device, warm.get("nvml_bytes")),
-            "device_high": est.peak_device_high,
+            "allocated": (est.peak_allocated + held, warm.get(peak_key)),
+            "reserved": (est.peak_reserved + held, warm.get(reserved_key)),
+            "device": (est.peak_device + held, warm.get("nvml_bytes")),
+            "device_high": est.peak_device_high + held,
             # the cold step: the first in a fresh allocator cache (and fresh cuBLAS
             # workspaces), always the recorded one; its allocated peak against the
             # estimate's first step (the cuBLAS workspaces made at their first use)
-            "allocated_cold": (first_allocated, cold.get("max_allocated")),
-            "reserved_cold": (est.peak_reserved, cold.get("max_reserved")),
-            "device_cold": (est.peak_device, cold.get("nvml_bytes")),
+            "allocated_cold": (first_allocated + held_cold, cold.get("max_allocated")),
+            "reserved_cold": (est.peak_reserved + held_cold, cold.get("max_reserved")),
+            "device_cold": (est.peak_device + held_cold, cold.get("nvml_bytes")),
             # the warm step's time: its operators' CUDA times summed (traced cases), and
             # its wall time; both under the capture's per-call recording
             "gpu_time": (est.step_seconds, _gpu_seconds(args.truth, case)),

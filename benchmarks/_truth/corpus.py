@@ -70,6 +70,10 @@ FIGURES = (
     "alloc_retries",
     "wall_s",
     "step_s",
+    # a count: the cuBLAS workspaces the process held from earlier cases when the step
+    # began, beyond those the step makes itself (a summary of a harness that ran every case
+    # in one process and freed no workspace between them: the 2026-11-25 rows)
+    "held_cublas_workspaces",
 )
 
 

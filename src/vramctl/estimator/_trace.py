@@ -223,6 +223,12 @@ class Tracer(TorchDispatchMode):
         self.workspace: (
             Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Tensor]], int] | None
         ) = None
+        #: Bytes of each intermediate a composite kernel makes after its outputs and frees
+        #: before it returns, in order (empty: none).
+        self.intermediates: (
+            Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Tensor]], tuple[int, ...]]
+            | None
+        ) = None
         #: The real bytes of an operator's outputs where its fake outputs understate them.
         self.output_bytes: (
             Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Tensor]], list[int] | None]
@@ -262,6 +268,23 @@ class Tracer(TorchDispatchMode):
         self._cells[st] = cell
         weakref.finalize(st, self._freed_cell, cell)
         return sid
+
+    def _intermediates(self, op: str, sizes: tuple[int, ...]) -> None:
+        """Records of a composite kernel's intermediates, made in order after its outputs
+        and all freed before it returns."""
+        if not self.record or not sizes:
+            return
+        made = []
+        for n in sizes:
+            sid = len(self.trace.records)
+            self.trace.records.append(
+                StorageRecord(n, op, self.module, self.phase, category="temporaries")
+            )
+            self.trace.events.append(sid)
+            made.append(sid)
+        for sid in made:
+            self.trace.events.append(~sid)
+            self.trace.records[sid].freed_phase = self.phase
 
     def _allocated(self, nbytes: int, op: str) -> int:
         """A new record of ``nbytes`` made now by ``op``, and its allocation event."""
@@ -363,6 +386,8 @@ class Tracer(TorchDispatchMode):
         if ws > 0:
             self.trace.events.append(~sid)
             self.trace.records[sid].freed_phase = self.phase
+        if self.intermediates is not None and not self.host:
+            self._intermediates(name, self.intermediates(func, args, kwargs, outs))
         if self.record:
             phase = "host" if self.host else self.phase
             self.trace.costs.append(

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from vramctl._errors import VramctlError
 from vramctl._step import call_model
 from vramctl.estimator._autocast import cuda_autocast, recomputed_too
+from vramctl.estimator._composite import composite_intermediates
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace, rank_threads
 from vramctl.estimator._cuda_kernels import (
     CUBLAS_WORKSPACE,
@@ -130,6 +131,7 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
         )
     else:
         tracer.workspace = cpu_workspace
+    tracer.intermediates = composite_intermediates
     tracer.output_bytes = None if session.target.cuda else cpu_output_bytes
     names = {id(m): n for n, m in model.named_modules()}
     root = type(model).__name__
