@@ -463,9 +463,10 @@ def truth_calibration(root: Any, index: dict[str, Any]) -> tuple[Calibration, st
 
 def _held_bytes(step: dict[str, Any], cal: Calibration) -> int:
     """Bytes a recorded step's process held from earlier cases beyond what the step makes
-    itself: ``held_cublas_workspaces`` workspaces of the profile's size (a summary corpus
-    whose harness ran every case in one process says so per step; 0 for any other)."""
-    return int(step.get("held_cublas_workspaces") or 0) * cal.cublas_workspace_bytes
+    itself: ``held_cublas_workspaces`` cuBLAS workspaces of the profile's size (a summary
+    corpus whose harness ran every case in one process says so per step; 0 for any
+    other)."""
+    return int(step.get("held_cublas_workspaces") or 0) * cal.cublas_split()[0]
 
 
 def _gpu_seconds(root: Any, case: dict[str, Any]) -> float | None:

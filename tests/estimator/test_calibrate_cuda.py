@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,10 @@ def test_context_and_workspaces_are_measured(cal: Calibration) -> None:
     assert cal.measurements["cublas"]["backward_first"] is True
     assert cal.measurements["cublas"]["backward_extra"] >= cal.cublas_workspace_bytes
     assert cal.train_handles == 2
+    # cuBLASLt's workspace, read apart: PyTorch's default is 1 MiB (CUBLASLT_WORKSPACE_SIZE),
+    # or none where a build serves cuBLASLt from the cuBLAS workspace
+    assert cal.cublaslt_workspace_bytes is not None
+    assert cal.cublaslt_workspace_bytes in (0, MiB) or "CUBLASLT_WORKSPACE_SIZE" in os.environ
     dtypes = 2 if torch.cuda.get_device_capability(0) >= (8, 0) else 1
     assert len(cal.measurements["cudnn"]) == 2 * len(CONVOLUTIONS) * dtypes
     assert math.isfinite(cal.cudnn_workspace_ratio) and cal.cudnn_workspace_ratio >= 0

@@ -246,7 +246,11 @@ def test_an_estimate_uses_the_measured_constants() -> None:
     measured = lstm_train(calibration=cal)
     assert builtin.breakdown["context"] == _cuda_model.context_bytes(A10G.capability)
     assert measured.breakdown["context"] == 1000 * MiB  # no convolution: no cuDNN context
-    assert measured.breakdown["workspaces"] == 3 * 5 * MiB
+    # The profile measured cuBLAS's and cuBLASLt's workspaces together (5 MiB): each handle
+    # makes 4 MiB, and cuBLASLt's 1 MiB comes only with a bias product, which this LSTM's
+    # step (its head on cuDNN's time-major output: mm and an add) does not run.
+    assert cal.cublas_split() == (4 * MiB, 1 * MiB)
+    assert measured.breakdown["workspaces"] == 3 * 4 * MiB
     assert builtin.breakdown["workspaces"] == 2 * _cuda_model.cublas_workspace_bytes(
         A10G.capability
     )
@@ -422,3 +426,37 @@ def test_a_jobs_allocator_setting_keeps_the_calibrations_measured_constants() ->
     # ... and the setting applies (cuDNN's weight buffer and workspace for the LSTM are
     # over 64 MiB: such blocks are no longer split)
     assert with_conf.peak_reserved != alone.peak_reserved
+
+
+def test_cublas_and_cublaslt_workspaces_are_told_apart() -> None:
+    """A profile that measured cuBLAS's and cuBLASLt's workspaces together gives PyTorch's
+    default 1 MiB of its figure to cuBLASLt; one that measured them apart keeps both, also
+    through its file; the built-in constants give Hopper's 32 MiB and 1 MiB."""
+    from vramctl.estimator._calibration import Calibration
+
+    together = replace(fitted(), cublas_workspace_bytes=33 * MiB, cublaslt_workspace_bytes=None)
+    assert together.cublas_split() == (32 * MiB, MiB)
+    assert replace(together, cublas_workspace_bytes=MiB).cublas_split() == (MiB, 0)
+    apart = replace(together, cublas_workspace_bytes=32 * MiB, cublaslt_workspace_bytes=0)
+    assert apart.cublas_split() == (32 * MiB, 0)
+    assert Calibration.from_dict(apart.to_dict()).cublas_split() == (32 * MiB, 0)
+    assert Calibration.from_dict(together.to_dict()).cublaslt_workspace_bytes is None
+    hopper = _cuda_model.builtin("NVIDIA H100", vramctl.ComputeCapability(9, 0))
+    assert hopper.cublas_split() == (32 * MiB, MiB)
+
+
+def test_a_probe_that_reads_cublaslt_apart_is_fitted_apart() -> None:
+    probe = {"per_handle": 33 * MiB, "lt": MiB, "backward_extra": 32 * MiB}
+    builtin = _cuda_model.builtin("NVIDIA H200", vramctl.ComputeCapability(9, 0))
+    cal, _ = fit_constants(readings(cublas=probe), builtin)
+    assert cal.cublas_split() == (32 * MiB, MiB)
+    assert cal.train_handles == 2
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_only_a_bias_product_makes_the_cublaslt_workspace(bias: bool) -> None:
+    model = nn.Sequential(nn.Linear(256, 256, bias=bias), nn.ReLU(), nn.Linear(256, 8, bias=bias))
+    est = vramctl.estimate(
+        model, torch.randn(64, 256), mode="infer", device="H200-141GB", calibration=False
+    )
+    assert est.breakdown["workspaces"] == 32 * MiB + (MiB if bias else 0)

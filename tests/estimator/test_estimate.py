@@ -115,7 +115,8 @@ def test_cuda_modelling_adds_allocator_context_and_workspaces() -> None:
     assert gpu.logical_peak > cpu.logical_peak  # plus two cuBLAS workspaces
     assert gpu.peak_reserved >= gpu.peak_allocated >= gpu.logical_peak
     assert gpu.peak_device == gpu.peak_reserved + gpu.breakdown["context"]
-    assert gpu.breakdown["workspaces"] == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)
+    # two cuBLAS workspaces, and cuBLASLt's, made by the first product with a bias
+    assert gpu.breakdown["workspaces"] == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8) + 1024 * 1024
     assert gpu.capacity == vramctl.gpu_spec("T4-16GB").cuda_total_bytes
 
 
@@ -136,7 +137,9 @@ def test_max_batch_size_is_confirmed_by_traces() -> None:
 
     res = vramctl.max_batch_size(m, mk, device="2GiB", mode="infer")
     assert 4 < res.batch_size < 2000
-    assert res.per_sample > 3 * 512 * 2**10
+    # three activations of 512 KiB live at the peak; the affine fit through the probes near
+    # the answer carries the allocator's segment rounding (within 1%)
+    assert res.per_sample > 0.99 * 3 * 512 * 2**10
     assert vramctl.estimate(m, mk, batch_size=res.batch_size, device="2GiB", mode="infer").fits
     over = vramctl.estimate(m, mk, batch_size=res.batch_size + 1, device="2GiB", mode="infer")
     assert not over.fits

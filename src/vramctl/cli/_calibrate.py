@@ -86,7 +86,7 @@ def _list(as_json: bool) -> None:
             cc,
             c.created[:10],
             format_bytes(c.context_bytes),
-            format_bytes(c.cublas_workspace_bytes),
+            format_bytes(c.cublas_split()[0]),
             f"{c.cudnn_workspace_ratio:g}",
         )
     console.print(table)

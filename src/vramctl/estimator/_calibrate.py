@@ -12,9 +12,9 @@ reads is the CUDA context and workspaces alone:
    the rounding of such segments.
 2. **cuBLAS.** The allocator bytes the first fp32 matrix multiply and the first
    bf16 linear layer with a bias (cuBLASLt) keep beyond their outputs: one
-   handle's workspaces. Then a first backward, whose matrix multiplies run on
-   autograd's device thread: what it keeps beyond its gradients is that
-   thread's handles.
+   handle's workspaces, cuBLAS's and cuBLASLt's, each read apart. Then a first
+   backward, whose matrix multiplies run on autograd's device thread: what it
+   keeps beyond its gradients is that thread's handles.
 3. **Context.** The process's device memory (NVML's per-process figure, or the
    device's used memory against a reading taken before CUDA started) less the
    caching allocator's reserved bytes, after a small transformer's training
@@ -156,7 +156,9 @@ def _cublas(dev: torch.device) -> dict[str, Any]:
     make two workspaces).
     """
 
-    def first_matmuls() -> int:
+    def first_matmuls() -> tuple[int, int]:
+        """What a thread's first plain product and first bias product keep beyond their
+        outputs, both together, and the second alone (cuBLASLt's workspace)."""
         a = torch.randn(256, 256, device=dev)
         b = torch.randn(256, 256, device=dev)
         x = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)
@@ -164,12 +166,14 @@ def _cublas(dev: torch.device) -> dict[str, Any]:
         bias = torch.randn(256, device=dev, dtype=torch.bfloat16)
         base = _allocated()
         c = a @ b
+        mid = _allocated()
         y = nn.functional.linear(x, w, bias)
         kept = _allocated() - base - _bytes_of((c, y))
+        lt = _allocated() - mid - _bytes_of((y,))
         del a, b, c, x, w, bias, y
-        return kept
+        return kept, lt
 
-    per_handle = first_matmuls()
+    per_handle, lt = first_matmuls()
 
     lin = nn.Linear(256, 256).to(dev)
     xin = torch.randn(64, 256, device=dev)
@@ -181,11 +185,12 @@ def _cublas(dev: torch.device) -> dict[str, Any]:
     del lin, xin
 
     other: list[int] = []
-    worker = threading.Thread(target=lambda: other.append(first_matmuls()), daemon=True)
+    worker = threading.Thread(target=lambda: other.append(first_matmuls()[0]), daemon=True)
     worker.start()
     worker.join(timeout=120)
     return {
         "per_handle": max(0, per_handle),
+        "lt": max(0, lt),
         "other_thread": max(0, other[0]) if other else None,
         "backward_extra": max(0, extra),
         "backward_first": True,

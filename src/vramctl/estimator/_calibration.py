@@ -34,6 +34,10 @@ from vramctl.estimator._allocator import AllocatorConfig
 #: cuBLAS handles a training step uses: the forward's thread and autograd's device thread,
 #: each with its workspace (seen in every recorded training step on an H200).
 TRAIN_HANDLES = 2
+#: PyTorch's default cuBLASLt workspace (``CUBLASLT_WORKSPACE_SIZE``, 1024 KiB), made
+#: apart from the cuBLAS workspace by a thread's first product with a bias epilogue (the
+#: recorded H200 steps: 1 MiB at the forward's first ``addmm``).
+CUBLASLT_WORKSPACE_BYTES = 1024 * 1024
 
 __all__ = [
     "Calibration",
@@ -163,7 +167,11 @@ class Calibration:
     multiplies (the driver's state and the kernels it loaded); a step with
     convolutions adds ``cudnn_context_bytes`` (cuDNN's kernels). Each cuBLAS
     handle keeps ``cublas_workspace_bytes``; a training step uses
-    ``train_handles`` of them (the backward runs on autograd's device thread).
+    ``train_handles`` of them (the backward runs on autograd's device thread). The
+    forward's handle also makes ``cublaslt_workspace_bytes`` for cuBLASLt at its first
+    product with a bias epilogue (``addmm`` with a bias vector); None in profiles measured
+    before the two were told apart, whose ``cublas_workspace_bytes`` holds both (see
+    :meth:`cublas_split`).
     A convolution's cuDNN workspace is modelled as ``cudnn_workspace_fixed``
     plus ``cudnn_workspace_ratio`` times its largest output, at most
     ``cudnn_workspace_cap``: the line lies on or above every convolution
@@ -182,6 +190,9 @@ class Calibration:
     cudnn_workspace_ratio: float
     cudnn_workspace_cap: int
     cudnn_workspace_fixed: int = 0
+    #: cuBLASLt's workspace, made by the forward's first bias-epilogue product (None:
+    #: included in ``cublas_workspace_bytes``, as profiles before 2026-11-30 measured it).
+    cublaslt_workspace_bytes: int | None = None
     #: Recorded workspaces by convolution call (``conv_key``); others take the line.
     cudnn_workspaces: Mapping[str, int] = field(default_factory=dict)
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
@@ -196,6 +207,19 @@ class Calibration:
     #: How far the device peak read above the estimate over recorded steps on this GPU
     #: (None: no recorded steps; estimates keep a fixed allowance).
     evidence: DeviceEvidence | None = None
+
+    def cublas_split(self) -> tuple[int, int]:
+        """``(cuBLAS workspace per handle, cuBLASLt workspace)``. A profile that measured
+        them together gives PyTorch's default cuBLASLt size
+        (:data:`CUBLASLT_WORKSPACE_BYTES`) of its figure to cuBLASLt: its probe's first
+        products were a plain matrix product and a linear layer with a bias, and the
+        recorded H200 steps show that a thread without a bias product (autograd's device
+        thread) makes the rest alone (32 of the profile's 33 MiB)."""
+        if self.cublaslt_workspace_bytes is not None:
+            return self.cublas_workspace_bytes, self.cublaslt_workspace_bytes
+        whole = self.cublas_workspace_bytes
+        lt = CUBLASLT_WORKSPACE_BYTES if whole > 2 * CUBLASLT_WORKSPACE_BYTES else 0
+        return whole - lt, lt
 
     def describe(self) -> str:
         """One line: which GPU, when, with what."""
@@ -216,6 +240,11 @@ class Calibration:
                 "context_bytes": self.context_bytes,
                 "cudnn_context_bytes": self.cudnn_context_bytes,
                 "cublas_workspace_bytes": self.cublas_workspace_bytes,
+                **(
+                    {"cublaslt_workspace_bytes": self.cublaslt_workspace_bytes}
+                    if self.cublaslt_workspace_bytes is not None
+                    else {}
+                ),
                 "train_handles": self.train_handles,
                 "cudnn_workspace_ratio": self.cudnn_workspace_ratio,
                 "cudnn_workspace_cap": self.cudnn_workspace_cap,
@@ -318,6 +347,9 @@ class Calibration:
             context_bytes=size("context_bytes"),
             cudnn_context_bytes=size("cudnn_context_bytes"),
             cublas_workspace_bytes=size("cublas_workspace_bytes"),
+            cublaslt_workspace_bytes=(
+                size("cublaslt_workspace_bytes") if "cublaslt_workspace_bytes" in consts else None
+            ),
             train_handles=handles,
             cudnn_workspace_ratio=float(ratio),
             cudnn_workspace_cap=size("cudnn_workspace_cap"),
@@ -534,8 +566,10 @@ def fit_constants(
     - ``context``: ``after_matmul`` and ``after_conv``, the process's device
       memory outside the caching allocator after each kind of work;
     - ``cublas``: ``per_handle``, the allocator bytes a thread's first matrix
-      multiplies kept, and ``backward_extra``, what a first backward kept
-      beyond its gradients (the autograd thread's handles);
+      multiplies kept (a plain product, then a linear layer with a bias), ``lt``,
+      what the second alone kept (cuBLASLt's workspace; profiles before 2026-11-30
+      lack it), and ``backward_extra``, what a first backward kept beyond its
+      gradients (the autograd thread's handles);
     - ``cudnn``: one row per convolution call, with ``output_bytes`` (its
       largest output) and ``workspace_bytes`` (its peak beyond inputs and
       outputs); the ratio kept is the largest, so that no measured call is
@@ -559,10 +593,17 @@ def fit_constants(
     per_handle = _int(cub, "per_handle", "cublas")
     extra = _int(cub, "backward_extra", "cublas")
     workspace, handles = defaults.cublas_workspace_bytes, defaults.train_handles
+    lt_bytes = defaults.cublaslt_workspace_bytes
     if per_handle:
         workspace = per_handle
+        lt = _int(cub, "lt", "cublas")
+        if lt is not None and 0 <= lt < per_handle:
+            # measured apart: the plain product's workspace, then the bias product's
+            workspace, lt_bytes = per_handle - lt, lt
+        else:
+            lt_bytes = None  # measured together (see Calibration.cublas_split)
         if extra is not None and not stale_backward_probe(cub):
-            handles = 1 + round(extra / per_handle)
+            handles = 1 + round(extra / workspace)
         elif extra is not None:
             notes.append(
                 "the backward's cuBLAS workspace was measured after another thread's; kept "
@@ -597,6 +638,7 @@ def fit_constants(
         context_bytes=context,
         cudnn_context_bytes=cudnn_context,
         cublas_workspace_bytes=workspace,
+        cublaslt_workspace_bytes=lt_bytes,
         train_handles=max(1, handles),
         cudnn_workspace_ratio=ratio,
         cudnn_workspace_cap=cap,
@@ -640,7 +682,8 @@ def constant_rows(cal: Calibration, builtin: Calibration) -> list[tuple[str, Any
     rows: list[tuple[str, Any, Any]] = [
         ("CUDA context", builtin.context_bytes, cal.context_bytes),
         ("cuDNN context (convolutions)", builtin.cudnn_context_bytes, cal.cudnn_context_bytes),
-        ("cuBLAS workspace per handle", builtin.cublas_workspace_bytes, cal.cublas_workspace_bytes),
+        ("cuBLAS workspace per handle", builtin.cublas_split()[0], cal.cublas_split()[0]),
+        ("cuBLASLt workspace (bias products)", builtin.cublas_split()[1], cal.cublas_split()[1]),
         ("cuBLAS handles in training", builtin.train_handles, cal.train_handles),
         ("cuDNN workspace / output", builtin.cudnn_workspace_ratio, cal.cudnn_workspace_ratio),
         ("cuDNN workspace base", builtin.cudnn_workspace_fixed, cal.cudnn_workspace_fixed),

@@ -41,6 +41,7 @@ from vramctl.device import gpu_spec
 from vramctl.estimator._trace import Trace
 
 __all__ = [
+    "CUBLASLT_WORKSPACE",
     "CUBLAS_WORKSPACE",
     "ReductionScratch",
     "first_step",
@@ -303,36 +304,52 @@ _CUBLAS_OPS = frozenset(
 )
 
 
+#: The operator name of the forward thread's cuBLASLt workspace in a trace.
+CUBLASLT_WORKSPACE = "cublaslt workspace"
+#: Products that run through cuBLASLt (a bias or activation epilogue, scaled fp8): the
+#: first on a thread makes its cuBLASLt workspace (``addmm`` with a bias vector, as
+#: ``nn.Linear`` and GPT-2's ``Conv1D`` call it; the recorded H200 steps made it there).
+_CUBLASLT_OPS = frozenset({"addmm", "_addmm_activation", "_scaled_mm"})
+
 #: The threads whose cuBLAS handles a step's workspace records stand for, in order: the
 #: forward's (and the optimizer's), then autograd's device thread's (the backward: True).
 _THREADS = (False, True)
 
 
-def _first_products(trace: Trace) -> dict[int, int]:
+def _first_products(trace: Trace) -> dict[int, list[int]]:
     """Event index of each cuBLAS handle's first product -> that handle's workspace record
-    (the first handle's: any phase but backward; the second's: the backward)."""
+    (the first handle's: any phase but backward; the second's: the backward), and of the
+    forward's first cuBLASLt product -> the cuBLASLt workspace's record, in that order."""
     records = trace.records
     handles = [e for e in trace.events if e >= 0 and records[e].op == CUBLAS_WORKSPACE]
-    at: dict[int, int] = {}
-    for sid, backward in zip(handles, _THREADS, strict=False):
+    wanted = [(sid, bwd, _CUBLAS_OPS) for sid, bwd in zip(handles, _THREADS, strict=False)]
+    wanted += [
+        (e, False, _CUBLASLT_OPS)
+        for e in trace.events
+        if e >= 0 and records[e].op == CUBLASLT_WORKSPACE
+    ][:1]
+    at: dict[int, list[int]] = {}
+    for sid, backward, ops in wanted:
         for i, e in enumerate(trace.events):
             rec = records[e] if e >= 0 else None
-            if rec and rec.op in _CUBLAS_OPS and (rec.phase == "backward") == backward:
-                at[i] = sid
+            if rec and rec.op in ops and (rec.phase == "backward") == backward:
+                at.setdefault(i, []).append(sid)
                 break
     return at
 
 
 def without_idle_cublas(trace: Trace) -> None:
     """Take out of ``trace`` (in place) each cuBLAS workspace whose thread ran no matrix
-    product: PyTorch makes a handle's workspace at its first product, and a step of cuDNN
-    RNNs and elementwise work alone makes none (the recorded H200 steps of LSTMs and GRUs
-    allocated none)."""
+    product, and the cuBLASLt workspace where the forward ran no bias-epilogue product:
+    PyTorch makes a handle's workspace at its first product, and a step of cuDNN RNNs and
+    elementwise work alone makes none (the recorded H200 steps of LSTMs and GRUs allocated
+    none); a model without biases makes no cuBLASLt workspace."""
     records = trace.records
-    used = set(_first_products(trace).values())
+    used = {sid for sids in _first_products(trace).values() for sid in sids}
     handles = [e for e in trace.events if e >= 0 and records[e].op == CUBLAS_WORKSPACE]
+    lt = [e for e in trace.events if e >= 0 and records[e].op == CUBLASLT_WORKSPACE]
     # the two threads' handles; any more a profile counts are not tied to a thread here
-    idle = {e for e in handles[: len(_THREADS)] if e not in used}
+    idle = {e for e in handles[: len(_THREADS)] + lt[:1] if e not in used}
     if idle:
         trace.events[:] = [e for e in trace.events if (e if e >= 0 else ~e) not in idle]
 
@@ -340,18 +357,18 @@ def without_idle_cublas(trace: Trace) -> None:
 def first_step(trace: Trace) -> Trace:
     """``trace`` as a process's first step takes it: each cuBLAS workspace made just after
     the first allocation of a matrix product on its handle's thread (the first handle's:
-    any phase but backward; the second's: backward, on autograd's device thread), instead
-    of held from the start. A handle that no traced product allocated for keeps its place
-    (the loop's; :func:`without_idle_cublas` takes it out). The records are shared with
+    any phase but backward; the second's: backward, on autograd's device thread), and the
+    cuBLASLt workspace after the forward's first bias-epilogue product, instead of held
+    from the start. A handle that no traced product allocated for keeps its place (the
+    loop's; :func:`without_idle_cublas` takes it out). The records are shared with
     ``trace``."""
-    at = _first_products(trace)  # event index -> the workspace made after it
+    at = _first_products(trace)  # event index -> the workspaces made after it
     if not at:
         return trace
-    moved = set(at.values())
+    moved = {sid for sids in at.values() for sid in sids}
     events: list[int] = []
     for i, e in enumerate(trace.events):
         if e not in moved:
             events.append(e)
-        if i in at:
-            events.append(at[i])
+        events.extend(at.get(i, ()))
     return dataclasses.replace(trace, events=events)

@@ -10,9 +10,11 @@ A CPU trace counts tensor storages exactly. A CUDA process also holds:
 - **cuBLAS workspaces**, one per (thread, stream) handle, taken from the caching
   allocator at the first matrix multiply and kept: PyTorch's default
   ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:2:16:8`` (8.125 MiB) before Hopper and
-  ``:4096:8:16:8`` (32.125 MiB) from Hopper on, as cuBLAS's documentation
-  recommends (4 MiB, 32 MiB for Hopper). Training uses two handles: the forward
-  runs on the main thread, the backward on the autograd engine's device thread;
+  ``:4096:8`` (32 MiB) from Hopper on (``CublasHandlePool.cpp``; the recorded
+  H200 steps: 32 MiB each). Training uses two handles: the forward runs on the
+  main thread, the backward on the autograd engine's device thread. A thread's
+  first product with a bias epilogue (cuBLASLt) also makes cuBLASLt's workspace
+  (``CUBLASLT_WORKSPACE_SIZE``, 1 MiB by default);
 - **cuDNN workspaces** for convolutions, taken from the caching allocator for
   the duration of the call. Their size depends on the algorithm cuDNN's
   heuristics pick; the model takes the convolution's output size, bounded by
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 from vramctl.device import ComputeCapability
 from vramctl.estimator._allocator import AllocatorConfig
-from vramctl.estimator._calibration import TRAIN_HANDLES, Calibration
+from vramctl.estimator._calibration import CUBLASLT_WORKSPACE_BYTES, TRAIN_HANDLES, Calibration
 
 __all__ = [
     "builtin",
@@ -47,7 +49,7 @@ CONTEXT_BYTES: dict[int, int] = {7: 310 * MiB, 8: 420 * MiB, 9: 520 * MiB, 10: 5
 CONTEXT_DEFAULT = 520 * MiB
 
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
-CUBLAS_WORKSPACE_HOPPER_BYTES = 4096 * 1024 * 8 + 16 * 1024 * 8
+CUBLAS_WORKSPACE_HOPPER_BYTES = 4096 * 1024 * 8
 CUDNN_WORKSPACE_CAP = 1024 * MiB
 #: A convolution's cuDNN workspace, as a multiple of its largest output.
 CUDNN_WORKSPACE_RATIO = 1.0
@@ -75,6 +77,7 @@ def builtin(device: str, cc: ComputeCapability | None) -> Calibration:
         context_bytes=context_bytes(cc),
         cudnn_context_bytes=0,
         cublas_workspace_bytes=cublas_workspace_bytes(cc),
+        cublaslt_workspace_bytes=CUBLASLT_WORKSPACE_BYTES,
         train_handles=TRAIN_HANDLES,
         cudnn_workspace_ratio=CUDNN_WORKSPACE_RATIO,
         cudnn_workspace_cap=CUDNN_WORKSPACE_CAP,

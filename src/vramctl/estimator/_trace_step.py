@@ -26,6 +26,7 @@ from vramctl.estimator._composite import composite_intermediates
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace, rank_threads
 from vramctl.estimator._cuda_kernels import (
     CUBLAS_WORKSPACE,
+    CUBLASLT_WORKSPACE,
     multiprocessors,
     reduction_scratch,
     without_idle_cublas,
@@ -190,8 +191,11 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
             )
         if session.target.cuda:
             handles = consts.train_handles if spec.mode == "train" else 1
+            per_handle, lt = consts.cublas_split()
             for _ in range(handles):
-                _pseudo(tracer, consts.cublas_workspace_bytes, CUBLAS_WORKSPACE, "workspaces")
+                _pseudo(tracer, per_handle, CUBLAS_WORKSPACE, "workspaces")
+            if lt:  # the forward thread's, at its first bias-epilogue product
+                _pseudo(tracer, lt, CUBLASLT_WORKSPACE, "workspaces")
         held = (
             list(session.state.items())
             if session.state
