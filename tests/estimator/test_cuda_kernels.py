@@ -1,4 +1,5 @@
-"""CUDA kernels' scratch that a host trace cannot see: the staging buffers of reductions."""
+"""CUDA kernels' scratch that a host trace cannot see: the staging buffers of reductions, the
+temporary of a softmax's backward, cuBLAS workspaces on a first step."""
 
 from __future__ import annotations
 
@@ -96,6 +97,68 @@ def test_a_gpus_reduction_allocates_the_modelled_buffer() -> None:
     del y
     cfg = reduction_config((12544, 384), [384, 1], [0], 4, 4, gpu)
     assert scratch == cfg.buffer or (cfg.buffer == 0 and scratch <= 0)
+
+
+# -- a softmax's backward ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("grad", "out", "itemsize"),
+    [(torch.float32, torch.float32, 4), (torch.bfloat16, torch.bfloat16, 2)],
+)
+def test_a_softmax_backward_makes_the_product_of_its_gradient_and_output(
+    grad: torch.dtype, out: torch.dtype, itemsize: int
+) -> None:
+    from vramctl.estimator._cuda_kernels import kernel_intermediates
+
+    g, o = torch.empty(2, 3, 5, dtype=grad), torch.empty(2, 3, 5, dtype=out)
+    op = torch.ops.aten._softmax_backward_data.default
+    assert kernel_intermediates(op, (g, o, -1, grad), {}, [torch.empty_like(g)]) == (30 * itemsize,)
+    assert kernel_intermediates(torch.ops.aten.mul.Tensor, (g, o), {}, [g]) == ()
+
+
+class _Scores(nn.Module):
+    """A softmax over a wide score matrix, and a product with it (attention's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x)
+        return torch.softmax(q @ q.transpose(1, 2), dim=-1) @ q
+
+
+def test_a_cuda_targets_softmax_backward_holds_the_product() -> None:
+    """The CUDA kernel multiplies the gradient by the output into a temporary first; the
+    host's kernel fuses it. A training step whose peak is the softmax's backward holds one
+    more score matrix on a GPU."""
+    x = torch.randn(8, 512, 64)
+    scores = 8 * 512 * 512 * 4
+    gpu = vramctl.estimate(_Scores(), x, device="H200-141GB", calibration=False)
+    assert gpu.peak_op == "_softmax_backward_data"
+    import vramctl.estimator._trace_step as trace_step
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trace_step, "kernel_intermediates", lambda *a: ())
+        without = vramctl.estimate(_Scores(), x, device="H200-141GB", calibration=False)
+    assert gpu.logical_peak - without.logical_peak == scores
+
+
+@pytest.mark.cuda
+def test_a_gpus_softmax_backward_takes_the_modelled_temporary() -> None:
+    from vramctl.estimator._cuda_kernels import kernel_intermediates
+
+    out = torch.softmax(torch.randn(8, 512, 512, device="cuda"), dim=-1)
+    grad = torch.randn_like(out)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    gi = torch.ops.aten._softmax_backward_data(grad, out, -1, torch.float32)
+    torch.cuda.synchronize()
+    made = torch.cuda.max_memory_allocated() - base - gi.untyped_storage().nbytes()
+    op = torch.ops.aten._softmax_backward_data.default
+    assert (made,) == kernel_intermediates(op, (grad, out, -1, torch.float32), {}, [gi])
 
 
 # -- cuBLAS workspaces on a first step ---------------------------------------------------

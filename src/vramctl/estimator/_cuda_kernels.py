@@ -45,6 +45,7 @@ __all__ = [
     "CUBLAS_WORKSPACE",
     "ReductionScratch",
     "first_step",
+    "kernel_intermediates",
     "multiprocessors",
     "reduction_config",
     "reduction_scratch",
@@ -242,6 +243,24 @@ def reduction_config(
     return ReductionScratch(
         num_outputs, inputs_per_output, (width, height), output_vec, ctas, buffer, 4 * grid
     )
+
+
+def kernel_intermediates(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
+) -> tuple[int, ...]:
+    """Tensors a CUDA kernel makes after its outputs and frees before it returns, in order:
+    ``_softmax_backward_data`` multiplies the gradient by the softmax's output into a
+    temporary of their size first (``Tensor tmp = grad * output;`` in ``SoftMax.cu``; the
+    CPU kernel fuses it), so a softmax's backward holds its gradient, its output, its result
+    and that product at once. The recorded H200 step of an attention block on the math
+    backend peaked there, one fp32 score matrix above the trace without it."""
+    if func is _aten._softmax_backward_data.default and outs:
+        grad = args[0] if args else kwargs.get("grad_output")
+        out = args[1] if len(args) > 1 else kwargs.get("output")
+        if isinstance(grad, torch.Tensor) and isinstance(out, torch.Tensor) and grad.numel():
+            dtype = torch.promote_types(grad.dtype, out.dtype)
+            return (grad.numel() * dtype.itemsize,)
+    return ()
 
 
 def reduction_scratch(

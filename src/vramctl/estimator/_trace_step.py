@@ -27,6 +27,7 @@ from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace, rank
 from vramctl.estimator._cuda_kernels import (
     CUBLAS_WORKSPACE,
     CUBLASLT_WORKSPACE,
+    kernel_intermediates,
     multiprocessors,
     reduction_scratch,
     without_idle_cublas,
@@ -132,7 +133,7 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
         )
     else:
         tracer.workspace = cpu_workspace
-    tracer.intermediates = composite_intermediates
+    tracer.intermediates = _cuda_intermediates if session.target.cuda else composite_intermediates
     tracer.output_bytes = None if session.target.cuda else cpu_output_bytes
     names = {id(m): n for n, m in model.named_modules()}
     root = type(model).__name__
@@ -582,6 +583,16 @@ class _CudnnWorkspace:
             return self.table[key]
         biggest = max(t.untyped_storage().nbytes() for t in outs)
         return min(self.fixed + int(biggest * self.ratio), self.cap)
+
+
+def _cuda_intermediates(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
+) -> tuple[int, ...]:
+    """What a CUDA target's kernel makes after its outputs: a composite kernel's
+    intermediates (every target's) and a CUDA kernel's own."""
+    return composite_intermediates(func, args, kwargs, outs) + kernel_intermediates(
+        func, args, kwargs, outs
+    )
 
 
 class _CudaScratch:
