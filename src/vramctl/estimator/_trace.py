@@ -223,8 +223,8 @@ class Tracer(TorchDispatchMode):
         self.workspace: (
             Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Tensor]], int] | None
         ) = None
-        #: Bytes of each intermediate a composite kernel makes after its outputs and frees
-        #: before it returns, in order (empty: none).
+        #: Bytes of each intermediate a kernel makes after its outputs and frees before it
+        #: returns, in order (empty: none): composite kernels', a CUDA kernel's own.
         self.intermediates: (
             Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Tensor]], tuple[int, ...]]
             | None
@@ -269,22 +269,17 @@ class Tracer(TorchDispatchMode):
         weakref.finalize(st, self._freed_cell, cell)
         return sid
 
-    def _intermediates(self, op: str, sizes: tuple[int, ...]) -> None:
-        """Records of a composite kernel's intermediates, made in order after its outputs
-        and all freed before it returns."""
-        if not self.record or not sizes:
-            return
-        made = []
-        for n in sizes:
-            sid = len(self.trace.records)
-            self.trace.records.append(
-                StorageRecord(n, op, self.module, self.phase, category="temporaries")
-            )
-            self.trace.events.append(sid)
-            made.append(sid)
-        for sid in made:
-            self.trace.events.append(~sid)
-            self.trace.records[sid].freed_phase = self.phase
+    def _scratch_made(self, nbytes: int, op: str, category: str) -> int:
+        """A record of a kernel's scratch or intermediate made now, and its allocation
+        event; :meth:`_scratch_freed` frees it before the operator returns."""
+        sid = len(self.trace.records)
+        self.trace.records.append(StorageRecord(nbytes, op, self.module, self.phase, category))
+        self.trace.events.append(sid)
+        return sid
+
+    def _scratch_freed(self, sid: int) -> None:
+        self.trace.events.append(~sid)
+        self.trace.records[sid].freed_phase = self.phase
 
     def _allocated(self, nbytes: int, op: str) -> int:
         """A new record of ``nbytes`` made now by ``op``, and its allocation event."""
@@ -372,11 +367,7 @@ class Tracer(TorchDispatchMode):
         outs = list(tensors(out))
         ws = self.workspace(func, args, kwargs, outs) if self.workspace and not self.host else 0
         if ws > 0:
-            sid = len(self.trace.records)
-            self.trace.records.append(
-                StorageRecord(ws, name, self.module, self.phase, category="workspaces")
-            )
-            self.trace.events.append(sid)
+            sid = self._scratch_made(ws, name, "workspaces")
         real = self.output_bytes(func, args, kwargs, outs) if self.output_bytes else None
         first_event = len(self.trace.events)
         for i, t in enumerate(outs):
@@ -384,10 +375,14 @@ class Tracer(TorchDispatchMode):
         if func is _aten.add.Tensor and self.phase == "backward":
             self._gradient_sum(args, kwargs, outs, first_event)
         if ws > 0:
-            self.trace.events.append(~sid)
-            self.trace.records[sid].freed_phase = self.phase
-        if self.intermediates is not None and not self.host:
-            self._intermediates(name, self.intermediates(func, args, kwargs, outs))
+            self._scratch_freed(sid)
+        if self.intermediates is not None and not self.host and self.record:
+            made = [
+                self._scratch_made(n, name, "temporaries")
+                for n in self.intermediates(func, args, kwargs, outs)
+            ]
+            for sid in made:
+                self._scratch_freed(sid)
         if self.record:
             phase = "host" if self.host else self.phase
             self.trace.costs.append(
