@@ -7,7 +7,9 @@ Runs, one after another, each in its own process with its own budget (seconds):
   because it is the evidence that lasts;
 - ``truth-check``: ``benchmarks/cuda_truth.py check`` on that corpus (on the CPU);
 - ``tests``: the whole test suite, the ``cuda``-marked tests included
-  (``cuda-tests``: those alone);
+  (``cuda-tests``: those alone); the estimator's and ``fit``'s tests first, and those that
+  passed before on the same GPU model (a summary in ``docs/benchmarks/gpu/``) last; each
+  test's outcome and seconds go into the step's row;
 - ``calibrate``: ``vramctl calibrate``, the profile written to the output folder;
 - ``estimate_accuracy``: the zoo on the GPU, each row estimated with that
   profile and with the built-in CUDA constants;
@@ -48,6 +50,7 @@ import datetime
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,6 +81,22 @@ QUICK_PLAN = (
     "fit_search",
     "oom_chaos",
 )
+#: The test steps run these folders' tests first, in this order: the estimator's and
+#: ``fit``'s claims on a real GPU are what the open work waits on. Tests that passed before
+#: on the same GPU model (in a summary under :data:`RECORDED`) run after all the others.
+TESTS_FIRST = (
+    "tests/estimator/",
+    "tests/fit/",
+    "tests/benchmarks_truth/",
+    "tests/guard/",
+    "tests/device/",
+)
+#: The committed summaries of earlier runs (their test steps' outcomes name the tests).
+RECORDED = ROOT / "docs" / "benchmarks" / "gpu"
+#: The pytest plugin that puts the tests in that order (``benchmarks/_test_order.py``), and
+#: the environment variable that names its order file (the plugin's ``ORDER_ENV``).
+ORDER_PLUGIN = "_test_order"
+ORDER_ENV = "VRAMCTL_TEST_ORDER"
 
 
 @dataclass(frozen=True)
@@ -118,9 +137,12 @@ def steps(out: Path) -> list[Step]:
     cal = str(out / "calibration.json")
     truth = str(BENCH / "cuda_truth.py")
     junit = f"--junitxml={out / 'junit.xml'}"
-    # -v: each test's name and outcome as it ends, so a step stopped at its budget (no
-    # junit.xml, no summary) still says which tests failed.
-    pytest = (py, "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider", "-rs", junit)
+    # -v: each test's name, outcome and time as it ends, so a step stopped at its budget (no
+    # junit.xml, no summary) still says which tests failed and which took the time.
+    pytest = (
+        *(py, "-m", "pytest", "-v", "-o", "console_output_style=times", "--tb=short"),
+        *("-p", "no:cacheprovider", "-p", ORDER_PLUGIN, "-rs", junit),
+    )
 
     def bench(name: str, *extra: str) -> tuple[str, ...]:
         return (py, str(BENCH / f"{name}.py"), "--cuda", *extra)
@@ -338,11 +360,73 @@ def run_step(
     log.write("\n".join(lines[-400:]) + "\n")
     log.flush()
     row: dict[str, Any] = {"exit": rc, "wall_s": wall, "result": _common.last_json(output)}
-    if step.name in ("tests", "cuda-tests"):
+    if step.name in TEST_STEPS:
         tail = [ln for ln in lines[-5:] if " passed" in ln or " failed" in ln or " error" in ln]
         row["result"] = tail[-1] if tail else None
+        row["tests"], row["test_s"] = test_outcomes(lines)
     print(f"# {step.name}: exit {rc} in {wall} s", flush=True)
     return row
+
+
+#: The steps that run pytest.
+TEST_STEPS = ("tests", "cuda-tests")
+
+#: A test's line in pytest's ``-v`` output with ``console_output_style=times``:
+#: ``tests/a.py::test_b[x] PASSED 1.234s`` (the time in us, ms or s).
+_TEST_LINE = re.compile(
+    r"^(?P<id>tests/\S+::\S+) (?P<outcome>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b"
+    r"(?:\s+(?P<time>[0-9.]+)(?P<unit>us|ms|s)\b)?"
+)
+_UNIT_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def test_outcomes(lines: Sequence[str]) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """Each test's outcome (``passed``, ``failed``, ``skipped``, ``error``, ``xfail``,
+    ``xpass``: lists of node ids, in the order they ran) and its seconds, read from pytest's
+    ``-v`` lines: also from a step stopped at its budget, which writes no report."""
+    outcomes: dict[str, list[str]] = {}
+    seconds: dict[str, float] = {}
+    for line in lines:
+        m = _TEST_LINE.match(line.strip())
+        if m is None:
+            continue
+        node = m["id"]
+        kind = m["outcome"].lower()
+        # A test whose teardown fails has two lines (PASSED, then ERROR): the last counts.
+        for names in outcomes.values():
+            if node in names:
+                names.remove(node)
+        outcomes.setdefault(kind, []).append(node)
+        if m["time"]:
+            seconds[node] = round(seconds.get(node, 0.0) + float(m["time"]) * _UNIT_S[m["unit"]], 3)
+    return outcomes, seconds
+
+
+def passed_before(gpu: str | None, folder: Path = RECORDED) -> set[str]:
+    """The tests that passed in a test step of a recorded run on this GPU model (the
+    summaries in ``folder``)."""
+    done: set[str] = set()
+    if not gpu or not folder.is_dir():
+        return done
+    for path in sorted(folder.glob("*summary.json")):
+        summary = load_summary(path) or {}
+        rows = summary.get("steps") or {}
+        for name in TEST_STEPS:
+            row = rows.get(name)
+            if not isinstance(row, Mapping) or (row.get("gpu") or summary.get("gpu")) != gpu:
+                continue
+            tests = row.get("tests") or {}
+            done.update(n for n in tests.get("passed") or [] if isinstance(n, str))
+    return done
+
+
+def write_test_order(out: Path, gpu: str | None, folder: Path = RECORDED) -> Path:
+    """The order file for the test steps (``benchmarks/_test_order.py``): :data:`TESTS_FIRST`
+    first, the tests that passed before on this GPU model last."""
+    path = out / "test_order.json"
+    last = sorted(passed_before(gpu, folder))
+    path.write_text(json.dumps({"first": list(TESTS_FIRST), "last": last}, indent=1) + "\n")
+    return path
 
 
 def command(step: Step, quick: bool, budget_s: float, out: Path) -> list[str]:
@@ -457,8 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     env = dict(os.environ)
+    # benchmarks/ last: the test steps' pytest loads the order plugin from it.
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")) if p
+        p for p in (str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", ""), str(BENCH)) if p
     )
     env.setdefault("PYTHONUNBUFFERED", "1")
     facts = gpu_facts(env)
@@ -472,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gpu: str = facts["gpu"]
     commit = git_commit()
+    if any(s.name in TEST_STEPS for s in chosen):
+        env[ORDER_ENV] = str(write_test_order(out, gpu))
     previous = load_summary(out / "summary.json") or {}
     old_rows: dict[str, Any] = dict(previous.get("steps") or {})
     summary: dict[str, Any] = {

@@ -380,3 +380,102 @@ def test_the_profile_is_kept_beside_the_corpus_after_calibrate(tmp_path: Path) -
     assert not (tmp_path / "cuda_truth" / "calibration.json").exists()  # it failed
     gpu_suite.keep_profile("calibrate", {"exit": 0}, tmp_path)
     assert (tmp_path / "cuda_truth" / "calibration.json").read_text() == '{"schema": "x"}'
+
+
+# -- the test steps: their order and what they record ---------------------------------------
+
+
+def test_a_test_steps_outcomes_and_times_are_read_from_its_lines() -> None:
+    lines = [
+        "tests/estimator/test_a.py::test_one PASSED 12.908s",
+        "tests/estimator/test_a.py::test_two[x-1] FAILED 65.01ms",
+        "tests/fit/test_b.py::test_three SKIPPED 151.9us",
+        "tests/fit/test_b.py::test_four PASSED 1.0s",
+        "tests/fit/test_b.py::test_four ERROR 0.5s",  # its teardown failed: the last counts
+        "tests/jobs/test_c.py::test_five PASSED [ 50%]",  # pytest's default style: no time
+        "FAILED tests/estimator/test_a.py::test_two[x-1] - assert 1 == 2",  # -r summary
+        "==== 2 passed, 1 failed in 14.2s ====",
+    ]
+    outcomes, seconds = gpu_suite.test_outcomes(lines)
+    assert outcomes == {
+        "passed": ["tests/estimator/test_a.py::test_one", "tests/jobs/test_c.py::test_five"],
+        "failed": ["tests/estimator/test_a.py::test_two[x-1]"],
+        "skipped": ["tests/fit/test_b.py::test_three"],
+        "error": ["tests/fit/test_b.py::test_four"],
+    }
+    assert seconds == {
+        "tests/estimator/test_a.py::test_one": 12.908,
+        "tests/estimator/test_a.py::test_two[x-1]": 0.065,
+        "tests/fit/test_b.py::test_three": 0.0,
+        "tests/fit/test_b.py::test_four": 1.5,
+    }
+
+
+def test_tests_that_passed_before_on_this_gpu_model_are_named(tmp_path: Path) -> None:
+    def summary(gpu: str, passed: list[str], failed: list[str]) -> dict[str, Any]:
+        tests = {"passed": passed, "failed": failed}
+        return {"gpu": gpu, "steps": {"cuda-tests": {**row(1, gpu=gpu), "tests": tests}}}
+
+    a, b, c = (f"tests/x.py::test_{n}" for n in "abc")
+    (tmp_path / "2026-12-01-nvidia-h200-summary.json").write_text(
+        json.dumps(summary(GPU, [a], [b]))
+    )
+    (tmp_path / "2026-12-02-nvidia-h100-summary.json").write_text(
+        json.dumps(summary("NVIDIA H100 80GB HBM3", [c], []))
+    )
+    (tmp_path / "2026-12-03-nvidia-h200-summary.json").write_text("not json")
+    (tmp_path / "2026-12-04-nvidia-h200-calibration.json").write_text("{}")
+    assert gpu_suite.passed_before(GPU, tmp_path) == {a}
+    assert gpu_suite.passed_before("NVIDIA H100 80GB HBM3", tmp_path) == {c}
+    assert gpu_suite.passed_before(None, tmp_path) == set()
+    assert gpu_suite.passed_before(GPU, tmp_path / "none") == set()
+
+    path = gpu_suite.write_test_order(tmp_path, GPU, tmp_path)
+    order = json.loads(path.read_text())
+    assert order == {"first": list(gpu_suite.TESTS_FIRST), "last": [a]}
+
+
+def test_the_test_steps_run_pytest_in_the_order_file_with_each_tests_time(
+    tmp_path: Path,
+) -> None:
+    # The real plugin in a real pytest run: the suite's own pytest arguments, on a tree
+    # of three test files.
+    import os
+
+    import _test_order
+
+    assert gpu_suite.ORDER_ENV == _test_order.ORDER_ENV
+    step = {s.name: s for s in gpu_suite.steps(tmp_path)}["cuda-tests"]
+    assert step.argv[1:3] == ("-m", "pytest") and step.argv[-2:] == ("-m", "cuda")
+    for folder, name in (("a", "test_one"), ("b", "test_two"), ("c", "test_three")):
+        (tmp_path / "tests" / folder).mkdir(parents=True)
+        (tmp_path / "tests" / folder / f"{name}.py").write_text(
+            "def test_x():\n    pass\n\ndef test_y():\n    pass\n"
+        )
+    (tmp_path / "order.json").write_text(
+        json.dumps({"first": ["tests/c/", "tests/b/"], "last": ["tests/c/test_three.py::test_x"]})
+    )
+    argv = [a for a in step.argv[:-2] if not a.startswith("--junitxml")]
+    env = dict(os.environ, PYTHONPATH=str(BENCH), VRAMCTL_TEST_ORDER=str(tmp_path / "order.json"))
+    done = subprocess.run(
+        [*argv, "tests"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    outcomes, seconds = gpu_suite.test_outcomes(done.stdout.splitlines())
+    assert outcomes["passed"] == [
+        "tests/c/test_three.py::test_y",
+        "tests/b/test_two.py::test_x",
+        "tests/b/test_two.py::test_y",
+        "tests/a/test_one.py::test_x",
+        "tests/a/test_one.py::test_y",
+        "tests/c/test_three.py::test_x",  # it passed before: last
+    ]
+    assert set(seconds) == set(outcomes["passed"])
+
+    # Without the variable the collection order is kept.
+    env.pop("VRAMCTL_TEST_ORDER")
+    done = subprocess.run(
+        [*argv, "tests"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    outcomes, _ = gpu_suite.test_outcomes(done.stdout.splitlines())
+    assert outcomes["passed"][0] == "tests/a/test_one.py::test_x"
