@@ -291,6 +291,7 @@ def _capture_cuda(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
 
 
 def check(args: argparse.Namespace) -> int:
+    from _truth.cases import case_allocator
     from _truth.replay import replay
 
     try:
@@ -310,8 +311,9 @@ def check(args: argparse.Namespace) -> int:
             damaged.append(str(exc))
             print(f"DAMAGED {exc}", flush=True)
             continue
+        config = case_allocator(case.get("spec") or {})
         for step, trace in steps.items():
-            r = replay(trace)
+            r = replay(trace, config)
             row = {"case": case["id"], "step": step, **r.to_dict()}
             rows.append(row)
             verdict = {True: "match", False: "DIFFERS", None: "report"}[r.match]

@@ -132,8 +132,8 @@ def all_cases(cuda: bool = True) -> list[dict[str, Any]]:
 
     The zoo comes first (its 1B and 7B models last of all), then what only a GPU shows,
     then transformers classes and CNNs. Without ``cuda`` (a simulated capture) the cases
-    that only mean something on a GPU (the SDPA backends, expandable segments, a second
-    stream, fp16 with a scaler) are left out.
+    that only mean something on a GPU (the SDPA backends, a second stream, fp16 with a
+    scaler) are left out; expandable segments are simulated by the allocator model.
     """
     out = _zoo(ZOO)
     for cell in ("lstm", "gru"):
@@ -153,8 +153,9 @@ def all_cases(cuda: bool = True) -> list[dict[str, Any]]:
     out.append(
         _spec("zoo", "bert-base", "train", "fp32", 4, lengths={"seq_len": 128}, checkpointing=True)
     )
+    # (simulated: through the allocator model's expandable segments)
+    out += [_gpt2(mode, options={"expandable_segments": True}) for mode in MODES]
     if cuda:
-        out += [_gpt2(mode, options={"expandable_segments": True}) for mode in MODES]
         out.append(_gpt2("train", options={"prefetch_stream": True}))
     for precision, cache in GENERATE:
         if cache != "offloaded" or cuda:
@@ -356,6 +357,8 @@ def estimate_case(
     from vramctl.estimator._trace import sums_out_of_place
 
     source, batch, lengths, opts = estimate_args(spec)
+    if allocator_config is None:
+        allocator_config = case_allocator(spec)  # as the case ran
     # under the case's options, as a user who forced an attention backend estimates
     with (
         options_applied(spec, "cpu"),
@@ -371,6 +374,16 @@ def estimate_case(
             **lengths,
             **opts,
         )
+
+
+def case_allocator(spec: dict[str, Any]) -> Any:
+    """The caching allocator's configuration a case ran under: expandable segments where
+    its options say so, else PyTorch's defaults (None)."""
+    from vramctl.estimator import AllocatorConfig
+
+    if (spec.get("options") or {}).get("expandable_segments"):
+        return AllocatorConfig.from_conf("expandable_segments:True")
+    return None
 
 
 def recorded_per_call(index: dict[str, Any]) -> bool:

@@ -362,8 +362,9 @@ class _StorageLife:
 
 
 def record_simulated(spec: dict[str, Any]) -> tuple[dict[str, dict], dict[str, dict]]:
-    """A case's cold and warm steps on the CPU, through the allocator model."""
-    from vramctl.estimator import CachingAllocatorModel
+    """A case's cold and warm steps on the CPU, through the allocator model (with
+    expandable segments where the case runs with them)."""
+    from vramctl.estimator import AllocatorConfig, CachingAllocatorModel
 
     life = _StorageLife()
     setup = TraceBuilder()
@@ -374,7 +375,10 @@ def record_simulated(spec: dict[str, Any]) -> tuple[dict[str, dict], dict[str, d
         for t in [*built.model.parameters(), *built.model.buffers(), *tensors(built.batch)]:
             life.adopt(t, -1)
     gc.collect()
-    model = CachingAllocatorModel(record_history=True)
+    expandable = bool((spec.get("options") or {}).get("expandable_segments"))
+    model = CachingAllocatorModel(
+        AllocatorConfig(expandable_segments=expandable), record_history=True
+    )
     handles: dict[int, int] = {}
     _apply(model, life.requests, handles, None)
     traces: dict[str, dict] = {}

@@ -5,9 +5,11 @@ The model starts from the step's recorded segments (``segments_before``), takes 
 real side is read off the same trace: the segments PyTorch made (``segment_alloc``) and
 released (``segment_free``), and its reserved bytes at their largest. A single-stream step
 whose segments are all the model's ``match``es when both the sizes of the segments made, in
-order, and the reserved peak are the same. Steps on several streams and steps with
-expandable segments (``segment_map``) are reported, not judged (``match`` is None): the model
-has one stream and fixed segments.
+order, and the reserved peak are the same. A step run with expandable segments is replayed
+through the model's expandable segments (``config.expandable_segments``): the pages it maps
+(``segment_map``), in order, and the reserved peak are judged the same way. Steps on
+several streams, and expandable steps replayed with fixed segments, are reported, not judged
+(``match`` is None).
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ def replay(trace: dict[str, Any], config: AllocatorConfig | None = None) -> Repl
         if action == "alloc":
             seen = len(model.history)
             handles[addr] = model.malloc(size)
-            out.model_segments += [s for a, _, s in model.history[seen:] if a == "segment_alloc"]
+            out.model_segments += [
+                s for a, _, s in model.history[seen:] if a in ("segment_alloc", "segment_map")
+            ]
             live[addr] = cfg.round_size(size)
             allocated += live[addr]
             out.real_peak_allocated = max(out.real_peak_allocated, allocated)
@@ -82,7 +86,7 @@ def replay(trace: dict[str, Any], config: AllocatorConfig | None = None) -> Repl
             reserved -= size
     out.model_peak_reserved = model.peak_reserved
     out.model_peak_allocated = model.peak_allocated
-    if not out.single_stream or out.expandable:
+    if not out.single_stream or (out.expandable and not cfg.expandable_segments):
         return out
     out.match = (
         out.real_segments == out.model_segments

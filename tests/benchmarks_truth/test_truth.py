@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from vramctl.estimator import CachingAllocatorModel
+from vramctl.estimator import AllocatorConfig, CachingAllocatorModel
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 
@@ -269,19 +269,62 @@ def test_steps_on_two_streams_are_reported_not_judged() -> None:
     assert (r.single_stream, r.match) == (False, None)
 
 
-def test_expandable_segments_are_reported_not_judged() -> None:
+def test_expandable_segments_are_judged_through_the_models_expandable_segments() -> None:
+    # A 1 MiB + 1 B block maps a 20 MiB page; 3 MiB more come from the same page; 25 MiB
+    # more take the 16 MiB left and one more page. The small pool maps a 2 MiB page.
     t = trace_of(
-        ("segment_map", B, 2 * MiB),
+        ("segment_map", B, 20 * MiB),
         alloc(B, 1 * MiB + 1),
-        ("segment_map", B + 2 * MiB, 4 * MiB),
-        alloc(B + 2 * MiB, 3 * MiB),
-        ("segment_unmap", B + 2 * MiB, 4 * MiB),
+        alloc(B + MiB + 512, 3 * MiB),
+        ("segment_map", B + 20 * MiB, 20 * MiB),
+        alloc(B + 4 * MiB + 512, 25 * MiB),
+        ("segment_map", S, 2 * MiB),
+        alloc(S, 100),
+        free(B + MiB + 512, 3 * MiB),
     )
-    r = replay(t)
+    r = replay(t, AllocatorConfig(expandable_segments=True))
     assert r.expandable is True
+    assert r.real_segments == r.model_segments == [20 * MiB, 20 * MiB, 2 * MiB]
+    assert r.real_peak_reserved == r.model_peak_reserved == 42 * MiB
+    assert r.match is True
+    # With fixed segments the model cannot be held to such a step: reported, not judged.
+    r = replay(t)
     assert r.match is None and r.first_difference is None
-    assert r.real_segments == [2 * MiB, 4 * MiB]
-    assert r.real_peak_reserved == 6 * MiB
+    assert r.real_segments == [20 * MiB, 20 * MiB, 2 * MiB]
+    # A page the model would not have mapped is a difference.
+    wrong = trace_of(("segment_map", B, 40 * MiB), alloc(B, 5 * MiB))
+    r = replay(wrong, AllocatorConfig(expandable_segments=True))
+    assert r.match is False and r.first_difference == (
+        f"segment 0: real {40 * MiB} bytes, model {20 * MiB}"
+    )
+
+
+def test_expandable_segments_seed_a_model_that_goes_on_alike() -> None:
+    cfg = AllocatorConfig(expandable_segments=True)
+    m = CachingAllocatorModel(cfg, record_history=True)
+    hs = [m.malloc(n) for n in (3 * MiB, 30 * MiB, 700 * KiB, 45 * MiB, 100, 12 * MiB)]
+    m.free(hs[3])  # 45 MiB in the middle of the large segment: at 33-78 MiB
+    m.empty_cache()  # its one whole page (40-60 MiB) is unmapped: two stretches left
+    state = m.segments_state()
+    assert [(s[3], s[1]) for s in state] == [
+        ("large", 40 * MiB),
+        ("large", 40 * MiB),
+        ("small", 2 * MiB),
+    ]
+    m2 = CachingAllocatorModel(cfg, record_history=True)
+    handles = m2.seed(state)
+    assert _layout(m2.segments_state()) == _layout(state)
+    assert (m2.allocated, m2.reserved) == (m.allocated, m.reserved)
+    live = {i: m.address(h) for i, h in enumerate(hs) if i != 3}
+    assert sorted(handles) == sorted(live.values())
+    # The same frees and requests map the same pages: the hole first, then the end.
+    for model, first in ((m, hs[0]), (m2, handles[live[0]])):
+        model.free(first)
+        model.history.clear()
+        for n in (18 * MiB, 50 * MiB, 1 * MiB + 512):
+            model.malloc(n)
+    assert m2.history == m.history != []
+    assert _layout(m2.segments_state()) == _layout(m.segments_state())
 
 
 def test_events_name_the_operator_of_each_call() -> None:
@@ -534,7 +577,12 @@ def test_check_fails_on_a_damaged_file_and_lists_it(tmp_path: Path) -> None:
 
 # -- a simulated capture, end to end -------------------------------------------------------
 
-ONLY = ("rnn/lstm/train/fp32/b1", "rnn/gru/infer/fp32/b16")
+ONLY = (
+    "rnn/lstm/train/fp32/b1",
+    "rnn/gru/infer/fp32/b16",
+    # replayed through the model's expandable segments
+    "zoo/gpt2/infer/fp32/b4/expandable_segments",
+)
 
 
 @pytest.fixture(scope="module")

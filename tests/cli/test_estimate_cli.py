@@ -30,6 +30,13 @@ def flat(text: str) -> str:
     return " ".join(text.split())
 
 
+@pytest.fixture(autouse=True)
+def _no_alloc_conf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimates price PyTorch's default allocator unless a test sets one."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_json_reports_every_input_used_defaults_included() -> None:
     r = runner.invoke(app, ["estimate", "lstm", "--batch", "2", "--device", "T4-16GB", "--json"])
     assert r.exit_code == 0, r.output
@@ -54,6 +61,7 @@ def test_json_reports_every_input_used_defaults_included() -> None:
         "calibration": None,
         "calibrated": False,
         "safe": True,
+        "allocator": {"max_split_size": None, "expandable_segments": False},
         "max_batch": False,
         "max_length": False,
         "parallel": None,
@@ -77,6 +85,34 @@ def test_json_reports_every_input_used_defaults_included() -> None:
     )
     inputs = json.loads(infer.stdout)["inputs"]
     assert inputs["optimizer"] is None and inputs["safe"] is False and inputs["calibrated"]
+
+
+def test_the_allocator_is_priced_as_the_alloc_conf_or_the_environment_sets_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args = ["estimate", "gpt2", "--batch", "4", "--device", "H100-80GB", "--json"]
+
+    def priced(*extra: str) -> tuple[dict[str, object], int]:
+        r = runner.invoke(app, [*args, *extra])
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.stdout)
+        return doc["inputs"]["allocator"], doc["estimates"][0]["peak_reserved_bytes"]
+
+    fixed, fixed_reserved = priced()
+    assert fixed == {"max_split_size": None, "expandable_segments": False}
+    grown, grown_reserved = priced("--alloc-conf", "expandable_segments:True")
+    assert grown == {"max_split_size": None, "expandable_segments": True}
+    # expandable segments map what the step needs: no 20 MiB segments half used
+    assert grown_reserved < fixed_reserved
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert priced() == (grown, grown_reserved)  # the environment's, by default
+    assert priced("--alloc-conf", "") == (fixed, fixed_reserved)  # '': PyTorch's defaults
+    split, _ = priced("--alloc-conf", "max_split_size_mb:128")
+    assert split == {"max_split_size": 128 * 2**20, "expandable_segments": False}
+    bad = runner.invoke(app, [*args, "--alloc-conf", "expandable_segment:True"])
+    assert bad.exit_code == 2
+    assert "did you mean 'expandable_segments'" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1
 
 
 def test_text_shows_which_peak_is_which_the_range_and_the_missing_profile() -> None:

@@ -460,9 +460,10 @@ def test_the_job_runs_under_the_allocator_setting_its_admission_priced(
     store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from vramctl.estimator import AllocatorConfig, Step
+    from vramctl.estimator._allocator import ALLOC_CONF_ENV
     from vramctl.jobs import _need
 
-    for name in _need._ALLOC_CONF_ENV:
+    for name in ALLOC_CONF_ENV:
         monkeypatch.delenv(name, raising=False)
     priced: list[object] = []
 
@@ -503,12 +504,11 @@ def test_the_job_runs_under_the_allocator_setting_its_admission_priced(
     assert _environment(store, split)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
     check(split)
     assert priced == [AllocatorConfig(max_split_size=128 * MiB)] * 2
-    # Expandable segments are the spec's to choose, and kept; priced as fixed segments, the
-    # only kind the allocator model has (docs/jobs.md, "The allocator").
+    # Expandable segments are the spec's to choose, kept, and priced as such.
     grow = admitted(store, "pass", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     assert _environment(store, grow)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     check(grow)
-    assert priced == [None, None]
+    assert priced == [AllocatorConfig(expandable_segments=True)] * 2
     # The scheduler's setting is passed on, and priced the same.
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
     assert _environment(store, plain)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"

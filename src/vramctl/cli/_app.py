@@ -429,6 +429,17 @@ def estimate_cmd(
             show_default=False,
         ),
     ] = None,
+    alloc_conf: Annotated[
+        str | None,
+        typer.Option(
+            "--alloc-conf",
+            help="The PYTORCH_CUDA_ALLOC_CONF the step runs under, as far as the allocator "
+            "model follows it: max_split_size_mb:N and expandable_segments:True, e.g. "
+            "expandable_segments:True. Default: this environment's PYTORCH_CUDA_ALLOC_CONF "
+            "(else PYTORCH_ALLOC_CONF); '' for PyTorch's defaults.",
+            show_default=False,
+        ),
+    ] = None,
     parallel: Annotated[
         str | None,
         typer.Option(
@@ -559,6 +570,7 @@ def estimate_cmd(
         task=task,
         image_size=image_size,
         trust_remote_code=trust_remote_code,
+        allocator_config=_alloc_conf_arg(alloc_conf),
         parallel=_parallel_arg(parallel, world_size, ranks_per_node, tp_plan),
         adapter=lora,
         quant=quant_arg,
@@ -626,6 +638,13 @@ def estimate_cmd(
                     "calibration": first.calibration,
                     "calibrated": first.calibrated,
                     "safe": first.safe,
+                    # the allocator priced: max_split_size (bytes) and expandable segments
+                    "allocator": {
+                        "max_split_size": getattr(step.allocator_config, "max_split_size", None),
+                        "expandable_segments": bool(
+                            getattr(step.allocator_config, "expandable_segments", False)
+                        ),
+                    },
                     "max_batch": max_batch,
                     "max_length": max_length,
                     "parallel": (
@@ -705,6 +724,23 @@ def estimate_cmd(
                 f"longest {best.length_arg} at batch 1: [bold]{best.max_length}[/]{ceiling}",
                 highlight=False,
             )
+
+
+def _alloc_conf_arg(text: str | None) -> Any:
+    """``--alloc-conf``: the allocator configuration the estimate prices (None: this
+    environment's; a value PyTorch would refuse is an error)."""
+    from vramctl.estimator import AllocatorConfig
+
+    if text is None:
+        return AllocatorConfig.from_env()
+    if not text.strip():
+        return None
+    from vramctl.doctor._torch import parse_alloc_conf
+
+    errors = [why for level, why in parse_alloc_conf(text)[1] if level == "error"]
+    if errors:
+        raise VramctlError(f"--alloc-conf {text!r}: {errors[0]}")
+    return AllocatorConfig.from_conf(text)
 
 
 def _calibration_arg(text: str | None) -> Any:

@@ -314,7 +314,7 @@ class Calibration:
         alloc_doc = consts.get("allocator", {})
         if not isinstance(alloc_doc, dict):
             raise CalibrationError(f"{source}: field 'constants.allocator' must be an object")
-        alloc_kw: dict[str, int] = {}
+        alloc_kw: dict[str, Any] = {}
         for k in ALLOCATOR_FIELDS:
             if k in alloc_doc:
                 v = alloc_doc[k]
@@ -626,11 +626,12 @@ def fit_constants(
     allocator = defaults.allocator
     if alloc_doc.get("expandable_segments"):
         notes.append(
-            "expandable_segments is on: the allocator model assumes fixed segments, kept its "
-            "default constants"
+            "expandable_segments was on while calibrating: the probes read pages, not "
+            "segments; kept the default constants (a step run with expandable segments is "
+            "priced as such with allocator_config=, or the CLI's --alloc-conf)"
         )
     else:
-        kw = {k: int(alloc_doc[k]) for k in ALLOCATOR_FIELDS if alloc_doc.get(k)}
+        kw: dict[str, Any] = {k: int(alloc_doc[k]) for k in ALLOCATOR_FIELDS if alloc_doc.get(k)}
         allocator = replace(allocator, **kw)
 
     cal = replace(

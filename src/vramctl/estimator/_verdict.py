@@ -397,7 +397,7 @@ def _later_steps_note(trace: Trace, config: AllocatorConfig | None, reserved: in
         f"a loop's later steps reserve {format_bytes(reserved - first)} more than its first "
         f"({format_bytes(first)}): they are served from the blocks the first left cached, "
         "and split them; PyTorch's remedies are PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb "
-        "(priced with allocator_config=) and expandable_segments (not modelled)"
+        "and expandable_segments:True (both priced with allocator_config=)"
     ]
 
 

@@ -44,10 +44,6 @@ BATCH_SIZE_ENV = "VRAMCTL_BATCH_SIZE"
 GRAD_ACCUM_ENV = "VRAMCTL_GRAD_ACCUM"
 
 
-#: The variables PyTorch's caching allocator reads its configuration from, in order.
-_ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-
-
 def _allocator_config(spec: JobSpec) -> AllocatorConfig | None:
     """The allocator configuration ``spec``'s job runs under, as :func:`price` prices it.
 
@@ -55,11 +51,7 @@ def _allocator_config(spec: JobSpec) -> AllocatorConfig | None:
     with the spec's ``env`` over it; the supervisor adds no allocator setting of its own.
     None where it sets nothing the allocator model follows.
     """
-    env = {**os.environ, **spec.env}
-    for name in _ALLOC_CONF_ENV:
-        if name in env:
-            return AllocatorConfig.from_conf(env[name])
-    return None
+    return AllocatorConfig.from_env({**os.environ, **spec.env})
 
 
 def price(
