@@ -200,6 +200,34 @@ def test_estimate_against_a_real_cuda_step() -> None:
     assert abs(est.peak_allocated - real) / real < 0.1
 
 
+@pytest.mark.cuda
+def test_estimate_against_a_real_cuda_step_with_expandable_segments() -> None:
+    from vramctl.estimator import AllocatorConfig
+
+    torch.manual_seed(0)
+    batch = torch.randn(256, 2048)
+    torch.cuda.empty_cache()
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    try:
+        real_allocated, real_reserved = cuda_step_peaks(
+            nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]), batch, cold_cache=True
+        )
+    finally:
+        torch.cuda.empty_cache()
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
+    grown = vramctl.estimate(
+        model,
+        batch,
+        device="cuda:0",
+        allocator_config=AllocatorConfig.from_conf("expandable_segments:True"),
+    )
+    assert abs(grown.peak_allocated - real_allocated) / real_allocated < 0.1
+    assert abs(grown.peak_reserved - real_reserved) / real_reserved < 0.1
+    fixed = vramctl.estimate(model, batch, device="cuda:0")
+    assert grown.peak_reserved <= fixed.peak_reserved
+
+
 # -- what an estimate says it used, and how sure its device peak is ----------------------
 
 

@@ -318,6 +318,36 @@ def test_the_estimate_for_a_gpu_leaves_out_what_other_processes_hold(
     assert share is not None and share[1] == pytest.approx((0.9 * total - gpus[1].used) / total)
 
 
+def test_the_seed_for_a_gpu_prices_this_processs_allocator_setting(
+    gpus: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fit on a GPU estimates the caching allocator as this process runs it: the
+    environment's PYTORCH_CUDA_ALLOC_CONF (expandable segments), unless the options say."""
+    from vramctl.estimator import AllocatorConfig, Step
+    from vramctl.fit import _seed
+
+    priced: list[Any] = []
+
+    def search(model: Any, make_batch: Any, *, step: Step, **kw: Any) -> Any:
+        priced.append(step.allocator_config)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(_seed, "max_batch_size", search)
+    gpu = vramctl.get_device("cuda:1")
+
+    def seed(request: Step) -> None:
+        _seed.predict(nn.Linear(8, 8), torch.zeros, gpu, 0.9, request, None, {})
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    seed(Step())
+    split = AllocatorConfig(max_split_size=256 * 2**20)
+    seed(Step(allocator_config=split))  # the caller's own setting stands
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    seed(Step())
+    assert priced == [AllocatorConfig(expandable_segments=True), split, None]
+
+
 def test_estimate_options_as_a_step_or_a_mapping_seed_the_same_search() -> None:
     # The options reach the estimate as one vramctl.Step, whichever way they are given;
     # fp16 activations seed a larger batch than the fp32 default.

@@ -25,6 +25,7 @@ from vramctl._tensors import tensors
 from vramctl._units import format_bytes, parse_size
 from vramctl.device import Device, resolve
 from vramctl.estimator import Step, max_batch_size
+from vramctl.estimator._shared import run_allocator
 
 __all__ = ["AdaptiveBatcher", "BatchingError", "MapDataset"]
 
@@ -195,7 +196,15 @@ class AdaptiveBatcher:
             found = max_batch_size(
                 model,
                 make_batch,
-                step=request.replace(device=self.device, target_utilization=self.target),
+                step=request.replace(
+                    device=self.device,
+                    target_utilization=self.target,
+                    allocator_config=(
+                        run_allocator(self.device, request.allocator_config)
+                        if self.device is not None
+                        else request.allocator_config
+                    ),
+                ),
                 **kwargs,
             )
         except VramctlError as exc:

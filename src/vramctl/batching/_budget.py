@@ -37,7 +37,7 @@ from vramctl._units import format_bytes
 from vramctl.batching._adaptive import BatchingError
 from vramctl.device import Device, resolve
 from vramctl.estimator import Step, estimate
-from vramctl.estimator._shared import Target, run_target
+from vramctl.estimator._shared import Target, run_allocator, run_target
 
 __all__ = ["Budget", "MemoryBudget", "PaddedDuration", "QuadraticDuration"]
 
@@ -300,6 +300,7 @@ class MemoryBudget:
                 where = run_target(resolve(device))
         if budget_bytes <= 0:
             raise BatchingError("no memory is left on the device for a batch")
+        allocator = run_allocator(resolve(device), request.allocator_config)
         lo = min_duration if min_duration is not None else max_duration / 8
         lengths = _anchor_lengths(lo, max_duration, anchors)
         rows: list[tuple[float, float, float]] = []
@@ -314,7 +315,7 @@ class MemoryBudget:
                         model,
                         lambda b, s=seconds: make_batch(b, s),
                         batch_size=n,
-                        step=request.replace(device=where),
+                        step=request.replace(device=where, allocator_config=allocator),
                     )
                     return float(est.peak_reserved)
 

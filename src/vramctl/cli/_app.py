@@ -735,7 +735,7 @@ def _alloc_conf_arg(text: str | None) -> Any:
         return AllocatorConfig.from_env()
     if not text.strip():
         return None
-    from vramctl.doctor._torch import parse_alloc_conf
+    from vramctl.doctor._shared import parse_alloc_conf
 
     errors = [why for level, why in parse_alloc_conf(text)[1] if level == "error"]
     if errors:

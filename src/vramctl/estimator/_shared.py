@@ -17,7 +17,7 @@ from vramctl.estimator._quant import quant_spec
 from vramctl.estimator._rates import cpu_profile_path, cpu_throughput
 from vramctl.estimator._serve import VARIANTS, serve_variants
 from vramctl.estimator._spec import load_model_source, resolve_source
-from vramctl.estimator._target import Target, resolve_target, run_target
+from vramctl.estimator._target import Target, resolve_target, run_allocator, run_target
 
 __all__ = [
     "CACHES",
@@ -35,6 +35,7 @@ __all__ = [
     "quant_spec",
     "resolve_source",
     "resolve_target",
+    "run_allocator",
     "run_target",
     "serve_variants",
 ]

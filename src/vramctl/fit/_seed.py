@@ -26,7 +26,7 @@ import torch
 from vramctl._step import call_model
 from vramctl.device import Device
 from vramctl.estimator import MaxBatch, Step, estimate, max_batch_size
-from vramctl.estimator._shared import Target, resolve_target, run_target
+from vramctl.estimator._shared import Target, resolve_target, run_allocator, run_target
 
 __all__ = ["Reading", "Seed", "as_called", "batch_structure", "estimate_request", "predict"]
 
@@ -288,7 +288,11 @@ def predict(
         where = _estimator_target(device, target, model, optimizer)
         if where is None:
             return Seed(note="no room left for the step: the estimate was skipped")
-        on = request.replace(device=where[0], target_utilization=where[1])
+        on = request.replace(
+            device=where[0],
+            target_utilization=where[1],
+            allocator_config=run_allocator(device, request.allocator_config),
+        )
         with device.uncounted():
             # The seed of a search by real steps: the safe end of the estimate's range (see
             # estimate_request), so that the first probe fits and measures a real peak.
