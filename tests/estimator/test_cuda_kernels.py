@@ -83,6 +83,47 @@ def test_a_cuda_targets_estimate_holds_the_buffer_during_the_reduction() -> None
     assert vramctl.estimate(_BiasGradient(), x, device="cpu", **kw).breakdown["workspaces"] == 0
 
 
+def _allocations(model: nn.Module, x: torch.Tensor, device: str) -> list[tuple[str, int, str]]:
+    """``(operator, bytes, category)`` of each allocation in an inference trace, in order."""
+    from vramctl import Step
+    from vramctl.estimator._rates import RATES
+    from vramctl.estimator._session import make_batch_for, open_session
+
+    session = open_session(model, Step(device=device, calibration=False, mode="infer"), RATES)
+    try:
+        traced = session.trace(*make_batch_for(session, x, None, None, None))
+    finally:
+        session.close()
+    records = traced.trace.records
+    return [
+        (records[e].op, records[e].nbytes, traced.categories[e])
+        for e in traced.trace.events
+        if e >= 0 and records[e].op in ("convolution", "sum")
+    ]
+
+
+def test_a_cuda_kernels_scratch_comes_after_its_outputs() -> None:
+    # The recorded H200 steps: a convolution allocates its output, then its cuDNN
+    # workspace (696 calls); a reduction its output, then its staging buffer (396 calls).
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(0))
+    x = torch.randn(2, 3, 64, 64)
+    out = 2 * 8 * 62 * 62 * 4
+    gpu = _allocations(conv, x, "H200-141GB")
+    assert [(op, cat == "workspaces") for op, _, cat in gpu] == [
+        ("convolution", False),
+        ("convolution", True),
+    ]
+    assert gpu[0][1] == out and gpu[1][1] > 0
+    reduce = _allocations(_BiasGradient(), torch.randn(4, 56, 56, 384), "H200-141GB")
+    assert [(op, cat == "workspaces") for op, _, cat in reduce] == [
+        ("sum", False),
+        ("sum", True),
+    ]
+    # A host kernel's scratch (oneDNN's) comes first, as the CPU truth measured it.
+    cpu = _allocations(conv, torch.randn(2, 3, 256, 256), "cpu")
+    assert [cat == "workspaces" for _, _, cat in cpu] == [True, False]
+
+
 @pytest.mark.cuda
 def test_a_gpus_reduction_allocates_the_modelled_buffer() -> None:
     props = torch.cuda.get_device_properties(0)

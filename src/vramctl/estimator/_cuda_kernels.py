@@ -2,7 +2,10 @@
 
 A trace runs on the host; where a CUDA kernel asks the caching allocator for scratch that
 the host's kernel does not, the estimate for a CUDA target adds it as a workspace around
-the operator (:class:`~vramctl.estimator._trace.Tracer`'s ``workspace`` hook).
+the operator (:class:`~vramctl.estimator._trace.Tracer`'s ``workspace`` hook), made after
+the operator's outputs: the recorded H200 steps' convolutions allocate their output, then
+cuDNN's workspace (696 calls), and their reductions their output, then the staging buffer
+and semaphores (396 calls).
 
 **Reductions.** ``sum`` and ``mean`` run ATen's ``gpu_reduce_kernel`` on CUDA
 (``aten/src/ATen/native/cuda/Reduce.cuh``). Where one output's inputs are many and the

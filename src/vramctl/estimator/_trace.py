@@ -223,6 +223,9 @@ class Tracer(TorchDispatchMode):
         self.workspace: (
             Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Tensor]], int] | None
         ) = None
+        #: The workspace is made after the operator's outputs (CUDA: a structured kernel's
+        #: outputs exist before its implementation asks for scratch), else before them.
+        self.scratch_after_outputs = False
         #: Bytes of each intermediate a kernel makes after its outputs and frees before it
         #: returns, in order (empty: none): composite kernels', a CUDA kernel's own.
         self.intermediates: (
@@ -366,7 +369,7 @@ class Tracer(TorchDispatchMode):
         name = _op_name(func)
         outs = list(tensors(out))
         ws = self.workspace(func, args, kwargs, outs) if self.workspace and not self.host else 0
-        if ws > 0:
+        if ws > 0 and not self.scratch_after_outputs:
             sid = self._scratch_made(ws, name, "workspaces")
         real = self.output_bytes(func, args, kwargs, outs) if self.output_bytes else None
         first_event = len(self.trace.events)
@@ -375,6 +378,8 @@ class Tracer(TorchDispatchMode):
         if func is _aten.add.Tensor and self.phase == "backward":
             self._gradient_sum(args, kwargs, outs, first_event)
         if ws > 0:
+            if self.scratch_after_outputs:
+                sid = self._scratch_made(ws, name, "workspaces")
             self._scratch_freed(sid)
         if self.intermediates is not None and not self.host and self.record:
             made = [

@@ -131,6 +131,9 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
         tracer.workspace = _CudaScratch(
             cudnn, multiprocessors(session.target.name, (cc.major, cc.minor) if cc else None)
         )
+        # The recorded steps: a convolution's output, then its workspace; a reduction's
+        # output, then its staging buffer and semaphores.
+        tracer.scratch_after_outputs = True
     else:
         tracer.workspace = cpu_workspace
     tracer.intermediates = _cuda_intermediates if session.target.cuda else composite_intermediates
