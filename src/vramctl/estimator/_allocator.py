@@ -642,13 +642,7 @@ class CachingAllocatorModel:
         pool.remove_unmapped(gap)
         gap.mapped = True
         if mapped < gap.size:
-            rest = _Block(gap.addr + mapped, gap.size - mapped, gap.seg, gap.small, mapped=False)
-            rest.prev, rest.next = gap, gap.next
-            if gap.next is not None:
-                gap.next.prev = rest
-            gap.next = rest
-            gap.size = mapped
-            pool.add_unmapped(rest)
+            pool.add_unmapped(self._cut(gap, mapped, mapped=False))
         for neighbour in (gap.prev, gap.next):
             if neighbour is not None and not neighbour.allocated and neighbour.mapped:
                 pool.remove(neighbour)
@@ -678,12 +672,7 @@ class CachingAllocatorModel:
             block.prev = before
             pool.add(before)
         if end < block.addr + block.size:
-            after = _Block(end, block.addr + block.size - end, block.seg, block.small)
-            after.prev, after.next = block, block.next
-            if block.next is not None:
-                block.next.prev = after
-            block.next = after
-            pool.add(after)
+            pool.add(self._cut(block, end - block.addr))
         block.addr, block.size, block.mapped = begin, end - begin, False
         self._segments[block.seg] -= block.size
         self.reserved -= block.size
@@ -707,15 +696,20 @@ class CachingAllocatorModel:
         else:
             limit = cfg.max_split_size
             split = (limit is None or size < limit) and remaining > cfg.small_size
-        if not split:
-            return
-        rest = _Block(block.addr + size, remaining, block.seg, block.small)
+        if split:
+            pool.add(self._cut(block, size))
+
+    @staticmethod
+    def _cut(block: _Block, size: int, mapped: bool = True) -> _Block:
+        """``block`` cut after its first ``size`` bytes: the rest, a block of its own
+        (``mapped`` or not) linked after it, is returned."""
+        rest = _Block(block.addr + size, block.size - size, block.seg, block.small, mapped)
         rest.prev, rest.next = block, block.next
         if block.next is not None:
             block.next.prev = rest
         block.next = rest
         block.size = size
-        pool.add(rest)
+        return rest
 
     @staticmethod
     def _merge(block: _Block, other: _Block) -> None:
