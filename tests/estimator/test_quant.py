@@ -16,6 +16,7 @@ from torch import nn
 
 import vramctl
 from tests.estimator.real_steps import cpu_step_peak
+from vramctl import format_bytes
 from vramctl.estimator import EstimateError, QuantSpec
 from vramctl.estimator._quant import QuantLinear, quant_spec, storage_layout
 from vramctl.estimator._spec import StepSpec
@@ -473,3 +474,11 @@ def test_a_loop_whose_later_steps_split_cached_blocks_says_so() -> None:
     )
     assert not any("later steps" in n for n in whole.notes)
     assert whole.peak_reserved < split.peak_reserved - 2**29
+    # The note prices the other remedy too: what the loop reserves with expandable segments.
+    grown = vramctl.estimate(
+        config, allocator_config=AllocatorConfig.from_conf("expandable_segments:True"), **kw
+    )
+    assert grown.peak_reserved < split.peak_reserved
+    saved = format_bytes(split.peak_reserved - grown.peak_reserved)
+    assert note.endswith(f"with expandable_segments:True the loop would reserve {saved} less")
+    assert not any("later steps" in n for n in grown.notes)

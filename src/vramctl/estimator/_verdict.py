@@ -393,12 +393,22 @@ def _later_steps_note(trace: Trace, config: AllocatorConfig | None, reserved: in
     first = replay(trace, None, config).peak_reserved
     if reserved <= first:
         return []
-    return [
+    note = (
         f"a loop's later steps reserve {format_bytes(reserved - first)} more than its first "
         f"({format_bytes(first)}): they are served from the blocks the first left cached, "
         "and split them; PyTorch's remedies are PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb "
         "and expandable_segments:True (both priced with allocator_config=)"
-    ]
+    )
+    base = config or AllocatorConfig()
+    if not base.expandable_segments:
+        grown = dataclasses.replace(base, expandable_segments=True)
+        alt = replay(trace, None, grown, steady=True).peak_reserved
+        if alt < reserved:
+            note += (
+                f"; with expandable_segments:True the loop would reserve "
+                f"{format_bytes(reserved - alt)} less"
+            )
+    return [note]
 
 
 def _tf32_capable(target: Target) -> bool:
