@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _truth.cases import Built, build
+from _truth.cases import Built, build, case_allocator
 from _truth.corpus import TraceBuilder
 
 
@@ -364,7 +364,7 @@ class _StorageLife:
 def record_simulated(spec: dict[str, Any]) -> tuple[dict[str, dict], dict[str, dict]]:
     """A case's cold and warm steps on the CPU, through the allocator model (with
     expandable segments where the case runs with them)."""
-    from vramctl.estimator import AllocatorConfig, CachingAllocatorModel
+    from vramctl.estimator import CachingAllocatorModel
 
     life = _StorageLife()
     setup = TraceBuilder()
@@ -375,10 +375,7 @@ def record_simulated(spec: dict[str, Any]) -> tuple[dict[str, dict], dict[str, d
         for t in [*built.model.parameters(), *built.model.buffers(), *tensors(built.batch)]:
             life.adopt(t, -1)
     gc.collect()
-    expandable = bool((spec.get("options") or {}).get("expandable_segments"))
-    model = CachingAllocatorModel(
-        AllocatorConfig(expandable_segments=expandable), record_history=True
-    )
+    model = CachingAllocatorModel(case_allocator(spec), record_history=True)
     handles: dict[int, int] = {}
     _apply(model, life.requests, handles, None)
     traces: dict[str, dict] = {}

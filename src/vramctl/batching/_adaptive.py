@@ -199,11 +199,7 @@ class AdaptiveBatcher:
                 step=request.replace(
                     device=self.device,
                     target_utilization=self.target,
-                    allocator_config=(
-                        run_allocator(self.device, request.allocator_config)
-                        if self.device is not None
-                        else request.allocator_config
-                    ),
+                    allocator_config=run_allocator(self.device, request.allocator_config),
                 ),
                 **kwargs,
             )

@@ -664,16 +664,12 @@ class CachingAllocatorModel:
         if begin >= end:
             return
         pool.remove(block)
-        if begin > block.addr:
-            before = _Block(block.addr, begin - block.addr, block.seg, block.small)
-            before.prev, before.next = block.prev, block
-            if block.prev is not None:
-                block.prev.next = before
-            block.prev = before
-            pool.add(before)
-        if end < block.addr + block.size:
+        if begin > block.addr:  # the free bytes before the first whole page stay mapped
+            head, block = block, self._cut(block, begin - block.addr)
+            pool.add(head)
+        if end < block.addr + block.size:  # and those after the last
             pool.add(self._cut(block, end - block.addr))
-        block.addr, block.size, block.mapped = begin, end - begin, False
+        block.mapped = False
         self._segments[block.seg] -= block.size
         self.reserved -= block.size
         if self._record:

@@ -102,10 +102,10 @@ def _allocated() -> int:
 
 
 def _expandable_segments() -> bool:
-    conf = ",".join(
-        os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-    )
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
+    from vramctl.estimator._allocator import AllocatorConfig
+
+    config = AllocatorConfig.from_env()
+    return config is not None and config.expandable_segments
 
 
 def _allocator(dev: torch.device) -> dict[str, Any]:

@@ -83,12 +83,14 @@ def run_target(device: Device) -> Target | Device:
     return Target(name, device.capacity(), None, cuda=False, allocator=allocator)
 
 
-def run_allocator(device: Device, requested: AllocatorConfig | None) -> AllocatorConfig | None:
+def run_allocator(
+    device: Device | None, requested: AllocatorConfig | None
+) -> AllocatorConfig | None:
     """The caching allocator's configuration for a step that really runs on ``device`` in
     this process: ``requested`` where given; on a CUDA device, else, this process's
     ``PYTORCH_CUDA_ALLOC_CONF`` (expandable segments, ``max_split_size_mb``), which PyTorch
     reads when its allocator starts."""
-    if requested is not None or not device.is_cuda:
+    if requested is not None or device is None or not device.is_cuda:
         return requested
     return AllocatorConfig.from_env()
 
