@@ -357,6 +357,8 @@ def workspaces(args: argparse.Namespace) -> int:
     from _truth import workspaces as ws
     from _truth.diff import predicted_trace
 
+    from vramctl.estimator._conv_workspace import workspace_lines
+
     try:
         index = corpus.load_index(args.corpus)
     except corpus.CorpusError as exc:
@@ -392,6 +394,12 @@ def workspaces(args: argparse.Namespace) -> int:
         f"{sum(1 for n in table.values() if n == 0)} ran without a workspace, the largest "
         f"held {max(table.values(), default=0) / 2**20:.1f} MiB"
     )
+    lines = workspace_lines(table)
+    for kind, (fixed, per_act, per_weight) in lines.items():
+        print(
+            f"  {kind:<28} {fixed / 2**20:6.2f} MiB + {per_act:.3f} x activation "
+            f"+ {per_weight:.3f} x weight"
+        )
     summary: dict[str, Any] = {
         "benchmark": "cuda_truth",
         "command": "workspaces",
@@ -399,6 +407,7 @@ def workspaces(args: argparse.Namespace) -> int:
         "gpu": gpu,
         "steps_paired": paired,
         "keys": len(table),
+        "lines": {k: list(v) for k, v in lines.items()},
         "skipped": skipped,
     }
     for target in ([args.corpus] if args.write else []) + list(args.into or []):
@@ -412,7 +421,9 @@ def workspaces(args: argparse.Namespace) -> int:
                 print(f"workspaces: {target} was recorded with other {differs}", file=sys.stderr)
                 return 2
         doc = json.loads(path.read_text())
-        doc.setdefault("constants", {})["cudnn_workspaces"] = dict(sorted(table.items()))
+        consts = doc.setdefault("constants", {})
+        consts["cudnn_workspaces"] = dict(sorted(table.items()))
+        consts["cudnn_workspace_lines"] = {k: list(v) for k, v in lines.items()}
         path.write_text(json.dumps(doc, indent=2) + "\n")
         summary.setdefault("written", []).append(str(path))
         print(f"written to {path}")

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import platform
@@ -257,6 +258,12 @@ def main() -> int:
         help="with --truth: write the device peak's largest shortfall (in percent of the "
         "estimate) over the corpus' steps into its calibration.json, so that estimates with "
         "that profile take their range from this evidence instead of a fixed allowance",
+    )
+    ap.add_argument(
+        "--rows",
+        metavar="FILE",
+        help="with --truth: write each case's (predicted, measured) bytes, warm and cold, to "
+        "FILE as JSON Lines, to find the rows behind a figure",
     )
     args = _common.parse(ap)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -624,6 +631,10 @@ def truth_main(args: argparse.Namespace) -> int:
         "wall_s": round(time.perf_counter() - started, 1),
     }
     summary["device_range"] = device_range(rows)
+    if args.rows:
+        with open(args.rows, "w") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
     if args.write_evidence:
         summary["evidence_written"] = write_evidence(args.truth, cal_from, rows, summary)
     summary["goals"] = truth_goals(summary)

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
+import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -237,6 +240,36 @@ def hf_config(spec: dict[str, Any]) -> Any:
     return shrink(cls(), "hidden")
 
 
+def import_vision(name: str) -> Any:
+    """Import torchvision or timm (``name``), also where torchvision's C++ operators do not load.
+
+    The only torchvision wheel for some PyTorch releases is built against PyTorch's CUDA build;
+    beside the CPU build its C++ library does not load, and its import then fails registering
+    fake kernels for operators that do not exist (``operator torchvision::nms does not exist``).
+    Those are detection operators (NMS, RoI align, deformable convolution), which no
+    classification model calls, so torchvision is imported again without those registrations.
+    """
+    try:
+        return importlib.import_module(name)
+    except RuntimeError as e:
+        if "torchvision::" not in str(e):
+            raise
+    for key in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
+        del sys.modules[key]
+    sys.modules["torchvision._meta_registrations"] = types.ModuleType(
+        "torchvision._meta_registrations"
+    )
+    return importlib.import_module(name)
+
+
+def vision_ready() -> None:
+    """Import torchvision first where it is installed (see :func:`import_vision`):
+    transformers imports it too, for its image models, and takes a failed import as a
+    missing module for every model class."""
+    if importlib.util.find_spec("torchvision") is not None:
+        import_vision("torchvision")
+
+
 def module_factory(spec: dict[str, Any]) -> tuple[Callable[[], nn.Module], Callable[[int], Any]]:
     """``(build, batch_of)`` for a case that is not a zoo or config model."""
     kind, name = spec["kind"], spec["model"]
@@ -249,11 +282,11 @@ def module_factory(spec: dict[str, Any]) -> tuple[Callable[[], nn.Module], Calla
         return (lambda: Recurrent(name)), lambda b: torch.randn(b, t, 256)
     side = int(lengths.get("image_size", CNN_SIZE))
     if kind == "torchvision":
-        models = importlib.import_module("torchvision.models")
+        models = import_vision("torchvision.models")
         fn = getattr(models, name)
         return (lambda: fn(weights=None)), lambda b: torch.randn(b, 3, side, side)
     if kind == "timm":
-        timm = importlib.import_module("timm")
+        timm = import_vision("timm")
         return (lambda: timm.create_model(name, pretrained=False)), (
             lambda b: torch.randn(b, 3, side, side)
         )
@@ -278,6 +311,7 @@ def build(spec: dict[str, Any], device: str) -> Built:
     from vramctl.estimator import zoo
     from vramctl.estimator._hub import config_model
 
+    vision_ready()
     torch.manual_seed(0)
     kind, b = spec["kind"], spec["batch_size"]
     lengths = dict(spec.get("lengths") or {})
@@ -319,6 +353,7 @@ def _fill(batch: Any, device: str) -> Any:
 
 def estimate_args(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
     """``(model source, batch, lengths, options)`` as :func:`vramctl.estimate` takes them."""
+    vision_ready()
     kind = spec["kind"]
     lengths = {k: v for k, v in (spec.get("lengths") or {}).items() if v is not None}
     opts: dict[str, Any] = {

@@ -303,7 +303,7 @@ def test_convolutions_add_cudnn_context_and_the_measured_workspace() -> None:
 def test_a_recorded_convolution_takes_its_recorded_workspace_and_others_the_line(
     tmp_path: Path,
 ) -> None:
-    from vramctl.estimator._trace_step import conv_key
+    from vramctl.estimator._conv_workspace import conv_key
 
     x = torch.randn(8, 16, 64, 64)
     conv = Conv().conv

@@ -178,7 +178,8 @@ class Calibration:
     measured, as low as it can (their upper envelope). ``cudnn_workspaces`` holds
     the workspace recorded on this GPU for each convolution call seen in a recorded
     corpus (by its shapes and arguments, cuDNN's heuristics' choice with
-    ``cudnn.benchmark`` off); those calls take it in place of the line.
+    ``cudnn.benchmark`` off); those calls take it in place of the line, and other calls
+    of a kind the table holds take ``cudnn_workspace_lines``' line for their kind.
     """
 
     device: str
@@ -193,8 +194,13 @@ class Calibration:
     #: cuBLASLt's workspace, made by the forward's first bias-epilogue product (None:
     #: included in ``cublas_workspace_bytes``, as profiles before 2026-11-30 measured it).
     cublaslt_workspace_bytes: int | None = None
-    #: Recorded workspaces by convolution call (``conv_key``); others take the line.
+    #: Recorded workspaces by convolution call (``conv_key``); others take their kind's
+    #: line, else the one line.
     cudnn_workspaces: Mapping[str, int] = field(default_factory=dict)
+    #: A line per kind of convolution fitted to ``cudnn_workspaces``' calls
+    #: (:func:`~vramctl.estimator._conv_workspace.workspace_lines`): ``(fixed bytes, per
+    #: activation byte, per weight byte)`` by kind, as ``"forward:dense"``.
+    cudnn_workspace_lines: Mapping[str, tuple[int, float, float]] = field(default_factory=dict)
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     #: Versions the figures were measured with: torch, cuda, cudnn, driver.
     software: Mapping[str, str] = field(default_factory=dict)
@@ -252,6 +258,15 @@ class Calibration:
                 **(
                     {"cudnn_workspaces": dict(sorted(self.cudnn_workspaces.items()))}
                     if self.cudnn_workspaces
+                    else {}
+                ),
+                **(
+                    {
+                        "cudnn_workspace_lines": {
+                            k: list(v) for k, v in sorted(self.cudnn_workspace_lines.items())
+                        }
+                    }
+                    if self.cudnn_workspace_lines
                     else {}
                 ),
                 "allocator": {k: getattr(self.allocator, k) for k in ALLOCATOR_FIELDS},
@@ -333,6 +348,7 @@ class Calibration:
                 f"{source}: field 'constants.cudnn_workspaces' must map convolution keys to "
                 "byte counts of at least 0"
             )
+        lines = _workspace_lines(consts.get("cudnn_workspace_lines", {}), source)
         software = doc.get("software", {})
         if not isinstance(software, dict):
             raise CalibrationError(f"{source}: field 'software' must be an object")
@@ -356,6 +372,7 @@ class Calibration:
             # Profiles written before the fixed part was measured have none.
             cudnn_workspace_fixed=size("cudnn_workspace_fixed") if fixed_given else 0,
             cudnn_workspaces=table,
+            cudnn_workspace_lines=lines,
             allocator=AllocatorConfig(**alloc_kw),
             software={str(k): str(v) for k, v in software.items() if v is not None},
             created=str(doc.get("created", "")),
@@ -648,6 +665,35 @@ def fit_constants(
         measurements=dict(measurements),
     )
     return cal, notes
+
+
+def _workspace_lines(doc: Any, source: str) -> dict[str, tuple[int, float, float]]:
+    """``constants.cudnn_workspace_lines``: each kind's ``[fixed bytes, per activation
+    byte, per weight byte]``, all at least 0."""
+    out: dict[str, tuple[int, float, float]] = {}
+
+    def number(v: Any) -> bool:
+        return (
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+        )
+
+    ok = isinstance(doc, dict)
+    for kind, line in doc.items() if ok else ():
+        if (
+            isinstance(line, list)
+            and len(line) == 3
+            and all(number(v) for v in line)
+            and isinstance(line[0], int)
+        ):
+            out[str(kind)] = (int(line[0]), float(line[1]), float(line[2]))
+        else:
+            ok = False
+    if not ok:
+        raise CalibrationError(
+            f"{source}: field 'constants.cudnn_workspace_lines' must map convolution kinds to "
+            "[fixed bytes, per activation byte, per weight byte], each at least 0"
+        )
+    return out
 
 
 def workspace_envelope(points: list[tuple[int, int]]) -> tuple[float, int]:

@@ -8,7 +8,7 @@ import contextlib
 import inspect
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,6 +23,7 @@ from vramctl._errors import VramctlError
 from vramctl._step import call_model
 from vramctl.estimator._autocast import cuda_autocast, recomputed_too
 from vramctl.estimator._composite import composite_intermediates
+from vramctl.estimator._conv_workspace import CudnnWorkspace
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace, rank_threads
 from vramctl.estimator._cuda_kernels import (
     CUBLAS_WORKSPACE,
@@ -120,11 +121,12 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
     model, spec = session.model, session.spec
     tracer = Tracer(session.fake_mode)
     consts = session.target.constants
-    cudnn = _CudnnWorkspace(
+    cudnn = CudnnWorkspace(
         consts.cudnn_workspace_ratio,
         consts.cudnn_workspace_cap,
         consts.cudnn_workspace_fixed,
         consts.cudnn_workspaces,
+        consts.cudnn_workspace_lines,
     )
     if session.target.cuda:
         cc = session.target.capability
@@ -556,38 +558,6 @@ def _pseudo(tracer: Tracer, nbytes: int, op: str, category: str) -> None:
     tracer.trace.events.append(sid)
 
 
-_CONV_OPS = {
-    torch.ops.aten.convolution.default,
-    torch.ops.aten.convolution_backward.default,
-}
-
-
-class _CudnnWorkspace:
-    """A convolution's cuDNN workspace: the bytes recorded for that very call on this GPU
-    (``table``, by :func:`conv_key`), else ``fixed`` plus ``ratio`` times its largest
-    output, at most ``cap``. ``keys`` lists each convolution's key in the step's order."""
-
-    def __init__(
-        self, ratio: float, cap: int, fixed: int = 0, table: Mapping[str, int] | None = None
-    ) -> None:
-        self.ratio, self.cap, self.fixed, self.calls = ratio, cap, fixed, 0
-        self.table = table or {}
-        self.keys: list[str] = []
-
-    def __call__(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
-    ) -> int:
-        if func not in _CONV_OPS or not outs:
-            return 0
-        self.calls += 1
-        key = conv_key(func, args)
-        self.keys.append(key)
-        if key in self.table:
-            return self.table[key]
-        biggest = max(t.untyped_storage().nbytes() for t in outs)
-        return min(self.fixed + int(biggest * self.ratio), self.cap)
-
-
 def _cuda_intermediates(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
 ) -> tuple[int, ...]:
@@ -602,7 +572,7 @@ class _CudaScratch:
     """A CUDA kernel's scratch around an operator: a convolution's cuDNN workspace, a
     reduction's staging buffer (:mod:`~vramctl.estimator._cuda_kernels`)."""
 
-    def __init__(self, cudnn: _CudnnWorkspace, sms: tuple[int, int]) -> None:
+    def __init__(self, cudnn: CudnnWorkspace, sms: tuple[int, int]) -> None:
         self.cudnn, self.sms = cudnn, sms
 
     def __call__(
@@ -611,28 +581,6 @@ class _CudaScratch:
         return self.cudnn(func, args, kwargs, outs) or reduction_scratch(
             func, args, kwargs, self.sms
         )
-
-
-def conv_key(func: Any, args: tuple[Any, ...]) -> str:
-    """What a convolution's cuDNN workspace follows: the operator, each tensor's dtype,
-    shape and memory format, and the other arguments (stride, padding, groups, which
-    gradients). A recorded table of workspaces is keyed by it."""
-
-    def part(a: Any) -> str:
-        if isinstance(a, torch.Tensor):
-            fmt = ""
-            if (
-                a.dim() == 4
-                and not a.is_contiguous()
-                and a.is_contiguous(memory_format=torch.channels_last)
-            ):
-                fmt = ":channels_last"
-            return f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}{fmt}"
-        if isinstance(a, (list, tuple)):
-            return "[" + ",".join(part(x) for x in a) + "]"
-        return repr(a)
-
-    return f"{func.overloadpacket.__name__}(" + ",".join(part(a) for a in args) + ")"
 
 
 def _claim_nodes(out: Any, module: str, table: dict[int, str]) -> None:

@@ -1,0 +1,151 @@
+"""A convolution's cuDNN workspace: the recorded table, a line per kind of convolution fitted
+to it, and the depthwise convolutions PyTorch does not run on cuDNN."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import vramctl
+from vramctl.estimator import Calibration, CalibrationError, load_calibration
+from vramctl.estimator._conv_workspace import (
+    ConvCall,
+    CudnnWorkspace,
+    conv_call,
+    conv_key,
+    workspace_lines,
+)
+from vramctl.estimator._cuda_model import builtin
+
+MiB = 2**20
+FWD = torch.ops.aten.convolution.default
+BWD = torch.ops.aten.convolution_backward.default
+
+
+def fwd_key(x: torch.Tensor, w: torch.Tensor, stride: int = 1, groups: int = 1) -> str:
+    n = x.dim() - 2
+    return conv_key(FWD, (x, w, None, [stride] * n, [0] * n, [1] * n, False, [0] * n, groups))
+
+
+def test_a_key_gives_the_calls_kind_and_sizes() -> None:
+    x, w = torch.empty(8, 64, 56, 56), torch.empty(128, 64, 3, 3)
+    key = conv_key(FWD, (x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1))
+    out = 8 * 128 * 28 * 28 * 4  # (56 + 2 - 2 - 1) // 2 + 1 = 28
+    assert conv_call(key) == ConvCall("forward:dense", max(x.nbytes, out), w.nbytes)
+    # a transposed convolution's output is larger than its input
+    wt = torch.empty(64, 32, 4, 4)
+    key = conv_key(FWD, (x, wt, None, [2, 2], [1, 1], [1, 1], True, [0, 0], 1))
+    assert conv_call(key) == ConvCall("forward:dense", 8 * 32 * 112 * 112 * 4, wt.nbytes)
+    # pointwise, with and without a stride; grouped; a backward reads its output gradient
+    assert conv_call(fwd_key(x, torch.empty(32, 64, 1, 1))).kind == "forward:pointwise"
+    assert (
+        conv_call(fwd_key(x, torch.empty(32, 64, 1, 1), stride=2)).kind
+        == "forward:pointwise-strided"
+    )
+    assert conv_call(fwd_key(x, torch.empty(64, 16, 3, 3), groups=4)).kind == "forward:grouped"
+    g = torch.empty(8, 256, 56, 56)
+    bkey = conv_key(
+        BWD,
+        (g, x, torch.empty(256, 64, 1, 1), [0], [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+         [True, True, False]),
+    )  # fmt: skip
+    assert conv_call(bkey) == ConvCall("backward:pointwise", g.nbytes, 256 * 64 * 4)
+    assert conv_call("convolution(other)") is None
+    assert conv_call("matmul(float32[2, 2],float32[2, 2])") is None
+
+
+def test_a_depthwise_convolution_is_on_cudnn_only_channels_last_or_in_half() -> None:
+    x, w = torch.empty(8, 96, 56, 56), torch.empty(96, 1, 3, 3)
+    plain = conv_call(fwd_key(x, w, groups=96))
+    assert plain is not None and plain.kind == "forward:depthwise" and not plain.cudnn
+    # a 1-d one too (a Mamba block's causal convolution)
+    assert not conv_call(fwd_key(torch.empty(2, 64, 100), torch.empty(64, 1, 4), groups=64)).cudnn
+    cl = x.to(memory_format=torch.channels_last)
+    assert conv_call(fwd_key(cl, w, groups=96)).cudnn
+    assert conv_call(fwd_key(x.half(), w.half(), groups=96)).cudnn
+    # no workspace for PyTorch's own depthwise kernels, whatever the line says
+    ws = CudnnWorkspace(3.0, 2**30, MiB, lines={"forward:depthwise": (MiB, 1.0, 1.0)})
+    out = [torch.empty(8, 96, 56, 56)]
+    assert ws(FWD, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 96), {}, out) == 0
+    args = (cl, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 96)
+    assert ws(FWD, args, {}, out) == MiB + cl.nbytes + w.nbytes
+
+
+def test_a_kinds_line_lies_on_or_above_each_call_and_as_low_as_it_can() -> None:
+    def key(n: int, c: int) -> str:
+        return fwd_key(torch.empty(n, c, 8, 8), torch.empty(c, c, 3, 3))
+
+    # points on one line, fixed 1 MiB + 2 x activation + 3 x weight: the fit is that line
+    table: dict[str, int] = {}
+    for n, c in ((1, 64), (4, 64), (2, 128), (8, 32), (3, 96)):
+        call = conv_call(key(n, c))
+        assert call is not None
+        table[key(n, c)] = MiB + 2 * call.activation + 3 * call.weight
+    fixed, per_act, per_weight = workspace_lines(table)["forward:dense"]
+    assert per_act == pytest.approx(2, abs=0.002)
+    assert per_weight == pytest.approx(3, abs=0.002)
+    assert fixed == pytest.approx(MiB, rel=0.05)
+    # scattered points: every one on or below the line
+    table = {key(n, c): (n * c * 7919) % (5 * MiB) for n in (1, 2, 4, 8) for c in (16, 64, 96)}
+    line = workspace_lines(table)["forward:dense"]
+    for k, nbytes in table.items():
+        call = conv_call(k)
+        assert call is not None
+        assert line[0] + line[1] * call.activation + line[2] * call.weight >= nbytes
+    # too few calls of a kind give it no line; calls PyTorch runs off cuDNN give none
+    assert workspace_lines(dict(list(table.items())[:3])) == {}
+    dw = {
+        fwd_key(torch.empty(n, 32, 8, 8), torch.empty(32, 1, 3, 3), groups=32): MiB
+        for n in range(1, 9)
+    }
+    assert workspace_lines(dw) == {}
+
+
+class Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 64, 3, padding=1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+def test_an_unrecorded_convolution_takes_its_kinds_line_before_the_one_line(
+    tmp_path: Path,
+) -> None:
+    """Through an estimate: the recorded call's bytes, else the kind's line, else the one
+    line; the lines are saved and read back with the profile."""
+    x = torch.randn(8, 16, 64, 64)
+    w = Conv().conv.weight
+    key = conv_key(FWD, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))
+    call = conv_call(key)
+    assert call is not None and call.kind == "forward:dense"
+    base = replace(
+        builtin("NVIDIA A10G", None), cudnn_workspace_ratio=3.0, cudnn_workspace_fixed=6 * MiB
+    )
+
+    def run(cal: Calibration) -> int:
+        est = vramctl.estimate(Conv(), x, mode="infer", device="A10G-24GB", calibration=cal)
+        return est.peak_allocated
+
+    none = run(replace(base, cudnn_workspace_ratio=0.0, cudnn_workspace_fixed=0))
+    out = 8 * 64 * 64 * 64 * 4
+    assert run(base) - none == 6 * MiB + 3 * out
+    lined = replace(base, cudnn_workspace_lines={"forward:dense": (MiB, 0.5, 2.0)})
+    assert run(lined) - none == MiB + call.activation // 2 + 2 * call.weight
+    # another kind's line leaves it on the one line; a recorded call takes its bytes
+    other = replace(base, cudnn_workspace_lines={"forward:pointwise": (0, 0.0, 0.0)})
+    assert run(other) == run(base)
+    recorded = replace(lined, cudnn_workspaces={key: 5 * MiB})
+    assert run(recorded) - none == 5 * MiB
+    back = load_calibration(lined.save(tmp_path / "p.json").path or "")
+    assert back.cudnn_workspace_lines == {"forward:dense": (MiB, 0.5, 2.0)}
+    for bad in ({"forward:dense": [1, 2]}, {"forward:dense": [-1, 0, 0]}, [1, 2, 3]):
+        doc = lined.to_dict()
+        doc["constants"]["cudnn_workspace_lines"] = bad
+        with pytest.raises(CalibrationError, match="cudnn_workspace_lines"):
+            Calibration.from_dict(doc)
