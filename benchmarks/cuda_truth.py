@@ -357,7 +357,7 @@ def workspaces(args: argparse.Namespace) -> int:
     from _truth import workspaces as ws
     from _truth.diff import predicted_trace
 
-    from vramctl.estimator._conv_workspace import workspace_lines
+    from vramctl.estimator._conv_workspace import probe_table, unbiased, workspace_lines
 
     try:
         index = corpus.load_index(args.corpus)
@@ -394,6 +394,15 @@ def workspaces(args: argparse.Namespace) -> int:
         f"{sum(1 for n in table.values() if n == 0)} ran without a workspace, the largest "
         f"held {max(table.values(), default=0) / 2**20:.1f} MiB"
     )
+    # the calls the profile's calibration measured, where no recorded step ran them
+    source = Path(args.corpus) / "calibration.json"
+    if source.is_file():
+        doc = json.loads(source.read_text())
+        probed = probe_table(doc.get("measurements", {}).get("cudnn") or [])
+        ran = {unbiased(k) for k in table}
+        added = {k: n for k, n in probed.items() if unbiased(k) not in ran}
+        table = {**added, **table}
+        print(f"and {len(added)} calls the corpus' calibration measured that no recorded step ran")
     lines = workspace_lines(table)
     for kind, (fixed, per_act, per_weight) in lines.items():
         print(

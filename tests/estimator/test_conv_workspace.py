@@ -149,3 +149,78 @@ def test_an_unrecorded_convolution_takes_its_kinds_line_before_the_one_line(
         doc["constants"]["cudnn_workspace_lines"] = bad
         with pytest.raises(CalibrationError, match="cudnn_workspace_lines"):
             Calibration.from_dict(doc)
+
+
+def test_the_probes_keys_are_the_keys_of_its_calls() -> None:
+    """``probe_keys`` gives the keys the calibration's convolutions are called with, so that
+    a profile's measured calls join its table (run here on meta tensors: same calls)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vramctl.estimator._conv_workspace import CONVOLUTIONS, probe_keys
+
+    class Keys(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.keys: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func in (FWD, BWD):
+                self.keys.append(conv_key(func, args))
+            return func(*args, **(kwargs or {}))
+
+    for label, dims, cin, cout, k, stride, pad, groups, shape in CONVOLUTIONS:
+        cls = nn.Conv1d if dims == 1 else nn.Conv2d
+        conv = cls(cin, cout, k, stride=stride, padding=pad, groups=groups, device="meta")
+        x = torch.empty(shape, device="meta", requires_grad=True)
+        with Keys() as mode:
+            out = conv(x)
+            torch.autograd.grad(out, [x, conv.weight, conv.bias], torch.ones_like(out))
+        assert mode.keys == list((probe_keys(label, "float32") or {}).values()), label
+    assert probe_keys("no such probe", "float32") is None
+
+
+def test_a_forward_takes_its_recorded_workspace_with_or_without_a_bias() -> None:
+    """PyTorch adds a convolution's bias after cuDNN's call: a forward recorded with a bias
+    gives its workspace to the same call without one (the calibration's probes have one, a
+    ResNet's convolutions none). A backward's bias gradient is part of its call."""
+    from vramctl.estimator._conv_workspace import unbiased
+
+    x, w, b = torch.empty(8, 3, 224, 224), torch.empty(64, 3, 7, 7), torch.empty(64)
+    conv = ([2, 2], [3, 3], [1, 1], False, [0, 0], 1)
+    with_bias, without = conv_key(FWD, (x, w, b, *conv)), conv_key(FWD, (x, w, None, *conv))
+    assert with_bias != without and unbiased(with_bias) == unbiased(without)
+    ws = CudnnWorkspace(3.0, 2**30, MiB, table={with_bias: 7 * MiB})
+    assert ws(FWD, (x, w, None, *conv), {}, [torch.empty(8, 64, 112, 112)]) == 7 * MiB
+    g = torch.empty(8, 64, 112, 112)
+    bwd = conv_key(BWD, (g, x, w, [64], *conv, [True, True, True]))
+    assert unbiased(bwd) == bwd
+
+
+def test_a_calibration_puts_its_measured_convolutions_in_the_table() -> None:
+    """``fit_constants``: each measured call by its key (recorded, or given by its label
+    and dtype in profiles from before keys were recorded), and a line per kind with four
+    calls or more (the probe's dense convolutions, in two dtypes)."""
+    from vramctl.estimator._calibration import fit_constants
+    from vramctl.estimator._conv_workspace import CONVOLUTIONS, probe_keys
+
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        for i, spec in enumerate(CONVOLUTIONS):
+            for p in ("forward", "backward"):
+                rows.append(
+                    {
+                        "conv": spec[0],
+                        "dtype": dtype,
+                        "pass": p,
+                        "output_bytes": MiB,
+                        "workspace_bytes": (i + 1) * MiB,
+                    }
+                )
+    rows[0]["key"] = "convolution(recorded)"
+    cal, _ = fit_constants({"cudnn": rows}, builtin("NVIDIA A10G", None))
+    stem = probe_keys(CONVOLUTIONS[0][0], "bfloat16")
+    assert stem is not None and cal.cudnn_workspaces[stem["forward"]] == MiB
+    assert cal.cudnn_workspaces["convolution(recorded)"] == MiB
+    assert len(cal.cudnn_workspaces) == len(rows)
+    assert {"forward:dense", "backward:dense"} <= set(cal.cudnn_workspace_lines)
+    assert cal.cudnn_workspace_lines == workspace_lines(cal.cudnn_workspaces)

@@ -52,23 +52,13 @@ from torch import nn
 from vramctl.device import ComputeCapability, Device
 from vramctl.estimator import _cuda_model
 from vramctl.estimator._calibration import Calibration, CalibrationError, fit_constants
+from vramctl.estimator._conv_workspace import CONVOLUTIONS, probe_keys
 from vramctl.estimator._rates import measure_throughput
 
 __all__ = ["calibrate", "measure"]
 
 MiB = 2**20
 BLOCK = 512
-
-#: (label, dims, in channels, out channels, kernel, stride, padding, groups, input shape).
-CONVOLUTIONS: tuple[tuple[str, int, int, int, int, int, int, int, tuple[int, ...]], ...] = (
-    ("resnet stem 7x7/2", 2, 3, 64, 7, 2, 3, 1, (8, 3, 224, 224)),
-    ("resnet 3x3", 2, 64, 64, 3, 1, 1, 1, (8, 64, 56, 56)),
-    ("resnet 1x1", 2, 256, 64, 1, 1, 0, 1, (8, 256, 56, 56)),
-    ("convnext depthwise 7x7", 2, 96, 96, 7, 1, 3, 96, (8, 96, 56, 56)),
-    ("wav2vec2 feature conv 10/5", 1, 1, 512, 10, 5, 0, 1, (4, 1, 32000)),
-    ("wav2vec2 feature conv 3/2", 1, 512, 512, 3, 2, 0, 1, (4, 512, 6399)),
-    ("wav2vec2 positional conv 128, 16 groups", 1, 768, 768, 128, 1, 64, 16, (4, 768, 99)),
-)
 
 #: Request sizes for the allocator probes.
 _SMALL_PROBES = (1, BLOCK + 1, MiB, MiB + BLOCK)
@@ -237,11 +227,13 @@ def _convolutions(dev: torch.device, dtypes: Iterable[torch.dtype]) -> list[dict
             _sync()
             bwd = torch.cuda.max_memory_allocated() - before - _bytes_of(grads)
             name = str(dtype).removeprefix("torch.")
+            keys = probe_keys(label, name)
             rows.append(
                 {
                     "conv": label,
                     "dtype": name,
                     "pass": "forward",
+                    "key": keys["forward"] if keys else None,
                     "output_bytes": out.untyped_storage().nbytes(),
                     "workspace_bytes": max(0, int(fwd)),
                 }
@@ -251,6 +243,7 @@ def _convolutions(dev: torch.device, dtypes: Iterable[torch.dtype]) -> list[dict
                     "conv": label,
                     "dtype": name,
                     "pass": "backward",
+                    "key": keys["backward"] if keys else None,
                     "output_bytes": max(g.untyped_storage().nbytes() for g in grads),
                     "workspace_bytes": max(0, int(bwd)),
                 }

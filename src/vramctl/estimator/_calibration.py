@@ -30,6 +30,7 @@ from typing import Any
 from vramctl._errors import VramctlError
 from vramctl.device import ComputeCapability
 from vramctl.estimator._allocator import AllocatorConfig
+from vramctl.estimator._conv_workspace import probe_table, workspace_lines
 
 #: cuBLAS handles a training step uses: the forward's thread and autograd's device thread,
 #: each with its workspace (seen in every recorded training step on an H200).
@@ -589,8 +590,10 @@ def fit_constants(
       gradients (the autograd thread's handles);
     - ``cudnn``: one row per convolution call, with ``output_bytes`` (its
       largest output) and ``workspace_bytes`` (its peak beyond inputs and
-      outputs); the ratio kept is the largest, so that no measured call is
-      under-counted;
+      outputs); the line kept lies on or above every one, so that no measured call is
+      under-counted, each call's workspace goes into ``cudnn_workspaces`` by its key
+      (``key``, or the one its label and dtype give), and a kind with enough of them gets
+      its own line (``cudnn_workspace_lines``);
     - ``allocator``: the constants read off real segment sizes.
     """
     notes: list[str] = []
@@ -632,10 +635,14 @@ def fit_constants(
     ratio, cap = defaults.cudnn_workspace_ratio, defaults.cudnn_workspace_cap
     fixed = defaults.cudnn_workspace_fixed
     rows = [r for r in measurements.get("cudnn") or [] if r.get("output_bytes")]
+    table, lines = dict(defaults.cudnn_workspaces), dict(defaults.cudnn_workspace_lines)
     if rows:
         points = [(int(r["output_bytes"]), max(0, int(r["workspace_bytes"]))) for r in rows]
         ratio, fixed = workspace_envelope(points)
         cap = max(cap, *(ws for _, ws in points))
+        # each measured call by its key, and a line per kind with enough of them
+        table = {**probe_table(rows), **table}
+        lines = workspace_lines(table)
     else:
         notes.append("no convolution was measured; kept the built-in cuDNN workspace rule")
 
@@ -661,6 +668,8 @@ def fit_constants(
         cudnn_workspace_ratio=ratio,
         cudnn_workspace_cap=cap,
         cudnn_workspace_fixed=fixed,
+        cudnn_workspaces=table,
+        cudnn_workspace_lines=lines,
         allocator=allocator,
         measurements=dict(measurements),
     )

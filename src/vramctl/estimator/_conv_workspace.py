@@ -23,11 +23,39 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "CONVOLUTIONS",
+    "CONV_OPS",
+    "MIN_LINE_POINTS",
+    "ConvCall",
+    "CudnnWorkspace",
+    "WorkspaceLine",
+    "conv_call",
+    "conv_key",
+    "probe_keys",
+    "probe_table",
+    "unbiased",
+    "workspace_lines",
+]
+
 #: The operators that take a cuDNN workspace.
 CONV_OPS = {
     torch.ops.aten.convolution.default,
     torch.ops.aten.convolution_backward.default,
 }
+
+#: The convolutions ``vramctl calibrate`` measures: (label, dims, in channels, out
+#: channels, kernel, stride, padding, groups, input shape), each a module with a bias, run
+#: forward and backward (the input's gradient too) in each dtype.
+CONVOLUTIONS: tuple[tuple[str, int, int, int, int, int, int, int, tuple[int, ...]], ...] = (
+    ("resnet stem 7x7/2", 2, 3, 64, 7, 2, 3, 1, (8, 3, 224, 224)),
+    ("resnet 3x3", 2, 64, 64, 3, 1, 1, 1, (8, 64, 56, 56)),
+    ("resnet 1x1", 2, 256, 64, 1, 1, 0, 1, (8, 256, 56, 56)),
+    ("convnext depthwise 7x7", 2, 96, 96, 7, 1, 3, 96, (8, 96, 56, 56)),
+    ("wav2vec2 feature conv 10/5", 1, 1, 512, 10, 5, 0, 1, (4, 1, 32000)),
+    ("wav2vec2 feature conv 3/2", 1, 512, 512, 3, 2, 0, 1, (4, 512, 6399)),
+    ("wav2vec2 positional conv 128, 16 groups", 1, 768, 768, 128, 1, 64, 16, (4, 768, 99)),
+)
 
 #: A kind's line is fitted only from at least this many distinct recorded calls.
 MIN_LINE_POINTS = 4
@@ -68,6 +96,57 @@ def conv_key(func: Any, args: tuple[Any, ...]) -> str:
         return repr(a)
 
     return f"{func.overloadpacket.__name__}(" + ",".join(part(a) for a in args) + ")"
+
+
+def unbiased(key: str) -> str:
+    """A key as the workspace follows it: a forward's without its bias. PyTorch adds the
+    bias after cuDNN's call (``_convolution``: ``output.add_(bias)``), so a convolution
+    with a bias takes the workspace of the same one without. A backward's bias gradient is
+    a reduction inside the call, and keeps it."""
+    if not key.startswith("convolution(") or not key.endswith(")"):
+        return key
+    parts = _split(key[len("convolution(") : -1])
+    if len(parts) < 3:
+        return key
+    parts[2] = "bias"
+    return "convolution(" + ",".join(parts) + ")"
+
+
+def probe_keys(label: str, dtype: str) -> dict[str, str] | None:
+    """The :func:`conv_key` of the forward and the backward of the probe convolution
+    ``label`` (:data:`CONVOLUTIONS`) in ``dtype`` (``"float32"``); None for another label."""
+    spec = next((c for c in CONVOLUTIONS if c[0] == label), None)
+    torch_dtype = getattr(torch, dtype, None)
+    if spec is None or not isinstance(torch_dtype, torch.dtype):
+        return None
+    _, dims, cin, cout, k, stride, pad, groups, shape = spec
+
+    def empty(*size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch_dtype, device="meta")
+
+    x, w, b = empty(*shape), empty(cout, cin // groups, *[k] * dims), empty(cout)
+    conv = (x, w, b, [stride] * dims, [pad] * dims, [1] * dims, False, [0] * dims, groups)
+    out = torch.ops.aten.convolution.default(*conv)
+    backward = (out, x, w, [cout], *conv[3:], [True, True, True])
+    return {
+        "forward": conv_key(torch.ops.aten.convolution.default, conv),
+        "backward": conv_key(torch.ops.aten.convolution_backward.default, backward),
+    }
+
+
+def probe_table(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """The workspace of each probe convolution a calibration measured (its ``cudnn``
+    readings), by key: the one it recorded, else the one its label and dtype give."""
+    table: dict[str, int] = {}
+    for r in rows:
+        key = r.get("key")
+        if not isinstance(key, str):
+            keys = probe_keys(str(r.get("conv")), str(r.get("dtype")))
+            key = keys.get(str(r.get("pass"))) if keys else None
+        nbytes = r.get("workspace_bytes")
+        if key and isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes >= 0:
+            table[key] = max(table.get(key, 0), nbytes)
+    return table
 
 
 @dataclass(frozen=True)
@@ -241,7 +320,8 @@ def workspace_lines(table: Mapping[str, int]) -> dict[str, WorkspaceLine]:
 
 class CudnnWorkspace:
     """A convolution's cuDNN workspace: the bytes recorded for that very call on this GPU
-    (``table``, by :func:`conv_key`), else its kind's line (``lines``), else
+    (``table``, by :func:`conv_key`; a forward's with or without a bias), else its kind's
+    line (``lines``), else
     ``fixed`` plus ``ratio`` times its largest output; at most ``cap``. A depthwise
     convolution PyTorch does not run on cuDNN makes none. ``keys`` lists each
     convolution's key in the step's order."""
@@ -255,7 +335,9 @@ class CudnnWorkspace:
         lines: Mapping[str, WorkspaceLine] | None = None,
     ) -> None:
         self.ratio, self.cap, self.fixed, self.calls = ratio, cap, fixed, 0
-        self.table = table or {}
+        self.table: dict[str, int] = {}
+        for k, nbytes in (table or {}).items():
+            self.table[unbiased(k)] = max(self.table.get(unbiased(k), 0), nbytes)
         self.lines = lines or {}
         self.keys: list[str] = []
 
@@ -267,8 +349,8 @@ class CudnnWorkspace:
         self.calls += 1
         key = conv_key(func, args)
         self.keys.append(key)
-        if key in self.table:
-            return self.table[key]
+        if unbiased(key) in self.table:
+            return self.table[unbiased(key)]
         call = conv_call(key)
         if call is not None and not call.cudnn:
             return 0
