@@ -51,6 +51,13 @@ def test_context_and_workspaces_are_measured(cal: Calibration) -> None:
     assert cal.cublaslt_workspace_bytes in (0, MiB) or "CUBLASLT_WORKSPACE_SIZE" in os.environ
     dtypes = 2 if torch.cuda.get_device_capability(0) >= (8, 0) else 1
     assert len(cal.measurements["cudnn"]) == 2 * len(CONVOLUTIONS) * dtypes
+    # each measured call is in the profile's table by its key; the depthwise one, which is
+    # not channels-last, runs on PyTorch's own kernels and takes no workspace
+    for row in cal.measurements["cudnn"]:
+        assert cal.cudnn_workspaces[row["key"]] >= row["workspace_bytes"]
+        if row["conv"].startswith("convnext depthwise"):
+            assert row["workspace_bytes"] == 0, row
+    assert {"forward:dense", "backward:dense"} <= set(cal.cudnn_workspace_lines)
     assert math.isfinite(cal.cudnn_workspace_ratio) and cal.cudnn_workspace_ratio >= 0
     assert cal.device == torch.cuda.get_device_name(0)
     assert cal.software["torch"] == torch.__version__
