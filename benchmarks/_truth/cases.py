@@ -363,6 +363,8 @@ def estimate_args(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], dict[
     }
     if spec["mode"] == "generate":
         opts.update(max_new_tokens=spec["max_new_tokens"], cache=spec["cache"])
+    if (spec.get("options") or {}).get("prefetch_stream"):
+        opts["side_streams"] = True  # the case copies its next batch on a side stream
     if kind == "zoo":
         return spec["model"], None, lengths, opts
     if kind == "hf":

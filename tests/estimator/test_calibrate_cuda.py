@@ -116,3 +116,45 @@ def test_a_model_and_batch_on_the_gpu_are_estimated_as_on_the_host() -> None:
         gpu = vramctl.estimate(model().cuda(), batch.cuda(), device="cuda:0", calibration=False)
         assert gpu.peak_allocated == host.peak_allocated
         assert gpu.breakdown == host.breakdown
+
+
+_STREAMS_CHILD = """
+import json
+import torch
+from vramctl.device import resolve
+
+dev = resolve("cuda:0")
+
+def outside():
+    torch.cuda.synchronize()
+    return dev.memory().process_used - torch.cuda.memory_reserved(0)
+
+torch.ones(1, device="cuda").mul_(2)
+before = outside()
+first = torch.cuda.Stream()
+after_first = outside()
+second = torch.cuda.Stream()
+print(json.dumps([before, after_first, outside()]))
+"""
+
+
+def test_the_stream_pool_is_what_a_fresh_processs_first_side_stream_takes(
+    cal: Calibration,
+) -> None:
+    """PyTorch makes its whole pool of side streams at a process's first
+    ``torch.cuda.Stream()`` (32 per priority level), outside the caching allocator; a
+    second stream comes from the same pool and adds nothing."""
+    import json
+    import subprocess
+    import sys
+
+    streams = cal.measurements["streams"]
+    assert streams["before"] is not None and streams["after"] >= streams["before"]
+    assert cal.stream_pool_bytes == streams["after"] - streams["before"]
+    done = subprocess.run(
+        [sys.executable, "-c", _STREAMS_CHILD], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after_first, after_second = json.loads(done.stdout.splitlines()[-1])
+    assert abs((after_first - before) - cal.stream_pool_bytes) <= 4 * MiB
+    assert abs(after_second - after_first) <= 2 * MiB

@@ -27,7 +27,12 @@ from vramctl.estimator import (
     load_calibration,
 )
 from vramctl.estimator._calibrate import _measure_in_child
-from vramctl.estimator._calibration import ENV_CALIBRATION, fit_constants, workspace_envelope
+from vramctl.estimator._calibration import (
+    ENV_CALIBRATION,
+    STREAM_POOL_BYTES,
+    fit_constants,
+    workspace_envelope,
+)
 from vramctl.estimator._target import resolve_target
 
 MiB = 2**20
@@ -259,6 +264,43 @@ def test_an_estimate_uses_the_measured_constants() -> None:
     # The same through the profile's path.
     saved = cal.save()
     assert lstm_train(calibration=str(saved.path)).peak_device == measured.peak_device
+
+
+def test_the_stream_pool_is_measured_saved_and_priced_where_a_step_takes_side_streams() -> None:
+    cal = fitted(streams={"before": 410 * MiB, "after": 480 * MiB})
+    assert cal.stream_pool_bytes == 70 * MiB
+    back = load_calibration(cal.save().path or "")
+    assert back.stream_pool_bytes == 70 * MiB and back == cal
+    # a profile that did not measure it takes the H200's figure
+    old = fitted()
+    assert old.stream_pool_bytes is None and old.stream_pool() == STREAM_POOL_BYTES
+    assert "stream_pool_bytes" not in old.to_dict()["constants"]
+    builtin = _cuda_model.builtin("NVIDIA A10G", A10G.capability)
+    _, notes = fit_constants(readings(streams={"before": 400 * MiB, "after": None}), builtin)
+    assert any("stream pool" in n for n in notes)
+
+    cal = replace(cal, stream_pool_bytes=64 * MiB)
+    plain = lstm_train(calibration=cal)
+    side = lstm_train(calibration=cal, side_streams=True)
+    assert side.breakdown["context"] - plain.breakdown["context"] == 64 * MiB
+    assert side.peak_device - plain.peak_device == 64 * MiB
+    assert (side.peak_allocated, side.peak_reserved) == (plain.peak_allocated, plain.peak_reserved)
+    assert any("side streams" in n for n in side.notes)
+    assert not any("side streams" in n for n in plain.notes)
+    # a CPU has no streams to pool
+    cpu = vramctl.estimate("lstm", batch_size=2, seq_len=16, device="cpu", side_streams=True)
+    assert (
+        cpu.peak_device
+        == vramctl.estimate("lstm", batch_size=2, seq_len=16, device="cpu").peak_device
+    )
+
+
+def test_a_step_over_several_gpus_holds_the_stream_pool_for_nccls_streams() -> None:
+    """NCCL's process group takes its streams from PyTorch's pool, which makes it whole."""
+    cal = replace(fitted(), stream_pool_bytes=64 * MiB)
+    ddp = lstm_train(calibration=cal, parallel="ddp:2")
+    assert ddp.breakdown["context"] == cal.context_bytes + 64 * MiB
+    assert any("NCCL's streams" in n for n in ddp.notes)
 
 
 def test_a_saved_profile_is_found_for_its_gpu_without_being_named() -> None:

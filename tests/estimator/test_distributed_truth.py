@@ -40,13 +40,15 @@ def test_estimate_matches_every_real_rank(
     est = estimate(model, batch_size=batch, device="cpu", parallel=par, **lengths)
     measured = _dist_truth.measure(model, par, batch_size=batch, lengths=lengths, timeout=240)
     assert len(measured) == par.world_size
-    if abs(est.logical_peak - max(measured)) > 0.01 * max(measured):
+    for _ in range(2):
+        if abs(est.logical_peak - max(measured)) <= 0.01 * max(measured):
+            break
         # gloo frees its reduce-scatter copies on its worker threads; on a loaded machine a
         # free can come after the rank's next allocation, which a run's peak then holds
-        # (seen: +5.5% on one resnet-50 rank in a few runs). That only adds, so the smaller
-        # of two runs is the rank's own peak.
+        # (seen: +5.5% on one resnet-50 rank in a few runs, +3.1% in two runs in a row).
+        # That only adds, so each rank's smallest over the runs is its own peak.
         again = _dist_truth.measure(model, par, batch_size=batch, lengths=lengths, timeout=240)
-        measured = min(measured, again, key=max)
+        measured = [min(a, b) for a, b in zip(measured, again, strict=True)]
     top = max(measured)
     # the benchmark's rows agree to 0.1%; allow 1% either way
     assert abs(est.logical_peak - top) <= 0.01 * top, (est.logical_peak, measured)

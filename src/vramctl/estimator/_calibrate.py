@@ -24,6 +24,9 @@ reads is the CUDA context and workspaces alone:
    built-in models (ResNet, ConvNeXt, wav2vec2), in fp32 and bf16: the peak of
    ``memory_allocated`` during each call beyond its inputs and outputs is its
    workspace, compared with its largest output.
+5. **Stream pool.** The context before and after the process's first side stream
+   (``torch.cuda.Stream()``): PyTorch makes its whole pool of streams then, as NCCL's
+   process group does at its first collective.
 
 :func:`calibrate` runs :func:`measure` in a fresh Python process, fits the
 constants (:func:`~vramctl.estimator._calibration.fit_constants`) and saves the
@@ -274,6 +277,18 @@ class _Context:
         return None
 
 
+def _stream_pool(cuda: torch.device, ctx: _Context) -> dict[str, int | None]:
+    """The context before and after the process's first side stream: PyTorch makes its
+    whole pool then (32 streams per priority level), outside the caching allocator."""
+    before = ctx.read()
+    side = torch.cuda.Stream(device=cuda)
+    with torch.cuda.stream(side):
+        torch.ones(1, device=cuda).add_(1)
+    side.synchronize()
+    after = ctx.read()
+    return {"before": before, "after": after}
+
+
 def _software() -> dict[str, str]:
     out = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
@@ -345,6 +360,8 @@ def measure(
     dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     cudnn = _convolutions(cuda, dtypes)
     after_conv = ctx.read()
+    say("PyTorch's stream pool")
+    streams = _stream_pool(cuda, ctx)
     say("throughput: matrix multiplies, convolutions, attention, memory, launches")
     try:
         throughput: dict[str, Any] = measure_throughput(cuda, scale=4.0).to_dict()
@@ -367,6 +384,7 @@ def measure(
             "other_processes": len(others),
         },
         "cudnn": cudnn,
+        "streams": streams,
         "throughput": throughput,
     }
 

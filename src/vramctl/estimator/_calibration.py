@@ -39,6 +39,13 @@ TRAIN_HANDLES = 2
 #: apart from the cuBLAS workspace by a thread's first product with a bias epilogue (the
 #: recorded H200 steps: 1 MiB at the forward's first ``addmm``).
 CUBLASLT_WORKSPACE_BYTES = 1024 * 1024
+#: Device memory outside the caching allocator that PyTorch's pool of side streams takes,
+#: where a profile did not measure it. A process's first ``torch.cuda.Stream()`` (or
+#: NCCL's process group, which takes its streams from the pool) makes the whole pool at
+#: once: 32 streams per priority level, up to 4 levels (``c10/cuda/CUDAStream.cpp``). On
+#: the H200 (CUDA 13, torch 2.11) NVML's reading of the capture's process rose 70 MiB at
+#: its first case with a side stream; no other case of 198 added more than 16 MiB.
+STREAM_POOL_BYTES = 70 * 1024 * 1024
 
 __all__ = [
     "Calibration",
@@ -202,6 +209,10 @@ class Calibration:
     #: (:func:`~vramctl.estimator._conv_workspace.workspace_lines`): ``(fixed bytes, per
     #: activation byte, per weight byte)`` by kind, as ``"forward:dense"``.
     cudnn_workspace_lines: Mapping[str, tuple[int, float, float]] = field(default_factory=dict)
+    #: Device memory outside the allocator that PyTorch's pool of side streams took when
+    #: the process first asked for one (None: not measured, as profiles before 2026-12-01;
+    #: :meth:`stream_pool` gives :data:`STREAM_POOL_BYTES` then).
+    stream_pool_bytes: int | None = None
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     #: Versions the figures were measured with: torch, cuda, cudnn, driver.
     software: Mapping[str, str] = field(default_factory=dict)
@@ -228,6 +239,14 @@ class Calibration:
         lt = CUBLASLT_WORKSPACE_BYTES if whole > 2 * CUBLASLT_WORKSPACE_BYTES else 0
         return whole - lt, lt
 
+    def stream_pool(self) -> int:
+        """What a step that uses side streams adds outside the allocator: the pool
+        PyTorch makes at a process's first ``torch.cuda.Stream()``, or NCCL's process
+        group's (the measured figure, else :data:`STREAM_POOL_BYTES`)."""
+        if self.stream_pool_bytes is not None:
+            return self.stream_pool_bytes
+        return STREAM_POOL_BYTES
+
     def describe(self) -> str:
         """One line: which GPU, when, with what."""
         cc = f" (sm {self.capability.major}.{self.capability.minor})" if self.capability else ""
@@ -250,6 +269,11 @@ class Calibration:
                 **(
                     {"cublaslt_workspace_bytes": self.cublaslt_workspace_bytes}
                     if self.cublaslt_workspace_bytes is not None
+                    else {}
+                ),
+                **(
+                    {"stream_pool_bytes": self.stream_pool_bytes}
+                    if self.stream_pool_bytes is not None
                     else {}
                 ),
                 "train_handles": self.train_handles,
@@ -374,6 +398,9 @@ class Calibration:
             cudnn_workspace_fixed=size("cudnn_workspace_fixed") if fixed_given else 0,
             cudnn_workspaces=table,
             cudnn_workspace_lines=lines,
+            stream_pool_bytes=(
+                size("stream_pool_bytes") if "stream_pool_bytes" in consts else None
+            ),
             allocator=AllocatorConfig(**alloc_kw),
             software={str(k): str(v) for k, v in software.items() if v is not None},
             created=str(doc.get("created", "")),
@@ -594,6 +621,8 @@ def fit_constants(
       under-counted, each call's workspace goes into ``cudnn_workspaces`` by its key
       (``key``, or the one its label and dtype give), and a kind with enough of them gets
       its own line (``cudnn_workspace_lines``);
+    - ``streams``: ``before`` and ``after``, the device memory outside the allocator
+      before and after the process's first side stream (PyTorch's stream pool);
     - ``allocator``: the constants read off real segment sizes.
     """
     notes: list[str] = []
@@ -646,6 +675,17 @@ def fit_constants(
     else:
         notes.append("no convolution was measured; kept the built-in cuDNN workspace rule")
 
+    streams = measurements.get("streams") or {}
+    pool_before = _int(streams, "before", "streams")
+    pool_after = _int(streams, "after", "streams")
+    pool = defaults.stream_pool_bytes
+    if pool_before is not None and pool_after is not None:
+        pool = max(0, pool_after - pool_before)
+    elif streams:
+        notes.append(
+            "the stream pool's memory could not be read (no NVML); kept the built-in value"
+        )
+
     alloc_doc = measurements.get("allocator") or {}
     allocator = defaults.allocator
     if alloc_doc.get("expandable_segments"):
@@ -670,6 +710,7 @@ def fit_constants(
         cudnn_workspace_fixed=fixed,
         cudnn_workspaces=table,
         cudnn_workspace_lines=lines,
+        stream_pool_bytes=pool,
         allocator=allocator,
         measurements=dict(measurements),
     )
@@ -744,6 +785,7 @@ def constant_rows(cal: Calibration, builtin: Calibration) -> list[tuple[str, Any
         ("cuDNN workspace / output", builtin.cudnn_workspace_ratio, cal.cudnn_workspace_ratio),
         ("cuDNN workspace base", builtin.cudnn_workspace_fixed, cal.cudnn_workspace_fixed),
         ("cuDNN workspace cap", builtin.cudnn_workspace_cap, cal.cudnn_workspace_cap),
+        ("stream pool (side streams, NCCL)", builtin.stream_pool(), cal.stream_pool()),
     ]
     for f in fields(AllocatorConfig):
         if f.name in ALLOCATOR_FIELDS:

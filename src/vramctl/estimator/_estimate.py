@@ -65,6 +65,7 @@ def estimate(
     max_new_tokens: int | None = None,
     cache: str = "dynamic",
     kv_dtype: str | None = None,
+    side_streams: bool = False,
     step: Step | None = None,
 ) -> Estimate:
     """Predict a step's peak memory on ``device`` without running it.
@@ -151,6 +152,11 @@ def estimate(
     ``"int2"`` halves the quantized cache's ``"int4"``), and the
     peak is the larger. ``breakdown["kv_cache"]`` is the cache in device memory at that
     peak.
+
+    ``side_streams=True`` prices a loop that takes a stream from PyTorch's pool (a
+    loader copying the next batch on a side stream): the process's first one makes the
+    whole pool, outside the caching allocator, in ``breakdown["context"]``. A step over
+    more than one GPU (``parallel``) has it anyway, for NCCL's streams.
 
     ``step`` gives all of these options at once as a :class:`~vramctl.estimator.Step`
     (then give none of them one by one): the request this call makes of its options,

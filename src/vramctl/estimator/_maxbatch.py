@@ -195,6 +195,7 @@ def max_batch_size(
     max_new_tokens: int | None = None,
     cache: str = "dynamic",
     kv_dtype: str | None = None,
+    side_streams: bool = False,
     step: Step | None = None,
 ) -> MaxBatch:
     """The largest batch size whose step fits ``device`` at ``target_utilization``.

@@ -90,6 +90,12 @@ class Step:
     #: (transformers' default) or ``"int2"`` (None: the cache's default; the other caches
     #: keep keys and values in the model's dtype).
     kv_dtype: str | None = None
+    #: The step's loop takes a stream from PyTorch's pool (``torch.cuda.Stream()``: a
+    #: loader that copies the next batch on a side stream ...). The first such stream makes
+    #: the whole pool, outside the caching allocator (the calibration's
+    #: ``stream_pool_bytes``). A step over more than one GPU has it anyway: NCCL's process
+    #: group takes its streams from the pool.
+    side_streams: bool = False
 
     def __post_init__(self) -> None:
         if self.tf32 is None:

@@ -82,6 +82,14 @@ def build_estimate(
     if target.cuda:
         consts = target.constants
         context = consts.context_bytes + (consts.cudnn_context_bytes if traced.convolutions else 0)
+        multi_rank = par is not None and par.world_size > 1
+        if request.side_streams or multi_rank:
+            context += consts.stream_pool()
+            notes.append(
+                f"PyTorch's pool of side streams ({'NCCL' if multi_rank else 'the loop'}'s "
+                f"streams) takes {format_bytes(consts.stream_pool())} outside its allocator "
+                "(in the context)"
+            )
         allocator_config = allocator_of(target, allocator_config)
         alloc = replay(trace, None, allocator_config, steady=True)
         allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
