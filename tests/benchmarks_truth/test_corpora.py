@@ -308,6 +308,21 @@ def test_convolutions_the_table_lacks_take_their_kinds_line(
     assert -1.0 <= err <= 12.0 < before_pct
 
 
+@pytest.mark.parametrize(
+    ("case_id", "line_pct"),
+    [("hf/resnet/infer/fp32/b2", 4.47), ("hf/convnext/train/fp32/b2", 5.06)],
+)
+def test_a_convolution_recorded_at_batch_1_and_4_takes_no_more_at_2_than_both(
+    case_id: str, line_pct: float
+) -> None:
+    """The shrunk ResNet's and ConvNeXt's stems and downsamplings are the full models'
+    (recorded at batch 1 and 4); at batch 2 the kinds' lines overcharged them. Bounded by
+    the recordings on both sides, the allocated peak is within 0.5%."""
+    case, est = estimated_row(H200_SUMMARY, case_id)
+    err = 100 * (est.peak_allocated / case["steps"]["warm"]["max_allocated"] - 1)
+    assert abs(err) <= 0.5 < line_pct
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("torchvision") is None, reason="needs torchvision (and timm)"
 )

@@ -15,6 +15,7 @@ from vramctl.estimator import Calibration, CalibrationError, load_calibration
 from vramctl.estimator._conv_workspace import (
     ConvCall,
     CudnnWorkspace,
+    batch_free,
     conv_call,
     conv_key,
     workspace_lines,
@@ -224,3 +225,55 @@ def test_a_calibration_puts_its_measured_convolutions_in_the_table() -> None:
     assert len(cal.cudnn_workspaces) == len(rows)
     assert {"forward:dense", "backward:dense"} <= set(cal.cudnn_workspace_lines)
     assert cal.cudnn_workspace_lines == workspace_lines(cal.cudnn_workspaces)
+
+
+def test_a_call_recorded_at_a_smaller_and_a_larger_batch_takes_no_more_than_both() -> None:
+    """Between two recorded batches a call takes the lesser of its kind's line and the
+    larger recording; outside them, or with one side only, its kind's line."""
+    w = torch.empty(64, 16, 3, 3)
+
+    def key(batch: int) -> str:
+        return fwd_key(torch.empty(batch, 16, 32, 32), w)
+
+    assert batch_free(key(2)) == (key(2).replace("float32[2,", "float32[*,"), 2)
+    g, x = torch.empty(4, 64, 30, 30), torch.empty(4, 16, 32, 32)
+    bkey = conv_key(
+        BWD, (g, x, w, [0], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, False])
+    )
+    free = batch_free(bkey)
+    assert free is not None and free[1] == 4 and free[0].count("[*,") == 2
+    assert batch_free("matmul(float32[2, 2])") is None
+
+    line = (MiB, 1.0, 1.0)
+    ws = CudnnWorkspace(
+        0.0, 1 << 30, table={key(1): 1000, key(4): 3000}, lines={"forward:dense": line}
+    )
+
+    def charged(cw: CudnnWorkspace, batch: int) -> int:
+        x = torch.empty(batch, 16, 32, 32, device="meta")
+        out = torch.empty(batch, 64, 30, 30, device="meta")
+        return cw(FWD, (x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1), {}, [out])
+
+    def on_line(batch: int) -> int:
+        call = conv_call(key(batch))
+        assert call is not None
+        return MiB + call.activation + call.weight
+
+    assert charged(ws, 1) == 1000 and charged(ws, 4) == 3000  # recorded
+    assert charged(ws, 2) == charged(ws, 3) == 3000 < on_line(2)  # bracketed
+    assert charged(ws, 8) == on_line(8)  # no larger recording
+    none = CudnnWorkspace(0.0, 1 << 30, table={key(1): 0, key(4): 0}, lines={"forward:dense": line})
+    assert charged(none, 2) == 0
+    # the line stays where it is lower than the recordings
+    big = CudnnWorkspace(
+        0.0, 1 << 30, table={key(1): 1 << 29, key(4): 1 << 29}, lines={"forward:dense": line}
+    )
+    assert charged(big, 2) == on_line(2)
+
+
+def test_a_key_in_any_dtype_gives_its_element_size() -> None:
+    x = torch.empty(2, 16, 8, 8, dtype=torch.float8_e4m3fnuz, device="meta")
+    w = torch.empty(32, 16, 3, 3, dtype=torch.float8_e4m3fnuz, device="meta")
+    call = conv_call(fwd_key(x, w))
+    assert call is not None and call.weight == 32 * 16 * 9
+    assert conv_call("convolution(notadtype[2, 3],notadtype[2, 3])") is None

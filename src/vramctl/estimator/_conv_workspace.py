@@ -30,6 +30,7 @@ __all__ = [
     "ConvCall",
     "CudnnWorkspace",
     "WorkspaceLine",
+    "batch_free",
     "conv_call",
     "conv_key",
     "probe_keys",
@@ -63,16 +64,6 @@ MIN_LINE_POINTS = 4
 #: ``(fixed bytes, per activation byte, per weight byte)``.
 WorkspaceLine = tuple[int, float, float]
 
-_ELEMENT = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
 _TENSOR = re.compile(r"(\w+)\[([\d, ]*)\](?::channels_last)?$")
 
 
@@ -187,9 +178,10 @@ def _split(text: str) -> list[str]:
 def _tensor(text: str) -> tuple[int, list[int]] | None:
     """``(element bytes, shape)`` of a key's tensor part."""
     m = _TENSOR.match(text.strip())
-    if m is None or m.group(1) not in _ELEMENT:
+    dtype = getattr(torch, m.group(1), None) if m is not None else None
+    if m is None or not isinstance(dtype, torch.dtype):
         return None
-    return _ELEMENT[m.group(1)], [int(x) for x in m.group(2).split(",") if x.strip()]
+    return dtype.itemsize, [int(x) for x in m.group(2).split(",") if x.strip()]
 
 
 def _on_cudnn_depthwise(parts: list[str]) -> bool:
@@ -203,6 +195,24 @@ def _on_cudnn_depthwise(parts: list[str]) -> bool:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.strip().strip("[]").split(",") if x.strip()]
+
+
+def batch_free(key: str) -> tuple[str, int] | None:
+    """``(the key with its batch left out, the batch)``: the activations' leading size (a
+    forward's input, a backward's output gradient and input)."""
+    op, _, rest = key.partition("(")
+    if op not in ("convolution", "convolution_backward") or not rest.endswith(")"):
+        return None
+    parts = _split(rest[:-1])
+    n = 1 if op == "convolution" else 2
+    batch = None
+    for i in range(n):
+        m = re.match(r"(\w+)\[(\d+)(.*)$", parts[i].strip())
+        if m is None:
+            return None
+        batch = int(m.group(2))
+        parts[i] = f"{m.group(1)}[*{m.group(3)}"
+    return (op + "(" + ",".join(parts) + ")", batch) if batch is not None else None
 
 
 def conv_call(key: str) -> ConvCall | None:
@@ -321,7 +331,8 @@ def workspace_lines(table: Mapping[str, int]) -> dict[str, WorkspaceLine]:
 class CudnnWorkspace:
     """A convolution's cuDNN workspace: the bytes recorded for that very call on this GPU
     (``table``, by :func:`conv_key`; a forward's with or without a bias), else its kind's
-    line (``lines``), else
+    line (``lines``), at most what the table holds for it at a smaller and a larger batch
+    (:meth:`bracketed`), else
     ``fixed`` plus ``ratio`` times its largest output; at most ``cap``. A depthwise
     convolution PyTorch does not run on cuDNN makes none. ``keys`` lists each
     convolution's key in the step's order."""
@@ -340,6 +351,27 @@ class CudnnWorkspace:
             self.table[unbiased(k)] = max(self.table.get(unbiased(k), 0), nbytes)
         self.lines = lines or {}
         self.keys: list[str] = []
+        self.by_batch: dict[str, dict[int, int]] = {}
+        for k, nbytes in self.table.items():
+            got = batch_free(k)
+            if got is not None:
+                self.by_batch.setdefault(got[0], {})[got[1]] = nbytes
+
+    def bracketed(self, key: str) -> float:
+        """The most a call may take whose convolution the table holds at a smaller and a
+        larger batch: the larger of those two recordings (infinity where it holds no such
+        pair). cuDNN's heuristics may pick another algorithm at another batch, so the call
+        is given the lesser of this and its kind's line, not a recording. Of the six calls
+        the H200 table holds at three batches, one took more at the middle one than at
+        both others, by 272 bytes. ConvNeXt's 2x2 downsampling took its weight's bytes at
+        batch 1 and 4, where its kind's line gives 7.5 MB at batch 2."""
+        got = batch_free(unbiased(key))
+        seen = self.by_batch.get(got[0], {}) if got is not None else {}
+        lower = [b for b in seen if got is not None and b < got[1]]
+        upper = [b for b in seen if got is not None and b > got[1]]
+        if not lower or not upper:
+            return math.inf
+        return max(seen[max(lower)], seen[min(upper)])
 
     def __call__(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor]
@@ -358,6 +390,6 @@ class CudnnWorkspace:
         if call is not None and line is not None:
             fixed, per_activation, per_weight = line
             nbytes = fixed + per_activation * call.activation + per_weight * call.weight
-            return min(math.ceil(nbytes), self.cap)
+            return min(math.ceil(min(nbytes, self.bracketed(key))), self.cap)
         biggest = max(t.untyped_storage().nbytes() for t in outs)
         return min(self.fixed + int(biggest * self.ratio), self.cap)
