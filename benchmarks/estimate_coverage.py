@@ -2,7 +2,9 @@
 
 For every model class that transformers' auto mappings list for causal LM, masked LM,
 sequence classification, CTC, image classification, speech seq2seq and seq2seq LM (and one
-model per architecture of timm's registry, where timm is installed), the model is built from
+model per architecture of timm's registry, where timm is installed; beside a CPU build of
+PyTorch whose torchvision wheel cannot load its C++ operators, torchvision is imported without
+their fake kernels, as the CUDA truth cases do), the model is built from
 its config class's defaults shrunk to at most 2 layers and a small hidden size, so that a
 real step runs here. One training step (AdamW) and one inference step run at batch 2, each
 twice: for real on the CPU, where the truth is the live bytes before the step plus the peak of
@@ -480,7 +482,9 @@ def estimate_row(
 
 def timm_candidates() -> list[tuple[str, str]]:
     """One small model per timm architecture module: (module, model name)."""
-    import timm
+    from _truth.cases import import_vision
+
+    timm = import_vision("timm")  # also where torchvision's C++ operators do not load
 
     out = []
     for module in sorted(timm.list_modules()):
@@ -494,9 +498,11 @@ def timm_candidates() -> list[tuple[str, str]]:
 
 
 def run_timm(module: str, name: str, verbose: bool) -> Row:
-    import timm
+    from _truth.cases import import_vision
 
     from vramctl.estimator import estimate
+
+    timm = import_vision("timm")
 
     row = Row(f"timm.{module}", "image-classification", name)
     t0 = time.perf_counter()
@@ -562,6 +568,9 @@ def main() -> int:
     torch.set_num_threads(1)
     started = time.perf_counter()
 
+    from _truth.cases import vision_ready
+
+    vision_ready()  # transformers imports torchvision for its image models
     jobs: list[tuple[str, tuple[str, ...]]] = []
     for task, model_type, name in transformers_classes():
         jobs.append(("hf", (task, model_type, name)))

@@ -97,6 +97,44 @@ class DataclassModel(nn.Module):
         return Output(self.out(h) * scale, h)
 
 
+class SharedModule(nn.Module):
+    """One module registered under three paths, as timm's CoaT shares its positional
+    convolution with every block, and a weight tied between two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Linear(64, 64)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(64, 64)) for _ in range(2)])
+        for block in self.blocks:
+            block.pos = self.pos
+        self.head = nn.Linear(64, 64, bias=False)
+        self.head.weight = self.blocks[0][0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block.pos(block[0](x))
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def test_a_module_shared_under_several_paths_is_estimated_and_left_as_it_was() -> None:
+    """PyTorch's ``_reparametrize_module`` took the shared module's paths for tied values
+    given apart (an error), and swapped its one attribute once per path, leaving a fake
+    tensor in the model."""
+    torch.manual_seed(0)
+    m = SharedModule()
+    before = _state(m)
+    real = m.pos.weight
+    x = torch.randn(16, 64)
+    est = vramctl.estimate(m, x, device="cpu")
+    assert m.pos.weight is real and m.blocks[1].pos.weight is real
+    assert m.head.weight is m.blocks[0][0].weight
+    assert _same(before, _state(m))
+    assert vramctl.estimate(m, x, device="cpu").logical_peak == est.logical_peak
+    truth = cpu_step_peak(SharedModule(), x)
+    assert abs(est.logical_peak - truth) / truth < 0.01
+
+
 def test_a_dataclass_output_gives_the_loss_and_matches_the_real_step() -> None:
     torch.manual_seed(0)
     batch = {"x": torch.randn(16, 64), "scale": 2.0}

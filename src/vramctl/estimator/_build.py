@@ -3,19 +3,28 @@ buffers for it, a private copy for a wrapper to change, and what the optimizer s
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _disable_current_modes
 
 from vramctl._blocks import find_blocks
 from vramctl._errors import VramctlError
 from vramctl.estimator._spec import EstimateError
 
-__all__ = ["build_module", "fake_state", "largest_block", "private_copy", "trainable"]
+__all__ = [
+    "build_module",
+    "fake_state",
+    "largest_block",
+    "private_copy",
+    "reparametrized",
+    "trainable",
+]
 
 
 def build_module(name: str, obj: Any) -> nn.Module:
@@ -82,6 +91,32 @@ def fake_state(
             made[id(t)] = f
         state[name] = made[id(t)]
     return state
+
+
+@contextlib.contextmanager
+def reparametrized(model: nn.Module, state: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """``model`` with ``state``'s tensors (:func:`fake_state`) in place of its own, and its
+    own back after.
+
+    Each module's attribute is swapped once. A module reachable by several paths (timm's
+    CoaT shares one under every block) appears under each in ``state``; PyTorch's
+    ``_reparametrize_module`` would refuse them as tied values, or swap the one attribute
+    once per path and put a fake tensor back into the model on leaving. A parameter tied
+    between two modules (an embedding and an output head) is two attributes, each swapped."""
+    seen: set[tuple[int, str]] = set()
+    given: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        owner, _, attr = name.rpartition(".")
+        try:
+            mod = model.get_submodule(owner) if owner else model
+        except AttributeError:
+            given[name] = t
+            continue
+        if (id(mod), attr) not in seen:
+            seen.add((id(mod), attr))
+            given[name] = t
+    with _reparametrize_module(model, given, tie_weights=False, strict=False):
+        yield
 
 
 def private_copy(

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from vramctl._errors import VramctlError
@@ -27,6 +26,7 @@ from vramctl.estimator._build import (
     fake_state,
     largest_block,
     private_copy,
+    reparametrized,
     trainable,
 )
 from vramctl.estimator._distributed import DDPStandIn, FakeWorld, wrap_fake
@@ -146,7 +146,7 @@ class Session:
                 s._wrap(parallel)
                 model = s.model
             with (
-                _reparametrize_module(model, s.state, tie_weights=True, strict=False),
+                reparametrized(model, s.state),
                 step_mode(model, spec),
             ):
                 s.params = trainable(model)

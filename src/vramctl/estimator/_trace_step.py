@@ -15,13 +15,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from vramctl._errors import VramctlError
 from vramctl._step import call_model
 from vramctl.estimator._autocast import cuda_autocast, recomputed_too
+from vramctl.estimator._build import reparametrized
 from vramctl.estimator._composite import composite_intermediates
 from vramctl.estimator._conv_workspace import CudnnWorkspace
 from vramctl.estimator._cpu_kernels import cpu_output_bytes, cpu_workspace, rank_threads
@@ -173,9 +173,7 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
         es.enter_context(session.fake_mode)
         if session.state:
-            es.enter_context(
-                _reparametrize_module(model, session.state, tie_weights=True, strict=False)
-            )
+            es.enter_context(reparametrized(model, session.state))
         es.enter_context(step_mode(model, spec))
         fake_batch = _fake_batch(batch, session.fake_mode, tracer, spec)
         es.enter_context(EagerLinear())
