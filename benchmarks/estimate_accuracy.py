@@ -693,8 +693,8 @@ def device_range(rows: list[dict[str, Any]]) -> dict[str, Any]:
     measured device peaks, and the largest shortfall of the point estimate: as read, with
     the context earlier cases left in the process (``device_fresh``), which a user's
     process that ran other work first may also hold."""
-    key = "device_fresh" if rows and "device_fresh" in rows[0] else "device"
-    pairs = [(r[key][0], r[key][1], r["device_high"]) for r in rows if r[key][1]]
+    pairs = [(r["device_fresh"][0], r["device_fresh"][1], r["device_high"]) for r in rows]
+    pairs = [(p, m, hi) for p, m, hi in pairs if m]
     if not pairs:
         return {"rows": 0}
     return {

@@ -204,15 +204,14 @@ def batch_free(key: str) -> tuple[str, int] | None:
     if op not in ("convolution", "convolution_backward") or not rest.endswith(")"):
         return None
     parts = _split(rest[:-1])
-    n = 1 if op == "convolution" else 2
-    batch = None
-    for i in range(n):
+    batch = 0
+    for i in range(1 if op == "convolution" else 2):
         m = re.match(r"(\w+)\[(\d+)(.*)$", parts[i].strip())
         if m is None:
             return None
         batch = int(m.group(2))
         parts[i] = f"{m.group(1)}[*{m.group(3)}"
-    return (op + "(" + ",".join(parts) + ")", batch) if batch is not None else None
+    return op + "(" + ",".join(parts) + ")", batch
 
 
 def conv_call(key: str) -> ConvCall | None:
@@ -366,9 +365,11 @@ class CudnnWorkspace:
         both others, by 272 bytes. ConvNeXt's 2x2 downsampling took its weight's bytes at
         batch 1 and 4, where its kind's line gives 7.5 MB at batch 2."""
         got = batch_free(unbiased(key))
-        seen = self.by_batch.get(got[0], {}) if got is not None else {}
-        lower = [b for b in seen if got is not None and b < got[1]]
-        upper = [b for b in seen if got is not None and b > got[1]]
+        if got is None:
+            return math.inf
+        seen = self.by_batch.get(got[0], {})
+        lower = [b for b in seen if b < got[1]]
+        upper = [b for b in seen if b > got[1]]
         if not lower or not upper:
             return math.inf
         return max(seen[max(lower)], seen[min(upper)])
