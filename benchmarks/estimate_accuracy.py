@@ -482,6 +482,19 @@ def _held_bytes(step: dict[str, Any], cal: Calibration) -> int:
     return int(step.get("held_cublas_workspaces") or 0) * cal.cublas_split()[0]
 
 
+def _cold_layout(root: Any, case: dict[str, Any]) -> list[list[Any]] | None:
+    """The segments a case's recorded cold step began with, where the corpus traced it."""
+    from _truth import corpus
+
+    if not case.get("file"):
+        return None
+    try:
+        cold = corpus.load_traces(root, case).get("cold")
+    except corpus.CorpusError:
+        return None
+    return cold.get("segments_before") if cold else None
+
+
 def contexts_before(index: dict[str, Any]) -> dict[str, int]:
     """What the capture's process held outside the caching allocator when each case began,
     by case id: the context and the kernel modules and streams earlier cases loaded.
@@ -540,7 +553,9 @@ def time_stats(pairs: list[tuple[float | None, float | None]]) -> dict[str, Any]
 def truth_main(args: argparse.Namespace) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _truth import corpus
-    from _truth.cases import estimate_case, recorded_per_call
+    from _truth.cases import case_allocator, estimate_case, recorded_per_call
+    from _truth.diff import predicted_trace
+    from _truth.replay import first_step_from
 
     try:
         index = corpus.load_index(args.truth)
@@ -582,6 +597,7 @@ def truth_main(args: argparse.Namespace) -> int:
         f"{'device':>9}{'time':>8}"
     )
     before_case = contexts_before(index)
+    cold_from_layout = 0
     for case in cases:
         spec = case["spec"]
         warm = (case.get("steps") or {}).get("warm") or {}
@@ -596,9 +612,20 @@ def truth_main(args: argparse.Namespace) -> int:
         # what the capture's process held from earlier cases, beyond the step's own
         held = _held_bytes(warm, cal)
         held_cold = _held_bytes(cold, cal)
+        # the first step's reserved peak: begun from the segments the recorded cold step
+        # began with, where the corpus holds them, else from a fresh process's
+        began = _cold_layout(args.truth, case)
+        if began is not None:
+            reserved_cold = first_step_from(
+                predicted_trace(spec, device, calibration=cal), began, case_allocator(spec)
+            )
+            cold_from_layout += 1
+        else:
+            reserved_cold = (est.first_step_peak_reserved or est.peak_reserved) + held_cold
         # and outside the allocator: the kernels and streams earlier cases left loaded,
         # beyond the context the estimate gives the step itself
-        held_ctx = max(0, (before_case.get(case["id"]) or 0) - est.breakdown.get("context", 0))
+        context = est.breakdown.get("context", 0)
+        held_ctx = max(0, (before_case.get(case["id"]) or 0) - context)
         row = {
             "case": case["id"],
             "allocated": (est.peak_allocated + held, warm.get(peak_key)),
@@ -612,9 +639,13 @@ def truth_main(args: argparse.Namespace) -> int:
             # workspaces), always the recorded one; its allocated peak against the
             # estimate's first step (the cuBLAS workspaces made at their first use)
             "allocated_cold": (first_allocated + held_cold, cold.get("max_allocated")),
-            "reserved_cold": (est.peak_reserved + held_cold, cold.get("max_reserved")),
-            "device_cold": (est.peak_device + held_cold + held_ctx, cold.get("nvml_bytes")),
-            "device_fresh_cold": (est.peak_device + held_cold, cold.get("nvml_bytes")),
+            "reserved_cold": (reserved_cold, cold.get("max_reserved")),
+            # what the recorded cold step began with, against the segments a fresh
+            # process makes the state in (the estimate's first step begins from those)
+            "reserved_before_cold": (est.state_reserved, cold.get("reserved_before")),
+            # NVML's reading after the cold step: its reserved peak and the context
+            "device_cold": (reserved_cold + context + held_ctx, cold.get("nvml_bytes")),
+            "device_fresh_cold": (reserved_cold + context, cold.get("nvml_bytes")),
             # the warm step's time: its operators' CUDA times summed (traced cases), and
             # its wall time; both under the capture's per-call recording
             "gpu_time": (est.step_seconds, _gpu_seconds(args.truth, case)),
@@ -661,6 +692,8 @@ def truth_main(args: argparse.Namespace) -> int:
         "reserved": stats([r["reserved"] for r in rows]),
         "device": stats([r["device"] for r in rows]),
         "cold": {m: stats([r[f"{m}_cold"] for r in rows]) for m in TRUTH_GOALS},
+        # cold rows whose reserved peak was replayed from the segments the step began with
+        "cold_reserved_from_layout": cold_from_layout,
         # the device peak as a fresh process would read it, the context earlier cases left
         # in the capture's process counted against the estimate
         "device_fresh": {

@@ -104,3 +104,29 @@ def _first_difference(r: Replay) -> str:
     if len(r.real_segments) != len(r.model_segments):
         return f"real made {len(r.real_segments)} segments, model {len(r.model_segments)}"
     return f"reserved peak: real {r.real_peak_reserved}, model {r.model_peak_reserved}"
+
+
+def first_step_from(trace: Any, segments_before: list[list[Any]], config: Any = None) -> int:
+    """The reserved peak of the estimator's first step (``trace``, its cuBLAS workspaces
+    made at their first use) begun from the segments a recorded step began with.
+
+    A capture runs every case in one process, and empties the cache before a case's cold
+    step; segments that still hold a live block stay, with the free stretches earlier cases
+    left in them (a 32 MiB hole where a cuBLAS workspace was, between parameters). The
+    estimator's own first step begins from the segments a fresh process makes the state
+    in. Begun from the recorded ones instead, the step's storages (not the ``preexisting``
+    ones: they are the recorded step's live blocks) go through the model in the trace's
+    order; a free of a state storage is not replayed (which block it was is unknown)."""
+    from vramctl.estimator._cuda_kernels import first_step
+
+    model = CachingAllocatorModel(config or AllocatorConfig())
+    model.seed(segments_before)
+    step = first_step(trace)
+    handles: dict[int, int] = {}
+    for e in step.events:
+        if e >= 0:
+            if step.records[e].op != "preexisting":
+                handles[e] = model.malloc(step.records[e].nbytes)
+        elif (h := handles.pop(~e, None)) is not None:
+            model.free(h)
+    return model.peak_reserved

@@ -36,11 +36,15 @@ def test_a_key_gives_the_calls_kind_and_sizes() -> None:
     x, w = torch.empty(8, 64, 56, 56), torch.empty(128, 64, 3, 3)
     key = conv_key(FWD, (x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1))
     out = 8 * 128 * 28 * 28 * 4  # (56 + 2 - 2 - 1) // 2 + 1 = 28
-    assert conv_call(key) == ConvCall("forward:dense", max(x.nbytes, out), w.nbytes)
+    assert conv_call(key) == ConvCall(
+        "forward:dense", max(x.nbytes, out), w.nbytes, dtype="float32"
+    )
     # a transposed convolution's output is larger than its input
     wt = torch.empty(64, 32, 4, 4)
     key = conv_key(FWD, (x, wt, None, [2, 2], [1, 1], [1, 1], True, [0, 0], 1))
-    assert conv_call(key) == ConvCall("forward:dense", 8 * 32 * 112 * 112 * 4, wt.nbytes)
+    assert conv_call(key) == ConvCall(
+        "forward:dense", 8 * 32 * 112 * 112 * 4, wt.nbytes, dtype="float32"
+    )
     # pointwise, with and without a stride; grouped; a backward reads its output gradient
     assert conv_call(fwd_key(x, torch.empty(32, 64, 1, 1))).kind == "forward:pointwise"
     assert (
@@ -54,7 +58,9 @@ def test_a_key_gives_the_calls_kind_and_sizes() -> None:
         (g, x, torch.empty(256, 64, 1, 1), [0], [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
          [True, True, False]),
     )  # fmt: skip
-    assert conv_call(bkey) == ConvCall("backward:pointwise", g.nbytes, 256 * 64 * 4)
+    assert conv_call(bkey) == ConvCall(
+        "backward:pointwise", g.nbytes, 256 * 64 * 4, dtype="float32"
+    )
     assert conv_call("convolution(other)") is None
     assert conv_call("matmul(float32[2, 2],float32[2, 2])") is None
 
@@ -104,6 +110,77 @@ def test_a_kinds_line_lies_on_or_above_each_call_and_as_low_as_it_can() -> None:
         for n in range(1, 9)
     }
     assert workspace_lines(dw) == {}
+
+
+def test_a_calls_dtype_and_a_weight_only_backward_take_lines_of_their_own() -> None:
+    """cuDNN runs a half-precision convolution on other kernels (tensor cores) than a
+    float32 one, and a backward that computes no input gradient (a network's first
+    convolution) as its weight-gradient call alone: each gets its own line where the table
+    holds enough of its calls, and a call takes the most specific line there is. On the
+    H200 float32's forward dense line had no fixed part, where the kind's had 3.1 MiB (the
+    bfloat16 patch embeddings'); shrunk ViT inference went from 11.7% over to 3.6%."""
+
+    def key(n: int, c: int, dtype: torch.dtype) -> str:
+        return fwd_key(torch.empty(n, c, 8, 8, dtype=dtype), torch.empty(c, c, 3, 3, dtype=dtype))
+
+    sizes = ((1, 64), (4, 64), (2, 128), (8, 32))
+    table: dict[str, int] = {}
+    for n, c in sizes:
+        fp32, bf16 = conv_call(key(n, c, torch.float32)), conv_call(key(n, c, torch.bfloat16))
+        assert fp32 is not None and bf16 is not None and fp32.dtype == "float32"
+        assert bf16.typed_kind == "forward:dense:bfloat16"
+        table[key(n, c, torch.float32)] = fp32.activation  # no fixed part
+        table[key(n, c, torch.bfloat16)] = 3 * MiB + bf16.activation
+    lines = workspace_lines(table)
+    assert lines["forward:dense:float32"][0] == 0
+    assert lines["forward:dense:bfloat16"][0] == pytest.approx(3 * MiB, rel=0.01)
+    assert lines["forward:dense"][0] >= lines["forward:dense:bfloat16"][0]
+    ws = CudnnWorkspace(0.0, 2**40, lines={k: lines[k] for k in ("forward:dense:float32",)})
+    x = torch.empty(2, 64, 8, 8)
+    conv = (x, torch.empty(64, 64, 3, 3), None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    out = [torch.empty(2, 64, 6, 6)]
+    fixed, per_act, per_weight = lines["forward:dense:float32"]
+    call = conv_call(conv_key(FWD, conv))
+    assert call is not None
+    want = fixed + per_act * call.activation + per_weight * call.weight
+    assert ws(FWD, conv, {}, out) == pytest.approx(want, abs=1)
+    # a bfloat16 call with no line of its dtype takes its kind's; with neither, the one line
+    half = tuple(a.bfloat16() if isinstance(a, torch.Tensor) else a for a in conv)
+    assert ws(FWD, half, {}, out) == 0  # ratio 0 and no fixed part: the one line gives 0
+    ws.lines = {**ws.lines, "forward:dense": (7 * MiB, 0.0, 0.0)}
+    assert ws(FWD, half, {}, out) == 7 * MiB
+
+    # a backward without the input's gradient: its own kind, priced by the whole
+    # backward's lines where it has none of its own
+    g = torch.empty(2, 64, 6, 6)
+    weight_only = (g, x, conv[1], [0], [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+                   [False, True, False])  # fmt: skip
+    both = (*weight_only[:10], [True, True, False])
+    wcall, bcall = conv_call(conv_key(BWD, weight_only)), conv_call(conv_key(BWD, both))
+    assert wcall is not None and bcall is not None
+    assert wcall.kind == "backward-weight:dense" and bcall.kind == "backward:dense"
+    assert wcall.line_kinds == [
+        "backward-weight:dense:float32",
+        "backward-weight:dense",
+        "backward:dense:float32",
+        "backward:dense",
+    ]
+    ws = CudnnWorkspace(0.0, 2**40, lines={"backward:dense": (5 * MiB, 0.0, 0.0)})
+    assert ws(BWD, weight_only, {}, [g]) == 5 * MiB
+    ws.lines = {**ws.lines, "backward-weight:dense": (MiB, 0.0, 0.0)}
+    assert ws(BWD, weight_only, {}, [g]) == MiB
+    assert ws(BWD, both, {}, [g]) == 5 * MiB
+    # the whole backward's line is fitted over the weight-only calls too
+    table = {}
+    for n, c in sizes:
+        for mask in ([False, True, False], [True, True, False]):
+            gk = torch.empty(n, c, 6, 6)
+            args = (gk, torch.empty(n, c, 8, 8), torch.empty(c, c, 3, 3), [0], [1, 1], [0, 0],
+                    [1, 1], False, [0, 0], 1, mask)  # fmt: skip
+            table[conv_key(BWD, args)] = (9 if mask[0] else 1) * MiB
+    lines = workspace_lines(table)
+    assert lines["backward-weight:dense"][0] == pytest.approx(MiB, rel=0.01)
+    assert lines["backward:dense"][0] == pytest.approx(9 * MiB, rel=0.01)
 
 
 class Conv(nn.Module):

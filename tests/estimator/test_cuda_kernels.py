@@ -250,16 +250,25 @@ def test_a_cuda_estimates_first_step_peaks_before_its_cublas_workspace() -> None
     assert est.first_step_peak_allocated is not None
     assert est.peak_allocated - est.first_step_peak_allocated == cublas + lt
     assert any("first step allocates" in n for n in est.notes)
+    # and reserves: no segment of its own for them while the activations are live; the
+    # model's state (its weights and the batch, 32 MiB) is made in 34 MiB of segments
+    assert est.first_step_peak_reserved is not None and est.state_reserved is not None
+    assert est.peak_reserved - est.first_step_peak_reserved == 32 * 2**20
+    assert est.state_reserved == 34 * 2**20
     # where the product comes first, its workspace is live at the first step's peak too
     first = nn.Sequential(nn.Linear(256, 256), _HeadAtTheEnd())
     est = vramctl.estimate(first, x, device="H200-141GB", **kw)
     assert est.first_step_peak_allocated == est.peak_allocated
+    assert est.first_step_peak_reserved == est.peak_reserved
     host = vramctl.estimate(_HeadAtTheEnd(), x, device="cpu", **kw)
     assert host.first_step_peak_allocated is None
+    assert host.first_step_peak_reserved is None and host.state_reserved is None
 
 
 @pytest.mark.cuda
 def test_a_gpus_first_step_peaks_as_estimated_before_its_cublas_workspace() -> None:
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved()  # what earlier tests left live
     model = _HeadAtTheEnd().cuda()
     x = torch.randn(64, 512, 256, device="cuda")
     est = vramctl.estimate(model, x, device="cuda:0", mode="infer", calibration=False)
@@ -269,11 +278,13 @@ def test_a_gpus_first_step_peaks_as_estimated_before_its_cublas_workspace() -> N
         pytest.skip("this PyTorch cannot free its cuBLAS workspaces")
     clear()
     torch.cuda.empty_cache()
+    state = torch.cuda.memory_reserved() - held
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
         model(x)
     torch.cuda.synchronize()
     first = torch.cuda.max_memory_allocated()
+    first_reserved = torch.cuda.max_memory_reserved() - held
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
         model(x)
@@ -281,4 +292,9 @@ def test_a_gpus_first_step_peaks_as_estimated_before_its_cublas_workspace() -> N
     later = torch.cuda.max_memory_allocated()
     assert est.first_step_peak_allocated is not None
     assert abs(first - est.first_step_peak_allocated) <= 0.01 * first
+    # the segments the weights and the batch were made in, and the first step's reserved
+    # peak from them (this process made nothing else before)
+    assert est.state_reserved is not None and est.first_step_peak_reserved is not None
+    assert abs(state - est.state_reserved) <= 2 * 2**20
+    assert abs(first_reserved - est.first_step_peak_reserved) <= 2 * 2**20
     assert later > first  # the workspace, held from the second step's start

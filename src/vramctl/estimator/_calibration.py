@@ -207,7 +207,8 @@ class Calibration:
     cudnn_workspaces: Mapping[str, int] = field(default_factory=dict)
     #: A line per kind of convolution fitted to ``cudnn_workspaces``' calls
     #: (:func:`~vramctl.estimator._conv_workspace.workspace_lines`): ``(fixed bytes, per
-    #: activation byte, per weight byte)`` by kind, as ``"forward:dense"``.
+    #: activation byte, per weight byte)`` by kind, as ``"forward:dense"``, and by kind and
+    #: dtype, as ``"forward:dense:float32"``.
     cudnn_workspace_lines: Mapping[str, tuple[int, float, float]] = field(default_factory=dict)
     #: Device memory outside the allocator that PyTorch's pool of side streams took when
     #: the process first asked for one (None: not measured, as profiles before 2026-12-01;

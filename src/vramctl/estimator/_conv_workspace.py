@@ -6,6 +6,10 @@ table takes its recorded bytes. Any other call takes a line fitted to the table'
 its own kind (``cudnn_workspace_lines``): the kinds differ by much (a depthwise forward
 recorded no workspace on the H200 at all, a 3x3 convolution's holds about its weight, a
 strided 1x1's three times its output), so one line over every call overcharges most of them.
+A kind is also fitted per dtype (half precision runs on other kernels: float32's forward
+dense line on the H200 has no fixed part, the kind's 3.1 MiB), and a backward that computes
+no input gradient (``backward-weight``: cuDNN's weight-gradient call alone) is a kind of
+its own, whose calls the whole backward's lines lie above too.
 A line lies on or above every recorded call of its kind, as low as it can: ``fixed`` bytes,
 plus ``per_activation`` times the largest activation the call reads or writes, plus
 ``per_weight`` times its weight's bytes. A kind with too few recorded calls, and a profile
@@ -157,6 +161,26 @@ class ConvCall:
     activation: int
     weight: int
     cudnn: bool = True
+    dtype: str = ""
+
+    @property
+    def typed_kind(self) -> str:
+        """The kind with the call's dtype, as ``"forward:dense:float32"``: a half-precision
+        call runs on other cuDNN kernels (tensor cores) than a float32 one, and takes other
+        workspaces. On the H200, float32's forward dense line has no fixed part, where
+        bfloat16's has 2.6 MiB."""
+        return f"{self.kind}:{self.dtype}" if self.dtype else self.kind
+
+    @property
+    def line_kinds(self) -> list[str]:
+        """The kinds whose lines price this call, the most specific first: its kind with its
+        dtype, its kind, and for a backward that computes no input gradient
+        (``"backward-weight"``: cuDNN's weight-gradient call alone, as for a network's first
+        convolution) the same of a whole backward, whose lines lie above its calls too."""
+        kinds = [self.typed_kind, self.kind] if self.dtype else [self.kind]
+        if self.kind.startswith("backward-weight:"):
+            kinds += [k.replace("backward-weight:", "backward:", 1) for k in kinds]
+        return kinds
 
 
 def _split(text: str) -> list[str]:
@@ -191,6 +215,11 @@ def _on_cudnn_depthwise(parts: list[str]) -> bool:
     return any(p.strip().endswith(":channels_last") for p in parts) or any(
         p.strip().startswith("float16[") for p in parts
     )
+
+
+def _dtype(text: str) -> str:
+    """The dtype's name of a key's tensor part (``"float32"``)."""
+    return text.strip().partition("[")[0]
 
 
 def _ints(text: str) -> list[int]:
@@ -228,6 +257,7 @@ def conv_call(key: str) -> ConvCall | None:
             stride, padding, dilation = _ints(parts[3]), _ints(parts[4]), _ints(parts[5])
             transposed, groups = parts[6].strip() == "True", int(parts[8])
             (size, xs), (_, ws) = x, w
+            dtype = _dtype(parts[0])
             if transposed:
                 out_channels = ws[1] * groups
                 spatial = [
@@ -251,16 +281,18 @@ def conv_call(key: str) -> ConvCall | None:
             transposed, groups = parts[7].strip() == "True", int(parts[9])
             stride = _ints(parts[4])
             (size, gs), (_, xs), (_, ws) = g, x, w
+            dtype = _dtype(parts[0])
             activation = size * max(math.prod(gs), math.prod(xs))
             in_channels = xs[1]
-            pass_ = "backward"
+            mask = parts[10].strip() if len(parts) > 10 else ""
+            pass_ = "backward-weight" if mask.startswith("[False") else "backward"
     except (ValueError, IndexError):
         return None
     weight = size * math.prod(ws)
     if groups > 1 and groups == in_channels and not transposed:
         kind = "depthwise"
         if not _on_cudnn_depthwise(parts):
-            return ConvCall(f"{pass_}:{kind}", activation, weight, cudnn=False)
+            return ConvCall(f"{pass_}:{kind}", activation, weight, cudnn=False, dtype=dtype)
     elif groups > 1:
         kind = "grouped"
     elif all(k == 1 for k in ws[2:]):
@@ -268,7 +300,7 @@ def conv_call(key: str) -> ConvCall | None:
         kind = "pointwise" if all(v == 1 for v in stride) else "pointwise-strided"
     else:
         kind = "dense"
-    return ConvCall(f"{pass_}:{kind}", activation, weight)
+    return ConvCall(f"{pass_}:{kind}", activation, weight, dtype=dtype)
 
 
 def _minimize(f: Callable[[float], float], hi: float, steps: int = 80) -> float:
@@ -313,13 +345,16 @@ def _line(points: list[tuple[int, int, int]]) -> WorkspaceLine:
 
 
 def workspace_lines(table: Mapping[str, int]) -> dict[str, WorkspaceLine]:
-    """A line per kind of convolution (:class:`ConvCall`) over a recorded table's calls, for
-    each kind with at least :data:`MIN_LINE_POINTS` distinct calls."""
+    """A line per kind of convolution (:class:`ConvCall`) over a recorded table's calls, and
+    one per kind and dtype (:attr:`ConvCall.typed_kind`), for each with at least
+    :data:`MIN_LINE_POINTS` distinct calls."""
     by_kind: dict[str, set[tuple[int, int, int]]] = {}
     for key, nbytes in table.items():
         call = conv_call(key)
         if call is not None and call.cudnn:
-            by_kind.setdefault(call.kind, set()).add((call.activation, call.weight, nbytes))
+            point = (call.activation, call.weight, nbytes)
+            for kind in call.line_kinds:
+                by_kind.setdefault(kind, set()).add(point)
     return {
         kind: _line(sorted(points))
         for kind, points in sorted(by_kind.items())
@@ -387,7 +422,9 @@ class CudnnWorkspace:
         call = conv_call(key)
         if call is not None and not call.cudnn:
             return 0
-        line = self.lines.get(call.kind) if call is not None else None
+        line = None
+        if call is not None:
+            line = next((self.lines[k] for k in call.line_kinds if k in self.lines), None)
         if call is not None and line is not None:
             fixed, per_activation, per_weight = line
             nbytes = fixed + per_activation * call.activation + per_weight * call.weight

@@ -148,6 +148,14 @@ class Estimate:
     #: makes each at its first matrix product, possibly after its peak. None where not
     #: modelled (a CPU target).
     first_step_peak_allocated: int | None = None
+    #: A process's first step, on a GPU: its reserved peak, from an empty cache but for the
+    #: segments the model's state was made in. ``peak_reserved`` is a loop's, whose later
+    #: steps start from the segments the first one left. None where not modelled.
+    first_step_peak_reserved: int | None = None
+    #: On a GPU: the reserved bytes of the segments the step's state (parameters, buffers,
+    #: optimizer state, the batch) is made in, in a fresh process, before its first step.
+    #: A process whose history left it other segments starts its first step from those.
+    state_reserved: int | None = None
 
     @property
     def budget(self) -> int:
@@ -205,6 +213,8 @@ class Estimate:
             "peak_reserved_bytes": self.peak_reserved,
             "peak_device_bytes": self.peak_device,
             "first_step_peak_allocated_bytes": self.first_step_peak_allocated,
+            "first_step_peak_reserved_bytes": self.first_step_peak_reserved,
+            "state_reserved_bytes": self.state_reserved,
             "device_uncertainty_bytes": self.device_uncertainty,
             "peak_device_high_bytes": self.peak_device_high,
             "breakdown_bytes": dict(self.breakdown),

@@ -76,6 +76,8 @@ def build_estimate(
     retries = {False: 0, True: 0}
     fits = {False: False, True: False}  # at the point estimate, at the safe end
     first_step_allocated: int | None = None
+    first_step_reserved: int | None = None
+    state_reserved: int | None = None
     uncertainty = 0
     calibrated = True
     profile = None
@@ -93,8 +95,10 @@ def build_estimate(
         allocator_config = allocator_of(target, allocator_config)
         alloc = replay(trace, None, allocator_config, steady=True)
         allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
-        first = replay(first_step(trace), None, allocator_config).peak_allocated
-        first_step_allocated = first
+        first_replay = replay(first_step(trace), None, allocator_config)
+        first = first_replay.peak_allocated
+        first_step_allocated, first_step_reserved = first, first_replay.peak_reserved
+        state_reserved = _state_reserved(trace, allocator_config)
         if first < allocated:
             notes.append(
                 f"a process's first step allocates {format_bytes(first)} at its peak: it "
@@ -165,6 +169,8 @@ def build_estimate(
         # The device counts its live storages' bytes as allocated (not the blocks').
         allocated, reserved = alloc.peak_requested, alloc.peak_reserved
         first_step_allocated = allocated  # no workspaces on a simulated GPU
+        first_step_reserved = replay(seen, None, config).peak_reserved
+        state_reserved = _state_reserved(seen, config)
         peak_device = reserved
         fit, retried = _fits_capped(seen, reserved, budget, config)
         fits = dict.fromkeys((False, True), fit)
@@ -269,6 +275,8 @@ def build_estimate(
         host_per_rank=host,
         host_per_node=host * ((par.ranks_per_node or par.world_size) if par else 1),
         first_step_peak_allocated=first_step_allocated,
+        first_step_peak_reserved=first_step_reserved,
+        state_reserved=state_reserved,
     )
 
 
@@ -336,6 +344,14 @@ def replay(
                 break
             layout = after
     return alloc
+
+
+def _state_reserved(trace: Trace, config: AllocatorConfig | None) -> int:
+    """The reserved bytes of the segments a fresh process makes the step's state in: the
+    storages that exist before the step (``preexisting``), through the allocator model in
+    the trace's order."""
+    state = [e for e in trace.events if e >= 0 and trace.records[e].op == "preexisting"]
+    return replay(dataclasses.replace(trace, events=state), None, config).peak_reserved
 
 
 def allocator_of(target: Target, requested: AllocatorConfig | None) -> AllocatorConfig | None:
