@@ -464,6 +464,8 @@ def diff_case(args: argparse.Namespace) -> int:
         real_stream,
     )
 
+    from vramctl.estimator._cuda_kernels import first_step
+
     try:
         index = corpus.load_index(args.corpus)
         case = next((c for c in index["cases"] if c["id"] == args.case), None)
@@ -483,7 +485,10 @@ def diff_case(args: argparse.Namespace) -> int:
         "cpu" if index["source"] == "simulated" else index["environment"].get("gpu")
     )
     real = real_stream(steps[args.step])
-    trace = predicted_trace(case["spec"], device, calibration=False)
+    cal = corpus.calibration(args.corpus, index)[0] if args.calibration == "corpus" else False
+    loop = predicted_trace(case["spec"], device, calibration=cal)
+    # a cold step is a process's first: its cuBLAS workspaces made at their first product
+    trace = first_step(loop) if args.step == "cold" else loop
     predicted = allocations(trace)
     d = diff(real, predicted)
     print(f"{args.case} ({args.step} step) on {device}:")
@@ -501,11 +506,41 @@ def diff_case(args: argparse.Namespace) -> int:
         "case": args.case,
         "step": args.step,
         "device": device,
+        "calibration": args.calibration,
         **d.to_dict(args.top),
+        "reserved": _reserved_peaks(case, steps[args.step], args.step, loop),
     }
     if args.at_peak:
         summary["at_peak"] = _at_peak(real_peak(steps[args.step]), predicted_peak(trace), args.top)
     return _common.finish(summary, True)
+
+
+def _reserved_peaks(
+    case: dict[str, Any], step: dict[str, Any], name: str, loop: Any
+) -> dict[str, int]:
+    """The step's reserved peak, real and predicted (printed too): the estimate's (a loop's
+    step, or a fresh process's first), and for a cold step the first step begun from the
+    segments the recorded one began with, which a capture's earlier cases shaped. Where
+    that one agrees and the fresh one does not, the gap is the process's history, not the
+    step."""
+    from _truth.cases import case_allocator
+    from _truth.replay import first_step_from
+
+    from vramctl.estimator._cuda_kernels import first_step
+    from vramctl.estimator._verdict import replay
+
+    config = case_allocator(case["spec"])
+    real = int((case.get("steps") or {}).get(name, {}).get("max_reserved") or 0)
+    if name == "cold":
+        out = {
+            "real": real,
+            "fresh_process": replay(first_step(loop), None, config).peak_reserved,
+            "from_recorded_segments": first_step_from(loop, step["segments_before"], config),
+        }
+    else:
+        out = {"real": real, "loop": replay(loop, None, config, steady=True).peak_reserved}
+    print("  reserved peak: " + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in out.items()))
+    return out
 
 
 def _at_peak(real: tuple[int, Any], predicted: tuple[int, Any], top: int) -> dict[str, Any]:
@@ -596,6 +631,13 @@ def main(argv: list[str] | None = None) -> int:
         "--at-peak",
         action="store_true",
         help="also what was live at each side's own peak, by operator (where a peak's gap is)",
+    )
+    dif.add_argument(
+        "--calibration",
+        choices=("corpus", "off"),
+        default="corpus",
+        help="estimate with the corpus' profile (its recorded workspaces; the default), or "
+        "with the built-in constants",
     )
     wsp = sub.add_parser("workspaces", help="each recorded convolution's cuDNN workspace")
     wsp.add_argument("corpus", type=Path)

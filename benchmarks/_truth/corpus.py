@@ -267,3 +267,35 @@ class TraceBuilder:
             "actions": list(ACTIONS),
             "events": {c: list(v) for c, v in self.columns.items()},
         }
+
+
+def calibration(root: Path | str, index: dict[str, Any]) -> tuple[Any, str]:
+    """The corpus' own profile, or the built-in constants with the context it measured."""
+    import dataclasses
+    import statistics
+
+    from vramctl import format_bytes
+    from vramctl.device import ComputeCapability
+    from vramctl.estimator import load_calibration
+    from vramctl.estimator._cuda_model import builtin
+
+    path = Path(root) / "calibration.json"
+    if path.is_file():
+        return load_calibration(path), "the corpus' calibration.json"
+    env = index["environment"]
+    cc = ComputeCapability.parse(env["capability"]) if env.get("capability") else None
+    cal = builtin(env.get("gpu") or "unknown", cc)
+    contexts = [
+        (c.get("steps") or {}).get("warm", {}).get("context_bytes")
+        for c in index["cases"]
+        if c.get("status", "ok") == "ok"
+    ]
+    contexts = [c for c in contexts if isinstance(c, int) and c > 0]
+    if not contexts:
+        return cal, "built-in constants (the corpus measured no context)"
+    context = int(statistics.median(contexts))
+    software = {k: str(env.get(k) or "") for k in ("torch", "cuda", "cudnn", "driver")}
+    return (
+        dataclasses.replace(cal, context_bytes=context, software=software),
+        f"built-in constants with the corpus' measured context ({format_bytes(context)})",
+    )

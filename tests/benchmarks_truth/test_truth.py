@@ -637,6 +637,16 @@ def test_simulated_capture_diffs_against_the_estimator(
     assert summary["case"] == "rnn/lstm/train/fp32/b1" and summary["step"] == "warm"
     assert summary["real_allocations"] > 0 and summary["predicted_allocations"] > 0
     assert summary["by_op"]
+    assert summary["reserved"]["real"] > 0 and summary["reserved"]["loop"] > 0
+    # a cold step: the estimate's first step, from a fresh process and from the segments
+    # the recorded step began with
+    rc, out, err = run_main(
+        capsys, "diff", simulated, "rnn/lstm/train/fp32/b1", "--device", "cpu", "--step", "cold"
+    )
+    assert rc == 0, out + err
+    reserved = last_json(out)["reserved"]
+    assert set(reserved) == {"real", "fresh_process", "from_recorded_segments"}
+    assert reserved["from_recorded_segments"] > 0 and reserved["fresh_process"] > 0
 
 
 def test_diff_at_the_peak_sets_what_was_live_side_by_side(
