@@ -55,6 +55,10 @@ def test_json_reports_every_input_used_defaults_included() -> None:
         "task": None,
         "trust_remote_code": False,
         "checkpointing": False,
+        "offload": [],
+        "keep_output": True,
+        "grad_accumulation": False,
+        "side_streams": False,
         "device": "T4-16GB",
         "capacity_bytes": doc["estimates"][0]["capacity_bytes"],
         "target_utilization": 0.9,
@@ -113,6 +117,49 @@ def test_the_allocator_is_priced_as_the_alloc_conf_or_the_environment_sets_it(
     assert bad.exit_code == 2
     assert "did you mean 'expandable_segments'" in bad.output
     assert len(bad.output.strip().splitlines()) == 1
+
+
+def test_the_loops_options_are_priced_as_the_python_api_prices_them() -> None:
+    """--offload, --release-output, --grad-accumulation and --side-streams give the estimate
+    Step's fields of the same names; each changes what it should, and the ones only a
+    training loop has are refused with one line for another mode."""
+    import vramctl
+
+    args = ["estimate", "gpt2", "--batch", "2", "--seq-len", "64", "--device", "H100-80GB"]
+
+    def cli(*extra: str) -> dict[str, object]:
+        r = runner.invoke(app, [*args, *extra, "--json"])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["estimates"][0]
+
+    def api(**step: object) -> vramctl.Estimate:
+        return vramctl.estimate("gpt2", batch_size=2, seq_len=64, device="H100-80GB", **step)
+
+    cases = [
+        (("--offload", "activations,optimizer"), {"offload_activations": True,
+                                                  "offload_optimizer": True}),
+        (("--release-output",), {"keep_output": False}),
+        (("--grad-accumulation",), {"grad_accumulation": True}),
+        (("--side-streams",), {"side_streams": True}),
+    ]  # fmt: skip
+    plain = cli()
+    for extra, step in cases:
+        got, want = cli(*extra), api(**step)
+        assert got["peak_allocated_bytes"] == want.peak_allocated, extra
+        assert got["peak_device_bytes"] == want.peak_device, extra
+        assert got != plain, extra
+    # the stream pool is outside the allocator: only the device peak grows
+    streams = cli("--side-streams")
+    assert streams["peak_reserved_bytes"] == plain["peak_reserved_bytes"]
+    assert streams["peak_device_bytes"] > plain["peak_device_bytes"]
+    for bad, says in (
+        (["--offload", "disk"], "'disk' is not one of activations, optimizer"),
+        (["--mode", "infer", "--offload", "optimizer"], "go with --mode train"),
+        (["--mode", "infer", "--release-output"], "go with --mode train"),
+    ):
+        r = runner.invoke(app, [*args, *bad])
+        assert r.exit_code == 2 and says in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1
 
 
 def test_text_shows_which_peak_is_which_the_range_and_the_missing_profile() -> None:

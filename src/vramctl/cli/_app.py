@@ -395,6 +395,42 @@ def estimate_cmd(
     checkpointing: Annotated[
         bool, typer.Option(help="Activation checkpointing (transformers models).")
     ] = False,
+    offload: Annotated[
+        str | None,
+        typer.Option(
+            help="Training: what the loop keeps in host memory, comma-separated: "
+            "'activations' (the tensors saved for backward, as "
+            "torch.autograd.graph.save_on_cpu keeps them), 'optimizer' (the optimizer's "
+            "state and step, as vramctl.optimize.OffloadedOptimizer runs it).",
+            show_default=False,
+        ),
+    ] = None,
+    keep_output: Annotated[
+        bool,
+        typer.Option(
+            "--keep-output/--release-output",
+            help="Training: whether the loop holds the model's output until backward is "
+            "done (out = model(x); loss = f(out); loss.backward()), or lets go of it first, "
+            "as Lightning's and the Hugging Face Trainer's loops do.",
+        ),
+    ] = True,
+    grad_accumulation: Annotated[
+        bool,
+        typer.Option(
+            "--grad-accumulation",
+            help="Training: price a micro-batch of gradient accumulation after the first "
+            "(the gradients already there through forward and backward).",
+        ),
+    ] = False,
+    side_streams: Annotated[
+        bool,
+        typer.Option(
+            "--side-streams",
+            help="The loop takes a CUDA stream of its own (a loader that copies the next "
+            "batch on a side stream): PyTorch's pool of streams, outside its allocator, "
+            "is added to the context.",
+        ),
+    ] = False,
     target_utilization: Annotated[
         float, typer.Option(help="Share of the device's memory the step may use.", min=0.01, max=1)
     ] = 0.9,
@@ -558,12 +594,22 @@ def estimate_cmd(
         quant_arg = quant_spec(quant, group_size=group_size, double_quant=double_quant)
     elif double_quant or group_size is not None or kbit_prep:
         raise VramctlError("--double-quant, --group-size and --kbit-prep go with --quant")
+    offloads = _offload_arg(offload)
+    if mode != "train" and (offloads or not keep_output or grad_accumulation):
+        raise VramctlError(
+            "--offload, --release-output and --grad-accumulation go with --mode train"
+        )
     step = vramctl.Step(
         mode=mode,
         precision=precision,
         optimizer=None if optimizer == "none" else optimizer,
         device=device,
         checkpointing=checkpointing,
+        offload_activations="activations" in offloads,
+        offload_optimizer="optimizer" in offloads,
+        keep_output=keep_output,
+        grad_accumulation=grad_accumulation,
+        side_streams=side_streams,
         target_utilization=target_utilization,
         calibration=_calibration_arg(calibration),
         safe=not optimistic,
@@ -632,6 +678,10 @@ def estimate_cmd(
                     "task": task,
                     "trust_remote_code": trust_remote_code,
                     "checkpointing": first.checkpointing,
+                    "offload": sorted(offloads),
+                    "keep_output": keep_output,
+                    "grad_accumulation": grad_accumulation,
+                    "side_streams": side_streams,
                     "device": first.device,
                     "capacity_bytes": first.capacity,
                     "target_utilization": first.target_utilization,
@@ -724,6 +774,18 @@ def estimate_cmd(
                 f"longest {best.length_arg} at batch 1: [bold]{best.max_length}[/]{ceiling}",
                 highlight=False,
             )
+
+
+def _offload_arg(text: str | None) -> set[str]:
+    """``--offload``: the parts the loop keeps in host memory."""
+    parts = {p.strip() for p in (text or "").split(",") if p.strip()}
+    unknown = sorted(parts - {"activations", "optimizer"})
+    if unknown:
+        raise VramctlError(
+            f"--offload {text!r}: {unknown[0]!r} is not one of activations, optimizer "
+            "(comma-separated)"
+        )
+    return parts
 
 
 def _alloc_conf_arg(text: str | None) -> Any:
