@@ -181,14 +181,45 @@ def profiled_peak(run: Callable[[], Any]) -> int:
     return peak
 
 
+def kept_tensors(model: Any) -> dict[int, int]:
+    """Bytes by storage of the tensors a model's modules hold outside their parameters and
+    buffers: in a plain attribute, or a dict, list or tuple in one (a cache a forward made
+    and kept, as LeViT's attention biases in eval mode)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    out: dict[int, int] = {}
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name in ("_parameters", "_buffers", "_modules") or name.startswith("__"):
+                continue
+            if not isinstance(value, (torch.Tensor, dict, list, tuple)):
+                continue
+            for t in tree_leaves(value):
+                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                    st = t.untyped_storage()
+                    out[st.data_ptr()] = st.nbytes()
+    return out
+
+
 def cpu_step_peak(model: Any, data: Any, spec: Any, opt: Any) -> int:
     """The real CPU peak of one step: the live bytes before it (parameters, buffers,
-    optimizer state, inputs) plus the profiler's peak during it, after a warm-up step."""
+    optimizer state, inputs, and the tensors the warm-up step made that a module kept)
+    plus the profiler's peak during it, after a warm-up step.
+
+    A forward may make a tensor once and keep it outside the module's buffers (LeViT's
+    attention biases, in a plain dict in eval mode): it is live through every later step,
+    which does not make it again, so the profiler's peak of the measured step lacks it."""
     from vramctl.estimator._spec import run_step
 
-    baseline = storages_bytes(held_tensors(model, data, opt))
+    kept_before = kept_tensors(model)
     run_step(model, data, spec, opt)  # warm-up: one-off kernel caches, as on CUDA
-    return baseline + profiled_peak(lambda: run_step(model, data, spec, opt))
+    held = storages_bytes(held_tensors(model, data, opt))
+    held_ptrs = {t.untyped_storage().data_ptr() for t in held_tensors(model, data, opt)}
+    made = {
+        p: n for p, n in kept_tensors(model).items() if p not in kept_before and p not in held_ptrs
+    }
+    return held + sum(made.values()) + profiled_peak(lambda: run_step(model, data, spec, opt))
 
 
 def error_stats(pairs: list[tuple[int | None, int | None]]) -> dict[str, float | int | None]:

@@ -66,11 +66,14 @@ def build_estimate(
         trace, host = _offloaded(trace, traced.categories)
     elif par is not None and par.zero_stage is not None:
         host = traced.host
-    logical, at = trace.peak()
+    # a loop's peak, as the allocator's replay takes it: what a step makes and keeps (a
+    # cache its forward makes once) is live from the next step's start
+    loop = trace.loop()
+    logical, at = loop.peak()
     by_cat = dict.fromkeys(CATEGORIES, 0)
-    for sid in trace.live_at(at):
+    for sid in loop.live_at(at):
         by_cat[traced.categories[sid]] += trace.records[sid].nbytes
-    peak_rec = trace.records[trace.events[at]] if at >= 0 else None
+    peak_rec = trace.records[loop.events[at]] if at >= 0 else None
     budget = int(target.capacity * target_utilization)
     notes: list[str] = []
     retries = {False: 0, True: 0}
