@@ -214,12 +214,12 @@ def cpu_step_peak(model: Any, data: Any, spec: Any, opt: Any) -> int:
 
     kept_before = kept_tensors(model)
     run_step(model, data, spec, opt)  # warm-up: one-off kernel caches, as on CUDA
-    held = storages_bytes(held_tensors(model, data, opt))
-    held_ptrs = {t.untyped_storage().data_ptr() for t in held_tensors(model, data, opt)}
-    made = {
-        p: n for p, n in kept_tensors(model).items() if p not in kept_before and p not in held_ptrs
-    }
-    return held + sum(made.values()) + profiled_peak(lambda: run_step(model, data, spec, opt))
+    held = held_tensors(model, data, opt)
+    ptrs = {t.untyped_storage().data_ptr() for t in held}
+    made = [n for p, n in kept_tensors(model).items() if p not in kept_before and p not in ptrs]
+    return (
+        storages_bytes(held) + sum(made) + profiled_peak(lambda: run_step(model, data, spec, opt))
+    )
 
 
 def error_stats(pairs: list[tuple[int | None, int | None]]) -> dict[str, float | int | None]:

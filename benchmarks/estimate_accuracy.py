@@ -444,13 +444,6 @@ TRUTH_QUICK_MODELS = ("gpt2", "lstm", "wav2vec2-base")
 TRUTH_QUICK_CASES = 24
 
 
-def truth_calibration(root: Any, index: dict[str, Any]) -> tuple[Calibration, str]:
-    """The corpus' own profile, or the built-in constants with the context it measured."""
-    from _truth import corpus
-
-    return corpus.calibration(root, index)
-
-
 def _held_bytes(step: dict[str, Any], cal: Calibration) -> int:
     """Bytes a recorded step's process held from earlier cases beyond what the step makes
     itself: ``held_cublas_workspaces`` cuBLAS workspaces of the profile's size (a summary
@@ -546,7 +539,7 @@ def truth_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    cal, cal_from = truth_calibration(args.truth, index)
+    cal, cal_from = corpus.calibration(args.truth, index)
     device = env.get("gpu")
     cases = [c for c in index["cases"] if c.get("status", "ok") == "ok"]
     if args.quick:

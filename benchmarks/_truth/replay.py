@@ -117,16 +117,12 @@ def first_step_from(trace: Any, segments_before: list[list[Any]], config: Any = 
     in. Begun from the recorded ones instead, the step's storages (not the ``preexisting``
     ones: they are the recorded step's live blocks) go through the model in the trace's
     order; a free of a state storage is not replayed (which block it was is unknown)."""
-    from vramctl.estimator._cuda_kernels import first_step
+    import dataclasses
 
-    model = CachingAllocatorModel(config or AllocatorConfig())
-    model.seed(segments_before)
+    from vramctl.estimator._cuda_kernels import first_step
+    from vramctl.estimator._verdict import replay as replay_trace
+
     step = first_step(trace)
-    handles: dict[int, int] = {}
-    for e in step.events:
-        if e >= 0:
-            if step.records[e].op != "preexisting":
-                handles[e] = model.malloc(step.records[e].nbytes)
-        elif (h := handles.pop(~e, None)) is not None:
-            model.free(h)
-    return model.peak_reserved
+    events = [e for e in step.events if e < 0 or step.records[e].op != "preexisting"]
+    step = dataclasses.replace(step, events=events)
+    return replay_trace(step, None, config, segments=segments_before).peak_reserved

@@ -5,7 +5,7 @@ and at the safe end), the notes, and the step's predicted time."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -308,6 +308,7 @@ def replay(
     sizes: list[int] | None = None,
     *,
     steady: bool = False,
+    segments: list[list[Any]] | None = None,
 ) -> CachingAllocatorModel:
     """``trace``'s requests through the caching allocator model (``capacity``: its cap,
     above which it gives its cache back and retries, then raises
@@ -318,11 +319,16 @@ def replay(
     after a step repeats (at most :data:`STEADY_STEPS` steps): a step's storages that it
     frees (its inputs, activations, gradients and temporaries) are requested anew, from
     the blocks the steps before it left cached and split. A second step can need a
-    segment the first did not, or fail under a cap the first fitted."""
+    segment the first did not, or fail under a cap the first fitted.
+
+    ``segments``: begin from these (as :meth:`CachingAllocatorModel.segments_state` or a
+    recorded snapshot gives them) instead of an empty cache."""
     cfg = config or AllocatorConfig()
     if capacity is not None:
         cfg = AllocatorConfig(**{**cfg.__dict__, "capacity": capacity})
     alloc = CachingAllocatorModel(cfg)
+    if segments is not None:
+        alloc.seed(segments)
     nbytes = sizes if sizes is not None else [r.nbytes for r in trace.records]
 
     def run(events: list[int]) -> None:
