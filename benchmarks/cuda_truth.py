@@ -508,7 +508,7 @@ def diff_case(args: argparse.Namespace) -> int:
         "device": device,
         "calibration": args.calibration,
         **d.to_dict(args.top),
-        "reserved": _reserved_peaks(case, steps[args.step], args.step, loop),
+        "reserved": _reserved_peaks(case, steps, args.step, loop),
     }
     if args.at_peak:
         summary["at_peak"] = _at_peak(real_peak(steps[args.step]), predicted_peak(trace), args.top)
@@ -516,13 +516,13 @@ def diff_case(args: argparse.Namespace) -> int:
 
 
 def _reserved_peaks(
-    case: dict[str, Any], step: dict[str, Any], name: str, loop: Any
+    case: dict[str, Any], steps: dict[str, Any], name: str, loop: Any
 ) -> dict[str, int]:
-    """The step's reserved peak, real and predicted (printed too): the estimate's (a loop's
-    step, or a fresh process's first), and for a cold step the first step begun from the
-    segments the recorded one began with, which a capture's earlier cases shaped. Where
-    that one agrees and the fresh one does not, the gap is the process's history, not the
-    step."""
+    """The step's reserved peak, real and predicted (printed too): the estimate's (a fresh
+    process's first step, or its loop: that first step and the steps after it), and the
+    same begun from the segments the recorded cold step began with, which a capture's
+    earlier cases shaped. Where that one agrees and the fresh one does not, the gap is the
+    process's history, not the step."""
     from _truth.cases import case_allocator
     from _truth.replay import first_step_from
 
@@ -531,14 +531,14 @@ def _reserved_peaks(
 
     config = case_allocator(case["spec"])
     real = int((case.get("steps") or {}).get(name, {}).get("max_reserved") or 0)
-    if name == "cold":
-        out = {
-            "real": real,
-            "fresh_process": replay(first_step(loop), None, config).peak_reserved,
-            "from_recorded_segments": first_step_from(loop, step["segments_before"], config),
-        }
-    else:
-        out = {"real": real, "loop": replay(loop, None, config, steady=True).peak_reserved}
+    warm = name != "cold"
+    out = {
+        "real": real,
+        "fresh_process": replay(first_step(loop), None, config, steady=warm).peak_reserved,
+    }
+    began = (steps.get("cold") or {}).get("segments_before")
+    if began is not None:
+        out["from_recorded_segments"] = first_step_from(loop, began, config, loop=warm)
     print("  reserved peak: " + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in out.items()))
     return out
 

@@ -584,14 +584,17 @@ def truth_main(args: argparse.Namespace) -> int:
         held_cold = _held_bytes(cold, cal)
         # the first step's reserved peak: begun from the segments the recorded cold step
         # began with, where the corpus holds them, else from a fresh process's
+        # and the warm step's: the loop's, begun from the same segments with that first
+        # step (a fresh process's loop where they were not traced)
         began = _cold_layout(args.truth, case)
         if began is not None:
-            reserved_cold = first_step_from(
-                predicted_trace(spec, device, calibration=cal), began, case_allocator(spec)
-            )
+            trace = predicted_trace(spec, device, calibration=cal)
+            reserved_cold = first_step_from(trace, began, case_allocator(spec))
+            reserved_warm = first_step_from(trace, began, case_allocator(spec), loop=True)
             cold_from_layout += 1
         else:
             reserved_cold = (est.first_step_peak_reserved or est.peak_reserved) + held_cold
+            reserved_warm = est.peak_reserved + held
         # and outside the allocator: the kernels and streams earlier cases left loaded,
         # beyond the context the estimate gives the step itself
         context = est.breakdown.get("context", 0)
@@ -599,8 +602,8 @@ def truth_main(args: argparse.Namespace) -> int:
         row = {
             "case": case["id"],
             "allocated": (est.peak_allocated + held, warm.get(peak_key)),
-            "reserved": (est.peak_reserved + held, warm.get(reserved_key)),
-            "device": (est.peak_device + held + held_ctx, warm.get("nvml_bytes")),
+            "reserved": (reserved_warm, warm.get(reserved_key)),
+            "device": (reserved_warm + context + held_ctx, warm.get("nvml_bytes")),
             # the device peak of a fresh process: no context held from earlier cases
             "device_fresh": (est.peak_device + held, warm.get("nvml_bytes")),
             "device_high": est.peak_device_high + held,

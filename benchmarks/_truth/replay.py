@@ -106,9 +106,13 @@ def _first_difference(r: Replay) -> str:
     return f"reserved peak: real {r.real_peak_reserved}, model {r.model_peak_reserved}"
 
 
-def first_step_from(trace: Any, segments_before: list[list[Any]], config: Any = None) -> int:
+def first_step_from(
+    trace: Any, segments_before: list[list[Any]], config: Any = None, *, loop: bool = False
+) -> int:
     """The reserved peak of the estimator's first step (``trace``, its cuBLAS workspaces
-    made at their first use) begun from the segments a recorded step began with.
+    made at their first use) begun from the segments a recorded step began with; with
+    ``loop``, of that step and the loop's steps after it (as a recorded warm step follows
+    the cold one, from the blocks the cold step left cached and split).
 
     A capture runs every case in one process, and empties the cache before a case's cold
     step; segments that still hold a live block stay, with the free stretches earlier cases
@@ -125,4 +129,4 @@ def first_step_from(trace: Any, segments_before: list[list[Any]], config: Any = 
     step = first_step(trace)
     events = [e for e in step.events if e < 0 or step.records[e].op != "preexisting"]
     step = dataclasses.replace(step, events=events)
-    return replay_trace(step, None, config, segments=segments_before).peak_reserved
+    return replay_trace(step, None, config, segments=segments_before, steady=loop).peak_reserved

@@ -637,7 +637,12 @@ def test_simulated_capture_diffs_against_the_estimator(
     assert summary["case"] == "rnn/lstm/train/fp32/b1" and summary["step"] == "warm"
     assert summary["real_allocations"] > 0 and summary["predicted_allocations"] > 0
     assert summary["by_op"]
-    assert summary["reserved"]["real"] > 0 and summary["reserved"]["loop"] > 0
+    # a warm step: the estimate's loop (its first step, then the steps after it), from a
+    # fresh process and from the segments the recorded cold step began with
+    reserved = summary["reserved"]
+    assert set(reserved) == {"real", "fresh_process", "from_recorded_segments"}
+    assert reserved["real"] > 0 and reserved["fresh_process"] > 0
+    assert reserved["from_recorded_segments"] > 0
     # a cold step: the estimate's first step, from a fresh process and from the segments
     # the recorded step began with
     rc, out, err = run_main(

@@ -61,8 +61,8 @@ def test_each_command_prints_what_the_page_shows(
         # the figures of the page's table
         device = argv[argv.index("--device") + 1]
         if "offloaded" in argv:
-            assert "largest batch that fits: 22 (168.60 MiB per sample" in result.output
+            assert "largest batch that fits: 21 (160.00 MiB per sample" in result.output
             return
-        batch, length = {"L4-24GB": ("11", "11500"), "H100-80GB": ("194", "131072")}[device]
+        batch, length = {"L4-24GB": ("11", "11500"), "H100-80GB": ("186", "131072")}[device]
         assert f"largest batch that fits: {batch} " in result.output
         assert f"longest seq_len at batch 1: {length}" in result.output

@@ -265,6 +265,30 @@ def test_a_cuda_estimates_first_step_peaks_before_its_cublas_workspace() -> None
     assert host.first_step_peak_reserved is None and host.state_reserved is None
 
 
+class _WideHead(nn.Module):
+    """A 48 MiB temporary freed before the one matrix product: the product's 32 MiB cuBLAS
+    workspace is cut from the temporary's free block on a process's first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.exp().mean(dim=1))
+
+
+def test_a_loop_begins_with_the_first_step_that_makes_its_cublas_workspace() -> None:
+    """The steps after a first step are served from the blocks it left: its cuBLAS workspace
+    took 32 MiB of the 48 MiB block the temporary had freed, so the second step's temporary
+    takes a segment of its own. A loop whose workspace was held from its start would reserve
+    16 MiB less (32 MiB beside one 48 MiB segment)."""
+    x = torch.randn(64, 768, 256)  # 48 MiB
+    est = vramctl.estimate(_WideHead(), x, device="H200-141GB", mode="infer", calibration=False)
+    assert est.first_step_peak_reserved is not None and est.state_reserved is not None
+    assert est.first_step_peak_reserved - est.state_reserved == 48 * 2**20
+    assert est.peak_reserved - est.first_step_peak_reserved == 48 * 2**20
+
+
 @pytest.mark.cuda
 def test_a_gpus_first_step_peaks_as_estimated_before_its_cublas_workspace() -> None:
     torch.cuda.empty_cache()
@@ -298,3 +322,24 @@ def test_a_gpus_first_step_peaks_as_estimated_before_its_cublas_workspace() -> N
     assert abs(state - est.state_reserved) <= 2 * 2**20
     assert abs(first_reserved - est.first_step_peak_reserved) <= 2 * 2**20
     assert later > first  # the workspace, held from the second step's start
+
+
+@pytest.mark.cuda
+def test_a_gpus_loop_reserves_as_estimated_after_its_first_step() -> None:
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved()  # what earlier tests left live
+    model = _WideHead().cuda()
+    x = torch.randn(64, 768, 256, device="cuda")
+    est = vramctl.estimate(model, x, device="cuda:0", mode="infer", calibration=False)
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        pytest.skip("this PyTorch cannot free its cuBLAS workspaces")
+    clear()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+    torch.cuda.synchronize()
+    assert abs(torch.cuda.max_memory_reserved() - held - est.peak_reserved) <= 2 * 2**20

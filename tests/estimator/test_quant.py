@@ -451,15 +451,16 @@ def test_the_fine_tuning_pages_qlora_answer_holds() -> None:
 
 
 def test_a_loop_whose_later_steps_split_cached_blocks_says_so() -> None:
-    """QLoRA on a 16 GB GPU at batch 81: the second step's bf16 logits land in the block the
-    first step's fp32 logits had, and a new 1.2 GiB segment follows. The estimate is the
-    loop's, says by how much its later steps reserve more, and names the remedy, which the
-    allocator model prices: with max_split_size_mb:1024 no large block is split."""
+    """QLoRA on a 16 GB GPU at batch 76: the second step is served from the blocks the
+    first step (which made its cuBLAS workspaces at their first products) left cached and
+    split, and a new 1.2 GiB segment follows. The estimate is the loop's, says by how much
+    its later steps reserve more, and names the remedy, which the allocator model prices:
+    with max_split_size_mb:1024 no large block is split."""
     from vramctl.estimator import AllocatorConfig
 
     config = _llama_1b_width(layers=8)
     kw: dict[str, Any] = {
-        "batch_size": 81,
+        "batch_size": 76,
         "seq_len": 128,
         "device": "T4-16GB",
         "precision": "bf16",
@@ -468,7 +469,7 @@ def test_a_loop_whose_later_steps_split_cached_blocks_says_so() -> None:
     }
     split = vramctl.estimate(config, **kw)
     [note] = [n for n in split.notes if "later steps" in n]
-    assert "1.24 GiB more than its first" in note and "max_split_size_mb" in note
+    assert "1.16 GiB more than its first" in note and "max_split_size_mb" in note
     whole = vramctl.estimate(
         config, allocator_config=AllocatorConfig.from_conf("max_split_size_mb:1024"), **kw
     )

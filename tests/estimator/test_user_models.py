@@ -292,3 +292,30 @@ def est_trace_first_peak(x: torch.Tensor) -> tuple[int, int]:
         return session.trace(real, size).trace.peak()
     finally:
         session.close()
+
+
+def test_a_trace_ends_with_its_step() -> None:
+    """Storages that die after the step (the model's, once its session is closed and a
+    later estimate lets go of it) are no events of the step's trace: a trace read afterwards
+    (a benchmark's, a loop's replay) frees no parameter. What the step names as dying with
+    it (its batch, which the loop's next batch replaces) dies at its end."""
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramctl.estimator._trace import Tracer
+
+    fake = FakeTensorMode()
+    with fake:
+        weight, batch = torch.empty(64, 64), torch.empty(4, 64)
+    tracer = Tracer(fake)
+    kept, dying = tracer.register(weight), tracer.register(batch)
+    with fake, tracer:
+        out = batch @ weight
+    assert kept is not None and dying is not None
+    tracer.close({dying})
+    events = list(tracer.trace.events)
+    assert events[-1] == ~dying
+    del weight, batch, out
+    gc.collect()
+    assert tracer.trace.events == events

@@ -26,7 +26,7 @@ import dataclasses
 import itertools
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -220,6 +220,9 @@ class Tracer(TorchDispatchMode):
         self.failed_op: str | None = None
         #: False: only handle data-dependent operators (building a model), record nothing.
         self.record = True
+        #: True once the step's trace is finished (:meth:`close`): a storage that dies
+        #: later (the model's, when its session closes) is no event of the step.
+        self.closed = False
         #: True: the operators run in host memory (an offloaded optimizer's step): their
         #: storages are not the device's, and their costs are the host's (phase "host").
         self.host = False
@@ -317,8 +320,17 @@ class Tracer(TorchDispatchMode):
         self.trace.events.append(~sid)
         self.trace.records[sid].freed_phase = self.phase
 
+    def close(self, dying: Iterable[int] = ()) -> None:
+        """The step's trace is finished: the storages of ``dying`` still live die now (a
+        step's batch, which the loop's next batch replaces); storages that die later (the
+        model's, when its session closes) are not recorded."""
+        freed = {~e for e in self.trace.events if e < 0}
+        for sid in sorted(set(dying) - freed):
+            self._freed(sid)
+        self.closed = True
+
     def _freed_cell(self, cell: list[int | None]) -> None:
-        if cell[0] is not None:
+        if cell[0] is not None and not self.closed:
             self._freed(cell[0])
             cell[0] = None
 

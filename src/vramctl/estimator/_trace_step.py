@@ -259,6 +259,7 @@ def trace_step(session: Traceable, batch: Any, batch_size: int | None) -> Traced
                 "mode='infer' to estimate the forward alone"
             ) from exc
         del fake_batch
+    tracer.close(inputs)
     tracer.trace.workspace_keys = cudnn.keys
     if session.target.cuda:
         without_idle_cublas(tracer.trace)

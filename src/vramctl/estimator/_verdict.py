@@ -96,9 +96,13 @@ def build_estimate(
                 "(in the context)"
             )
         allocator_config = allocator_of(target, allocator_config)
-        alloc = replay(trace, None, allocator_config, steady=True)
+        # a process's loop: its first step makes each cuBLAS workspace at its first
+        # matrix product, where a block is free then, and the steps after it are served
+        # from the blocks that step left cached and split
+        seen = first_step(trace)
+        alloc = replay(seen, None, allocator_config, steady=True)
         allocated, reserved = alloc.peak_allocated, alloc.peak_reserved
-        first_replay = replay(first_step(trace), None, allocator_config)
+        first_replay = replay(seen, None, allocator_config)
         first = first_replay.peak_allocated
         first_step_allocated, first_step_reserved = first, first_replay.peak_reserved
         state_reserved = _state_reserved(trace, allocator_config)
@@ -124,11 +128,9 @@ def build_estimate(
             )
         for end in (False, True):  # the point estimate, the safe end
             extra = context + (uncertainty if end else 0)
-            fits[end], retries[end] = _fits_capped(
-                trace, reserved, budget - extra, allocator_config
-            )
+            fits[end], retries[end] = _fits_capped(seen, reserved, budget - extra, allocator_config)
         notes.extend(_retries_note(retries[safe]))
-        notes.extend(_later_steps_note(trace, allocator_config, reserved))
+        notes.extend(_later_steps_note(seen, allocator_config, reserved))
         by_cat["allocator"] = reserved - logical
         by_cat["context"] = context
         peak_device = reserved + context
@@ -379,10 +381,12 @@ def allocator_of(target: Target, requested: AllocatorConfig | None) -> Allocator
 
 
 def device_trace(traced: Traced, target: Target) -> Trace:
-    """The requests the device's allocator sees of a one-process step: all of them on
-    CUDA; on a simulated GPU, none of the kernels' scratch (host memory it never sees)."""
+    """The requests the device's allocator sees of a one-process step: on CUDA all of
+    them, in a process's first step's order (:func:`first_step`: each cuBLAS workspace made
+    at its first use), which a loop's replay (``steady``) begins with; on a simulated GPU,
+    none of the kernels' scratch (host memory it never sees)."""
     if target.cuda:
-        return traced.trace
+        return first_step(traced.trace)
     trace, categories = traced.trace, traced.categories
     records = trace.records
     events = [
