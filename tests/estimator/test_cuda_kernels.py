@@ -289,12 +289,16 @@ def test_a_loop_begins_with_the_first_step_that_makes_its_cublas_workspace() -> 
     assert est.peak_reserved - est.first_step_peak_reserved == 48 * 2**20
 
 
-@pytest.mark.cuda
-def test_a_gpus_first_step_peaks_as_estimated_before_its_cublas_workspace() -> None:
+def _fresh_on_gpu(
+    model: nn.Module, shape: tuple[int, ...]
+) -> tuple[nn.Module, torch.Tensor, vramctl.Estimate, int]:
+    """``model`` and a batch of ``shape`` on the GPU, the estimate of its inference, and
+    what earlier tests left reserved; the cuBLAS workspaces and the cache then emptied, as
+    a fresh process has them before its first step."""
     torch.cuda.empty_cache()
-    held = torch.cuda.memory_reserved()  # what earlier tests left live
-    model = _HeadAtTheEnd().cuda()
-    x = torch.randn(64, 512, 256, device="cuda")
+    held = torch.cuda.memory_reserved()
+    model = model.cuda()
+    x = torch.randn(*shape, device="cuda")
     est = vramctl.estimate(model, x, device="cuda:0", mode="infer", calibration=False)
     torch.cuda.synchronize()
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
@@ -302,6 +306,12 @@ def test_a_gpus_first_step_peaks_as_estimated_before_its_cublas_workspace() -> N
         pytest.skip("this PyTorch cannot free its cuBLAS workspaces")
     clear()
     torch.cuda.empty_cache()
+    return model, x, est, held
+
+
+@pytest.mark.cuda
+def test_a_gpus_first_step_peaks_as_estimated_before_its_cublas_workspace() -> None:
+    model, x, est, held = _fresh_on_gpu(_HeadAtTheEnd(), (64, 512, 256))
     state = torch.cuda.memory_reserved() - held
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
@@ -326,17 +336,7 @@ def test_a_gpus_first_step_peaks_as_estimated_before_its_cublas_workspace() -> N
 
 @pytest.mark.cuda
 def test_a_gpus_loop_reserves_as_estimated_after_its_first_step() -> None:
-    torch.cuda.empty_cache()
-    held = torch.cuda.memory_reserved()  # what earlier tests left live
-    model = _WideHead().cuda()
-    x = torch.randn(64, 768, 256, device="cuda")
-    est = vramctl.estimate(model, x, device="cuda:0", mode="infer", calibration=False)
-    torch.cuda.synchronize()
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is None:
-        pytest.skip("this PyTorch cannot free its cuBLAS workspaces")
-    clear()
-    torch.cuda.empty_cache()
+    model, x, est, held = _fresh_on_gpu(_WideHead(), (64, 768, 256))
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
         for _ in range(3):
