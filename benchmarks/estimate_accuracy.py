@@ -71,7 +71,7 @@ from typing import Any
 import psutil
 import torch
 
-from vramctl import format_bytes
+from vramctl import VramctlError, format_bytes
 from vramctl.estimator import Calibration, calibrate, estimate, load_calibration, zoo
 from vramctl.estimator._spec import StepSpec, prepare_model, run_step, warm_optimizer
 
@@ -251,7 +251,10 @@ def main() -> int:
     )
     ap.add_argument(
         "--calibration",
-        help="with --cuda: a calibration profile, 'off', or 'auto' (the GPU's saved profile)",
+        help=(
+            "with --cuda: a calibration profile, 'off', or 'auto' (the GPU's saved profile); "
+            "with --truth: a profile of the corpus' GPU, or 'off' (default: the corpus' own)"
+        ),
     )
     ap.add_argument(
         "--truth",
@@ -539,7 +542,21 @@ def truth_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    cal, cal_from = corpus.calibration(args.truth, index)
+    if args.calibration not in (None, "auto"):
+        # another profile of the corpus' GPU (a later calibration), or the built-in constants
+        if args.write_evidence:
+            print(
+                "--truth: --write-evidence writes into the corpus' own profile; drop --calibration",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            cal, cal_from = truth_calibration(args.calibration, index)
+        except (OSError, ValueError, VramctlError) as exc:
+            print(f"--calibration: {exc}", file=sys.stderr)
+            return 2
+    else:
+        cal, cal_from = corpus.calibration(args.truth, index)
     device = env.get("gpu")
     cases = [c for c in index["cases"] if c.get("status", "ok") == "ok"]
     if args.quick:
@@ -713,6 +730,19 @@ def device_range(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "max": max(hi - p for p, _, hi in pairs),
         },
     }
+
+
+def truth_calibration(given: str, index: dict[str, Any]) -> tuple[Calibration, str]:
+    """The profile ``--calibration`` names for a corpus (``off``: the built-in constants of
+    its GPU), and how the summary names it."""
+    from vramctl.device import ComputeCapability
+    from vramctl.estimator._cuda_model import builtin
+
+    env = index["environment"]
+    if given == "off":
+        cc = ComputeCapability.parse(env["capability"]) if env.get("capability") else None
+        return builtin(env.get("gpu") or "unknown", cc), "built-in constants (--calibration off)"
+    return load_calibration(given), f"the profile {given} (--calibration)"
 
 
 def write_evidence(
