@@ -248,7 +248,7 @@ def _capture_case(out: Path, spec: dict[str, Any], cuda: bool) -> dict[str, Any]
         entry["status"] = "oom" if isinstance(exc, torch.OutOfMemoryError) else "error"
         entry["error"] = f"{type(exc).__name__}: {exc}".split("\n")[0][:300]
         # Where it failed: the GPU machine is gone when the corpus is read.
-        frames = traceback.extract_tb(exc.__traceback__)[-4:]
+        frames = traceback.extract_tb(exc.__traceback__)[-12:]
         entry["where"] = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames]
         _common.free_failed(exc)
     finally:
