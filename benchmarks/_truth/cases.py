@@ -11,8 +11,9 @@ A case's spec is plain JSON, so that the offline check can rebuild exactly what 
 - ``max_new_tokens`` and ``cache`` for ``mode="generate"`` (a greedy ``generate`` after a
   prompt of ``seq_len`` tokens, as :func:`vramctl.estimate` takes them);
 - ``options``: what the estimator has no argument for: ``sdpa_backend`` (``flash``,
-  ``efficient``, ``math``), ``grad_scaler``, ``expandable_segments`` and ``prefetch_stream``
-  (the next batch copied on a second stream during the step).
+  ``efficient``, ``math``), ``grad_scaler``, ``expandable_segments``, ``prefetch_stream``
+  (the next batch copied on a second stream during the step) and ``cudnn_tf32`` (False:
+  TF32 off for cuDNN).
 """
 
 from __future__ import annotations
@@ -144,6 +145,13 @@ def all_cases(cuda: bool = True) -> list[dict[str, Any]]:
             for b in (1, 16):
                 out.append(_spec("rnn", cell, mode, "fp32", b, lengths={"seq_len": 128}))
     if cuda:
+        # the same GRU with TF32 off for cuDNN: whether its fp32 workspace still holds the
+        # weights' bytes (estimator/_cuda_rnn.py)
+        for mode in MODES:
+            no_tf32 = {"cudnn_tf32": False}
+            out.append(
+                _spec("rnn", "gru", mode, "fp32", 16, lengths={"seq_len": 128}, options=no_tf32)
+            )
         for backend in ("flash", "efficient", "math"):
             for mode in MODES:
                 sdpa = {"sdpa_backend": backend}
@@ -439,7 +447,8 @@ def recorded_per_call(index: dict[str, Any]) -> bool:
 
 @contextlib.contextmanager
 def options_applied(spec: dict[str, Any], device: str) -> Iterator[dict[str, Any]]:
-    """The case's options around its steps: the SDPA backend, expandable segments."""
+    """The case's options around its steps: the SDPA backend, cuDNN's TF32, expandable
+    segments."""
     opts = spec.get("options") or {}
     with contextlib.ExitStack() as stack:
         backend = opts.get("sdpa_backend")
@@ -452,6 +461,10 @@ def options_applied(spec: dict[str, Any], device: str) -> Iterator[dict[str, Any
                 "math": SDPBackend.MATH,
             }[backend]
             stack.enter_context(sdpa_kernel(pick))
+        if opts.get("cudnn_tf32") is False:
+            was = torch.backends.cudnn.allow_tf32
+            torch.backends.cudnn.allow_tf32 = False
+            stack.callback(setattr, torch.backends.cudnn, "allow_tf32", was)
         if opts.get("expandable_segments") and device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")

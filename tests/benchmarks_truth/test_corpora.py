@@ -216,16 +216,43 @@ def test_recurrent_layers_are_priced_as_cudnn_runs_them(case_id: str) -> None:
     """Two-layer LSTMs and GRUs on the H200 (2026-11-27): traced with the host's oneDNN
     kernels and two cuBLAS workspaces the estimate was 30% short (the LSTM language model's
     inference) to 62% over (a GRU trained at batch 1: its step makes no cuBLAS workspace).
-    Run as cuDNN runs them (the weights copied into one buffer, its workspace and, in
-    training, its reserve) and without the idle workspaces, every row is within 2%. The
-    workspace and reserve sizes were fitted to these rows (the language model's inference
-    rows were not in the fit of the workspace)."""
+    Run as cuDNN runs them (on the weights' one buffer, copied into one under autocast,
+    its workspace and, in training, its reserve) and without the idle workspaces, every
+    row is within 2%. The workspace and reserve sizes were fitted to these rows (the
+    language model's inference rows were not in the fit of the workspace)."""
     case, est = estimated_row(H200_SUMMARY, case_id)
     real = case["steps"]["warm"]["max_allocated"]
     assert abs(est.peak_allocated / real - 1) < 0.02
     if case_id.startswith("rnn/"):  # no matrix product: no cuBLAS workspace was made
         steps = case["steps"]
         assert steps["warm"]["allocated_before"] == steps["cold"]["allocated_before"]
+
+
+@pytest.mark.parametrize(
+    ("case_id", "before", "within"),
+    [
+        ("rnn/gru/infer/fp32/b16", -12.5, 0.5),
+        ("rnn/lstm/infer/fp32/b16", 2.2, 0.5),
+        ("rnn/gru/infer/fp32/b1", 9.5, 5.0),
+        ("zoo/lstm/infer/fp32/b1", -5.0, 0.5),
+        ("zoo/lstm/train/fp32/b1", -1.5, 0.5),
+        ("zoo/lstm/train/fp32/b4", 7.0, 0.5),
+    ],
+)
+def test_an_fp32_recurrent_layer_runs_on_its_own_buffer_with_the_weights_in_its_workspace(
+    case_id: str, before: float, within: float
+) -> None:
+    """A layer on a GPU holds its weights in one buffer, which ``_cudnn_rnn`` runs on as it
+    is; a float32 call's workspace holds the weights' bytes (estimator/_cuda_rnn.py). The
+    reserved peaks show one allocation where a copy and a workspace would be two: the GRU
+    at batch 1 reserved its 14 MiB of state and one 28 MiB segment. Priced with a copy
+    and a workspace, these rows' reserved peaks were ``before`` % off; as one, within
+    ``within`` %, with the allocated peaks within 2% as before. Not met: the GRU trained at
+    batch 1 (23.6% short, was 14.6%) and the LSTM at batch 16 (9.5% short, was 14.7%)."""
+    case, est = estimated_row(H200_SUMMARY, case_id)
+    warm = case["steps"]["warm"]
+    assert abs(est.peak_allocated / warm["max_allocated"] - 1) < 0.02
+    assert abs(100 * (est.peak_reserved / warm["max_reserved"] - 1)) <= within < abs(before)
 
 
 def test_a_recorded_step_sums_gradients_out_of_place() -> None:

@@ -48,6 +48,35 @@ def test_the_call_takes_cudnns_sizes() -> None:
     inference = RnnCall("gru", 2, 1, True, False, torch.bfloat16, 1, 128, 16, 256, 512)
     assert inference.reserve_bytes() == 0
     assert inference.workspace_bytes() == WORKSPACE_FIXED + 16 * 128 * (4 * 512 + 256) * 2
+    # a float32 call's workspace holds its weights' bytes too; a bfloat16 one's does not
+    assert call.workspace_bytes(1000) == call.workspace_bytes() + 4000
+    assert inference.workspace_bytes(1000) == inference.workspace_bytes()
+
+
+@pytest.mark.parametrize(("autocast", "copies"), [(False, 0), (True, 1)])
+def test_the_weights_are_copied_only_where_they_are_not_one_buffer(
+    autocast: bool, copies: int
+) -> None:
+    """On a GPU a layer's weights are one buffer, which cuDNN runs on as it is; under
+    autocast they are cast one by one, and the casts are copied into one buffer."""
+    from vramctl.estimator._cuda_rnn import CudnnRnn
+
+    rnn = nn.GRU(8, 16, num_layers=2, batch_first=True)
+    weights = sum(p.numel() for p in rnn.parameters())
+    x = torch.randn(2, 5, 8)
+    made: list[int] = []
+
+    class Sizes(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.new_empty.default:
+                made.append(out.numel())
+            return out
+
+    cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with torch.no_grad(), CudnnRnn(), Sizes(), cast:
+        rnn(x)
+    assert made.count(weights) == copies
 
 
 @pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU, nn.RNN])

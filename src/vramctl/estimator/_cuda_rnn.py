@@ -9,11 +9,17 @@ reserve, and there is none for its backward. :class:`CudnnRnn` runs each such ca
 
 - forward: the input made contiguous in time-major order (a copy where ``batch_first``
   and more than one sample), the output, the last hidden (and cell) states, the weights
-  copied into one buffer, cuDNN's workspace for the call and, in training, its reserve,
-  kept with the weight buffer and the output until backward;
+  copied into one buffer where they are not one already (under autocast: the casts),
+  cuDNN's workspace for the call and, in training, its reserve, kept with the output
+  until backward;
 - backward: the output's gradient made contiguous, the input's and the initial states'
   gradients, the workspace again, and the weights' gradient as one zeroed buffer, which
   the parameters' gradients are views of.
+
+A layer on a GPU holds its weights in one buffer (``flatten_parameters``, when it is
+built or moved there), and ``_cudnn_rnn`` runs on that buffer as it is
+(``try_get_weight_buf`` in ``aten/src/ATen/native/cudnn/RNN.cpp``); it copies the weights
+only where they are not laid out so, as under autocast, whose casts are separate tensors.
 
 The workspace and reserve sizes are cuDNN's (``cudnnGetRNNTempSpaceSizes``), which have
 no public formula. They were fitted to the recorded H200 steps (2026-11-27 summary
@@ -21,11 +27,18 @@ corpus: two-layer LSTMs and GRUs of 512 and 1024, fp32 and bf16, batch 1 to 16):
 workspace is :data:`WORKSPACE_FIXED` plus, per sample and time step, the gates of one
 layer, one layer's output and the input; the reserve is, per sample, time step and
 layer, :data:`RESERVE_PER_STEP` hidden-sized vectors (5.5 for an LSTM, 6.4 for a GRU).
-The recorded steps' allocated peaks are then met within 1.5% (the workspace's fixed part
-spread 0.8 MB over them). A weight buffer is copied on every
-call in those steps, also where the weights were one flat buffer. Plain RNNs, more or
-fewer than two layers and bidirectional layers were not recorded: they take the same
-formulas unverified.
+A float32 call's workspace holds the weights' bytes more (:meth:`RnnCall.workspace_bytes`
+with the weights given): in those steps the fp32 layers, whose weights were one buffer,
+made no copy, and their workspace was one allocation that large. The inference steps'
+reserved peaks show it: a GRU's at batch 1 reserved 42 MiB, its 14 MiB of parameters'
+segments and one 28 MiB segment, where a 10.5 MiB copy and an 18 MiB workspace take 12 and
+20; with the weights in the workspace, the four fp32 inference rows of 512 are within 4.8%
+(were 12.5% short to 9.5% over) and the zoo's 1024-wide LSTM trains at batch 1 and 4 to
+the recorded reserved peak. Those steps ran with TF32 allowed for cuDNN (PyTorch's
+default), where cuDNN may convert the fp32 weights into its workspace; whether it does so
+with TF32 off was not recorded, so such a call is priced the same. The recorded steps'
+allocated peaks are met within 1.9%. Plain RNNs, more or fewer than two layers and
+bidirectional layers were not recorded: they take the same formulas unverified.
 """
 
 from __future__ import annotations
@@ -67,9 +80,12 @@ class RnnCall:
     input_size: int
     hidden: int
 
-    def workspace_bytes(self) -> int:
+    def workspace_bytes(self, weights: int = 0) -> int:
+        """cuDNN's workspace for the call, for ``weights`` elements of weights: a float32
+        call's holds their bytes too (see the module's notes)."""
         per_step = (GATES[self.cell] + 1) * self.hidden * self.directions + self.input_size
-        return WORKSPACE_FIXED + self.batch * self.steps * per_step * self._size
+        converted = weights * self._size if self.dtype == torch.float32 else 0
+        return WORKSPACE_FIXED + self.batch * self.steps * per_step * self._size + converted
 
     def reserve_bytes(self) -> int:
         if not self.train:
@@ -118,13 +134,14 @@ def rnn_call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RnnCal
     )
 
 
-def _workspace(x: torch.Tensor, call: RnnCall, tracer: Any) -> torch.Tensor:
-    """cuDNN's workspace for one call, counted as a workspace by ``tracer`` (where given)."""
+def _workspace(x: torch.Tensor, call: RnnCall, tracer: Any, weights: int) -> torch.Tensor:
+    """cuDNN's workspace for one call on ``weights`` elements of weights, counted as a
+    workspace by ``tracer`` (where given)."""
     before = getattr(tracer, "category", None)
     if tracer is not None:
         tracer.category = "workspaces"
     try:
-        return x.new_empty((call.workspace_bytes(),), dtype=torch.uint8)
+        return x.new_empty((call.workspace_bytes(weights),), dtype=torch.uint8)
     finally:
         if tracer is not None:
             tracer.category = before
@@ -155,20 +172,26 @@ class _CudnnRnnStep(torch.autograd.Function):
         out_features = states[0].shape[-1] * call.directions
         y = x.new_empty((call.steps, call.batch, out_features), dtype=call.dtype)
         finals = [s.new_empty(s.shape, dtype=call.dtype) for s in states]
-        weight_buf = x.new_empty((sum(w.numel() for w in weights),), dtype=call.dtype)
-        workspace = _workspace(x, call, tracer)
+        ctx.weights = sum(w.numel() for w in weights)
+        # weights already in the call's dtype are one buffer on a GPU, which cuDNN runs on
+        # as it is; autocast's casts are copied into one
+        weight_buf = x.new_empty((ctx.weights,), dtype=call.dtype) if casts else None
+        workspace = _workspace(x, call, tracer, ctx.weights)
         reserve = x.new_empty((call.reserve_bytes(),), dtype=torch.uint8) if call.train else None
-        del workspace, time_major, casts
+        del workspace, time_major
         if call.train:
             ctx.shapes = [w.shape for w in weights]
+            # the copy (where there is one) is kept for backward, the casts it was made of
+            # are not
             ctx.save_for_backward(x, weight_buf, reserve, y, *states)
+        del casts, weight_buf
         out = y.transpose(0, 1) if call.batch_first else y
         return (out, *finals)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, *grad_finals: torch.Tensor | None) -> Any:
         call: RnnCall = ctx.call
-        x, weight_buf, _reserve, _y, *states = ctx.saved_tensors
+        x, _weight_buf, _reserve, _y, *states = ctx.saved_tensors
         # ``_cudnn_rnn_backward``: zeros for the gradients autograd did not give
         zeros = [
             s.new_zeros(s.shape, dtype=call.dtype)
@@ -182,13 +205,13 @@ class _CudnnRnnStep(torch.autograd.Function):
         dy = g.to(call.dtype).contiguous()
         dx = x.new_empty((call.steps, call.batch, call.input_size), dtype=call.dtype)
         dstates = [s.new_empty(s.shape, dtype=call.dtype) for s in states]
-        workspace = _workspace(x, call, ctx.tracer)
+        workspace = _workspace(x, call, ctx.tracer, ctx.weights)
         del workspace, dy, time_major
         # backward weights: the input again, one zeroed buffer for the weights' gradient
         # (the parameters' gradients are views of it), the workspace again
         time_major = _time_major(x, call)
-        dw = weight_buf.new_zeros(weight_buf.shape)
-        workspace = _workspace(x, call, ctx.tracer)
+        dw = x.new_zeros((ctx.weights,), dtype=call.dtype)
+        workspace = _workspace(x, call, ctx.tracer, ctx.weights)
         del workspace, time_major, zeros
         grads: list[torch.Tensor] = []
         at = 0
