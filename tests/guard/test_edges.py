@@ -365,3 +365,20 @@ def test_giving_up_when_the_host_itself_is_out_of_memory_still_says_why(
         guarded(never_fits, device="cpu")(torch.zeros(4, 2))
     assert calls[-1] == 1 and calls[0] == 4
     assert info.value.report.largest == [] and info.value.report.tensor_bytes == 0
+
+
+def test_a_report_passes_over_fake_tensors_in_the_process() -> None:
+    """An estimate's fake tensors may still be alive (garbage not yet collected) when a
+    step gives up: the report lists real tensors only, and does not fail on those."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramctl.device import get_device
+    from vramctl.guard import memory_report
+
+    real = torch.zeros(1024, 1024)
+    with FakeTensorMode():
+        fake = nn.Parameter(torch.empty(4096, 4096))
+    report = memory_report(get_device("cpu"), error="out of memory", top=100_000)
+    sizes = [t.shape for t in report.largest]
+    assert (1024, 1024) in sizes and (4096, 4096) not in sizes
+    del real, fake

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from vramctl._errors import VramctlError
 from vramctl._tensors import storage
@@ -162,14 +163,17 @@ def memory_report(
 
 def _note(obj: object, device: Device, names: dict[int, str], seen: dict[int, TensorInfo]) -> None:
     try:
-        if not isinstance(obj, torch.Tensor) or not device.owns(obj):
+        # a fake tensor (an estimate's, not yet collected) holds no memory
+        if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor):
+            return
+        if not device.owns(obj):
             return
         st = storage(obj)
+        if st is None:
+            return
+        key = st.data_ptr() or id(st)
     except Exception:
         return
-    if st is None:
-        return
-    key = st.data_ptr() or id(st)
     info = TensorInfo(
         names.get(id(obj), "tensor"),
         tuple(obj.shape),
