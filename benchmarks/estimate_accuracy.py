@@ -735,13 +735,10 @@ def device_range(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def truth_calibration(given: str, index: dict[str, Any]) -> tuple[Calibration, str]:
     """The profile ``--calibration`` names for a corpus (``off``: the built-in constants of
     its GPU), and how the summary names it."""
-    from vramctl.device import ComputeCapability
-    from vramctl.estimator._cuda_model import builtin
+    from _truth import corpus
 
-    env = index["environment"]
     if given == "off":
-        cc = ComputeCapability.parse(env["capability"]) if env.get("capability") else None
-        return builtin(env.get("gpu") or "unknown", cc), "built-in constants (--calibration off)"
+        return corpus.builtin_calibration(index), "built-in constants (--calibration off)"
     return load_calibration(given), f"the profile {given} (--calibration)"
 
 

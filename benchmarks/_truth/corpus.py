@@ -269,22 +269,29 @@ class TraceBuilder:
         }
 
 
+def builtin_calibration(index: dict[str, Any]) -> Any:
+    """The built-in constants of the corpus' GPU (by its name and compute capability)."""
+    from vramctl.device import ComputeCapability
+    from vramctl.estimator._cuda_model import builtin
+
+    env = index["environment"]
+    cc = ComputeCapability.parse(env["capability"]) if env.get("capability") else None
+    return builtin(env.get("gpu") or "unknown", cc)
+
+
 def calibration(root: Path | str, index: dict[str, Any]) -> tuple[Any, str]:
     """The corpus' own profile, or the built-in constants with the context it measured."""
     import dataclasses
     import statistics
 
     from vramctl import format_bytes
-    from vramctl.device import ComputeCapability
     from vramctl.estimator import load_calibration
-    from vramctl.estimator._cuda_model import builtin
 
     path = Path(root) / "calibration.json"
     if path.is_file():
         return load_calibration(path), "the corpus' calibration.json"
     env = index["environment"]
-    cc = ComputeCapability.parse(env["capability"]) if env.get("capability") else None
-    cal = builtin(env.get("gpu") or "unknown", cc)
+    cal = builtin_calibration(index)
     contexts = [
         (c.get("steps") or {}).get("warm", {}).get("context_bytes")
         for c in index["cases"]
